@@ -1,0 +1,227 @@
+// The transfer engine: one per process (per GPU). It owns one worker thread per NIC (NicWorker), splits
+// every large write into pieces striped across all NICs, routes pieces around NICs that fail, and counts
+// completions: local ones per transfer, remote immediates per value (ImmCounters).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "weightsync/imm_counter.hpp"
+#include "weightsync/transfer.hpp"
+#include "weightsync/transport.hpp"
+
+namespace weightsync {
+
+class Engine;
+
+struct EngineConfig {
+  std::string transport = "fabric";
+  std::string provider;            // empty: pick automatically
+  std::vector<std::string> nics;   // libfabric domain names; empty: all of the provider's
+  uint64_t stripe_threshold = 1ull << 20;  // writes above this are split across all NICs
+  uint64_t max_piece = 16ull << 20;        // no single posted write is larger
+  uint64_t window_bytes = 64ull << 20;     // bytes in flight per NIC
+  uint64_t window_ops = 256;               // operations in flight per NIC (capped by the provider)
+  double stall_timeout_s = 5.0;  // a NIC path with work in flight and no completion for this long failed
+};
+
+// Memory registered on every NIC of the engine.
+struct LocalRegion {
+  uint64_t id = 0;
+  void* ptr = nullptr;
+  uint64_t len = 0;
+  MemKind kind = MemKind::kHost;
+  int device = -1;
+  std::vector<MemRegistration> regs;  // one per NIC
+  std::atomic<bool> valid{true};
+  std::shared_ptr<Engine> engine;  // registrations are released through the engine's workers
+  ~LocalRegion();
+};
+
+// A remote engine, reachable through each of our NICs (local NIC i talks to its NIC i mod M).
+struct Peer {
+  uint64_t id = 0;
+  std::string uid;    // the remote engine's identity (hex)
+  std::string label;  // printable, for error messages
+  std::vector<uint64_t> paths;     // transport peer handle per local NIC
+  std::vector<int> remote_nic;     // remote NIC paired with local NIC i
+  std::unique_ptr<std::atomic<bool>[]> path_failed;
+  size_t remote_nics = 0;
+  std::mutex mu;
+  std::string last_error;
+};
+
+// Memory of a peer we may write into, from its descriptor.
+struct RemoteRegion {
+  std::shared_ptr<Peer> peer;
+  uint64_t id = 0;
+  uint64_t len = 0;
+  std::vector<uint64_t> base;  // per remote NIC
+  std::vector<uint64_t> key;   // per remote NIC
+};
+
+// One posted write (a piece of a transfer). The transport's context must be the first member.
+struct Piece {
+  TransportContext tctx;
+  std::shared_ptr<TransferState> transfer;
+  std::shared_ptr<LocalRegion> src;
+  uint64_t src_off = 0;
+  std::shared_ptr<RemoteRegion> dst;
+  uint64_t dst_off = 0;
+  uint64_t len = 0;
+  bool has_imm = false;
+  uint32_t imm = 0;
+  int nic = -1;
+  bool stale = false;  // superseded by a retry on another NIC; its completion is ignored
+};
+
+struct NicStats {
+  std::string name;
+  std::string provider;
+  uint64_t bytes_completed = 0;
+  uint64_t writes_completed = 0;
+  uint64_t imm_received = 0;
+  uint64_t errors = 0;
+  uint64_t rerouted = 0;
+  uint64_t failed_paths = 0;
+  uint64_t in_flight = 0;
+};
+
+// Owns one NIC's transport and the thread that alone touches it. Everything reaches the worker
+// through its queues: commands (register, add peer) and pieces to post.
+class NicWorker {
+ public:
+  NicWorker(Engine* engine, int index, std::unique_ptr<Transport> transport, const EngineConfig& cfg);
+  ~NicWorker();
+
+  void start();
+  // Stops the thread; pieces still queued or in flight fail with "engine closed".
+  void stop();
+
+  // Runs `fn` on the worker thread and waits for it (bounded by timeout_s).
+  void call(const std::function<void(Transport&)>& fn, double timeout_s);
+  // Queues a command without waiting for it (releasing registrations from a destructor).
+  void post_command(std::function<void(Transport&)> fn);
+  void submit(std::vector<Piece*> pieces);
+
+  Transport& transport() { return *transport_; }
+  NicStats stats();
+
+ private:
+  void run();
+  void post_pending();
+  void handle(const Completion& c);
+  void fail_path(uint64_t peer_id, const std::string& why);
+  void check_stalls();
+  void shutdown_pieces();
+
+  Engine* engine_;
+  int index_;
+  std::unique_ptr<Transport> transport_;
+  uint64_t window_bytes_;
+  uint64_t window_ops_;
+  std::chrono::duration<double> stall_timeout_;
+
+  std::mutex mu_;
+  std::vector<std::function<void(Transport&)>> commands_;
+  std::vector<Piece*> incoming_;
+  bool stop_ = false;
+  std::thread thread_;
+
+  // Worker-thread state.
+  std::deque<Piece*> pending_;
+  std::unordered_set<Piece*> outstanding_;
+  std::vector<Piece*> stale_;  // superseded pieces the provider may still complete
+  uint64_t outstanding_bytes_ = 0;
+  struct PathClock {
+    uint64_t outstanding = 0;
+    std::chrono::steady_clock::time_point progress;
+  };
+  std::unordered_map<uint64_t, PathClock> path_clock_;  // by peer id
+  std::chrono::steady_clock::time_point blocked_since_{};  // head of pending_ refused with EAGAIN since
+  std::chrono::steady_clock::time_point last_stall_check_{};
+
+  std::atomic<uint64_t> bytes_completed_{0}, writes_completed_{0}, imm_received_{0}, errors_{0},
+      rerouted_{0}, failed_paths_{0}, in_flight_{0};
+};
+
+struct WriteOp {
+  uint32_t src;     // index into the batch's local regions
+  uint64_t src_off;
+  uint32_t dst;     // index into the batch's remote regions
+  uint64_t dst_off;
+  uint64_t len;
+  uint32_t imm;
+};
+
+class Engine : public std::enable_shared_from_this<Engine> {
+ public:
+  static std::shared_ptr<Engine> create(const EngineConfig& cfg);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const std::string& uid() const { return uid_; }
+  std::string provider() const;
+  std::string transport_kind() const;
+  std::vector<std::string> nic_names() const;
+  std::vector<std::string> nic_addresses() const;
+  size_t num_nics() const { return workers_.size(); }
+  const EngineConfig& config() const { return cfg_; }
+
+  std::shared_ptr<LocalRegion> register_memory(void* ptr, uint64_t len, MemKind kind, int device);
+  void deregister(const std::shared_ptr<LocalRegion>& region);
+
+  std::shared_ptr<Peer> connect(const std::string& uid, const std::string& provider,
+                                const std::vector<std::string>& addresses);
+  std::shared_ptr<RemoteRegion> import_region(const std::shared_ptr<Peer>& peer, uint64_t id, uint64_t len,
+                                              const std::vector<uint64_t>& base,
+                                              const std::vector<uint64_t>& key);
+
+  // Immediates a write of `nbytes` delivers (one per piece; see pieces_for).
+  uint64_t imm_count(uint64_t nbytes, bool has_imm) const;
+
+  std::shared_ptr<TransferState> write(const std::vector<std::shared_ptr<LocalRegion>>& srcs,
+                                       const std::vector<std::shared_ptr<RemoteRegion>>& dsts,
+                                       const WriteOp* ops, size_t n, bool has_imm);
+
+  ImmCounters& counters() { return counters_; }
+  std::vector<NicStats> stats();
+  void close();
+  bool closed() const { return closed_.load(); }
+
+  // Called by workers.
+  void piece_done(Piece* p, int nic);
+  // Routes a piece whose path (nic, peer) failed to another NIC, or fails it when none is left.
+  void reroute(Piece* p, int failed_nic, const std::string& why);
+  void piece_failed(Piece* p, const std::string& why);
+  void release_region(uint64_t id, std::vector<MemRegistration> regs);
+
+ private:
+  explicit Engine(const EngineConfig& cfg);
+  void start();
+  uint64_t piece_size(uint64_t nbytes) const;
+  int pick_nic(Peer& peer, uint64_t hint);
+
+  EngineConfig cfg_;
+  std::string uid_;
+  std::vector<std::unique_ptr<NicWorker>> workers_;
+  ImmCounters counters_;
+  std::atomic<bool> closed_{false};
+  std::atomic<uint64_t> next_region_{1}, next_peer_{1}, rr_{0};
+  std::mutex regions_mu_;
+  std::unordered_map<uint64_t, std::vector<MemRegistration>> live_regions_;
+};
+
+}  // namespace weightsync

@@ -1,0 +1,85 @@
+// libfabric RDM transport: FI_RMA writes with remote CQ data (fi_writedata). The same code runs on EFA,
+// on verbs;ofi_rxm and on tcp;ofi_rxm; everything provider-specific is read from fi_info and honoured.
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_rma.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "weightsync/transport.hpp"
+
+namespace weightsync {
+
+struct FabricNicInfo {
+  std::string provider;
+  std::string domain;
+  std::string fabric;
+};
+
+class FabricTransport final : public Transport {
+ public:
+  // NICs usable with RMA writes + remote CQ data for `provider` (empty: any provider).
+  static std::vector<FabricNicInfo> discover(const std::string& provider);
+  // First of efa, verbs;ofi_rxm, tcp;ofi_rxm that offers RMA with remote CQ data here.
+  static std::string pick_provider();
+
+  FabricTransport(const std::string& provider, const std::string& domain);
+  ~FabricTransport() override;
+  FabricTransport(const FabricTransport&) = delete;
+  FabricTransport& operator=(const FabricTransport&) = delete;
+
+  std::string kind() const override { return "fabric"; }
+  std::string provider() const override { return provider_; }
+  std::string nic_name() const override { return domain_; }
+  std::string address() const override { return address_; }
+  std::string describe_address(const std::string& address) const override;
+
+  MemRegistration register_memory(void* ptr, size_t len, MemKind kind, int device) override;
+  void deregister(const MemRegistration& reg) override;
+  uint64_t insert_peer(const std::string& address) override;
+
+  int post_write(const WriteRequest& req) override;
+  size_t poll(std::vector<Completion>& out, size_t max) override;
+  void wait(int timeout_ms) override;
+  void signal() override;
+
+  uint64_t max_write() const override { return max_msg_size_; }
+  size_t max_outstanding() const override { return tx_size_; }
+  std::string error_string(int err) const override;
+
+ private:
+  void post_rx_buffers();
+  void close_all();
+  void check(int rc, const char* what) const;
+
+  std::string provider_;
+  std::string domain_;
+  fi_info* info_ = nullptr;
+  fid_fabric* fabric_ = nullptr;
+  fid_domain* domain_fid_ = nullptr;
+  fid_cq* cq_ = nullptr;
+  fid_av* av_ = nullptr;
+  fid_ep* ep_ = nullptr;
+  std::string address_;
+  uint64_t mr_mode_ = 0;
+  size_t key_size_ = 8;
+  bool waitable_ = false;
+  bool rx_cq_data_ = false;  // provider needs a posted receive per incoming remote CQ data
+  uint64_t max_msg_size_ = 0;
+  size_t tx_size_ = 0;
+  // Receive contexts for providers with FI_RX_CQ_DATA.
+  std::vector<TransportContext> rx_ctx_;
+  // A completion that wait() read while blocking in fi_cq_sread, handed out by the next poll().
+  bool stash_valid_ = false;
+  fi_cq_data_entry stash_{};
+  bool stash_error_ = false;
+};
+
+}  // namespace weightsync

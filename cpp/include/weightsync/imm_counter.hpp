@@ -1,0 +1,46 @@
+// Completion counters with credit semantics: the receiver counts arriving immediates per value.
+// Immediates that arrive before anyone waits are kept as credit; wait(n) consumes n credits.
+// No ordering between writes is assumed, so a counter is the only way to learn that a set of writes landed.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+namespace weightsync {
+
+class ImmCounters {
+ public:
+  // Called by NIC workers for every remote completion carrying an immediate.
+  void add(uint32_t imm, uint64_t n = 1);
+
+  // Blocks until `n` credits for `imm` are available, then consumes them. Returns false on timeout
+  // (nothing consumed). A negative timeout waits forever (only used internally with its own bound).
+  bool wait(uint32_t imm, uint64_t n, double timeout_s);
+
+  // Credits currently held for `imm` (arrived and not yet consumed).
+  uint64_t value(uint32_t imm) const;
+
+  // Total immediates ever received for `imm` (never decremented): for statistics and tests.
+  uint64_t total(uint32_t imm) const;
+
+  // Drop the credits of `imm` (for example a version that was abandoned), returning how many were held.
+  uint64_t reset(uint32_t imm);
+
+  // Wakes all waiters so they observe `closed` and return; used when the engine shuts down.
+  void close();
+  bool closed() const;
+
+ private:
+  struct Slot {
+    uint64_t credit = 0;
+    uint64_t total = 0;
+  };
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_map<uint32_t, Slot> slots_;
+  bool closed_ = false;
+};
+
+}  // namespace weightsync

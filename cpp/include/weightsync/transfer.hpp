@@ -1,0 +1,71 @@
+// The future behind every write: how many pieces are still in flight, how many immediates the write
+// delivers to the destination's counter, and the first error if any piece failed for good.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+namespace weightsync {
+
+class TransferState {
+ public:
+  TransferState(uint64_t pieces, uint64_t imm_count, uint64_t bytes, std::string what)
+      : pending_(pieces), imm_count_(imm_count), bytes_(bytes), what_(std::move(what)) {}
+
+  void piece_done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_ > 0 && --pending_ == 0) cv_.notify_all();
+  }
+
+  // A piece failed for good (no NIC left to retry on, or an error retrying cannot fix).
+  void piece_failed(const std::string& error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_) {
+      failed_ = true;
+      error_ = error;
+    }
+    if (pending_ > 0) --pending_;
+    cv_.notify_all();
+  }
+
+  // True once every piece completed or one failed; false on timeout.
+  bool wait(double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto ready = [&] { return pending_ == 0 || failed_; };
+    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready);
+  }
+
+  bool done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_ == 0 || failed_;
+  }
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failed_;
+  }
+  std::string error() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+  uint64_t pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_;
+  }
+  uint64_t imm_count() const { return imm_count_; }
+  uint64_t bytes() const { return bytes_; }
+  const std::string& what() const { return what_; }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t pending_;
+  const uint64_t imm_count_;
+  const uint64_t bytes_;
+  bool failed_ = false;
+  std::string error_;
+  const std::string what_;  // "write of N bytes to peer P region R", for error messages
+};
+
+}  // namespace weightsync

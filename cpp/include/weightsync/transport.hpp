@@ -1,0 +1,80 @@
+// A transport only registers memory, posts writes and polls for completions. It knows nothing about
+// transfers, sharding, retries or counters: the engine above it does all the accounting. One transport
+// instance is one NIC (a libfabric domain + endpoint, or later a CUDA device), and it is only ever
+// touched by the single worker thread that owns it, so implementations need no locking of their own.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weightsync {
+
+enum class MemKind : int { kHost = 0, kCuda = 1 };
+
+// What a transport hands back for one registration of one buffer.
+struct MemRegistration {
+  void* handle = nullptr;      // transport-owned (for fabric: fid_mr*)
+  void* local_desc = nullptr;  // passed back on every post that reads from this buffer
+  uint64_t remote_base = 0;    // what a peer adds its offset to: the virtual address or 0 (offset mode)
+  uint64_t key = 0;            // what a peer must present to write here
+};
+
+// Scratch space a transport may use per posted operation (libfabric's FI_CONTEXT2 needs 64 bytes).
+// It must be the first member of whatever the engine passes as `context`.
+struct TransportContext {
+  alignas(16) unsigned char scratch[64];
+};
+
+struct WriteRequest {
+  const void* src = nullptr;
+  size_t len = 0;
+  void* src_desc = nullptr;
+  uint64_t peer = 0;  // transport-level peer handle from insert_peer
+  uint64_t remote_addr = 0;
+  uint64_t key = 0;
+  bool has_imm = false;
+  uint32_t imm = 0;
+  void* context = nullptr;  // starts with a TransportContext
+};
+
+struct Completion {
+  enum Kind { kLocalDone, kLocalError, kRemoteImm };
+  Kind kind = kLocalDone;
+  void* context = nullptr;  // for local completions: the WriteRequest's context
+  uint32_t imm = 0;         // for kRemoteImm
+  int error = 0;            // for kLocalError: a positive FI_E* / errno code
+  std::string message;      // for kLocalError: provider's words
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string kind() const = 0;      // "fabric" or "cuda"
+  virtual std::string provider() const = 0;  // e.g. "tcp;ofi_rxm"
+  virtual std::string nic_name() const = 0;  // e.g. "lo", "rdmap0s6"
+  virtual std::string address() const = 0;   // opaque bytes a peer passes to insert_peer
+  virtual std::string describe_address(const std::string& address) const = 0;  // printable form
+
+  virtual MemRegistration register_memory(void* ptr, size_t len, MemKind kind, int device) = 0;
+  virtual void deregister(const MemRegistration& reg) = 0;
+
+  virtual uint64_t insert_peer(const std::string& address) = 0;
+
+  // 0 when posted, -EAGAIN when the queue is full (poll and try again), another negative errno on error.
+  virtual int post_write(const WriteRequest& req) = 0;
+  // Appends up to `max` completions to `out`; returns how many were appended.
+  virtual size_t poll(std::vector<Completion>& out, size_t max) = 0;
+  // Sleeps until a completion may be ready, `signal()` is called, or `timeout_ms` passes.
+  virtual void wait(int timeout_ms) = 0;
+  // Wakes a concurrent `wait` (the only method another thread may call).
+  virtual void signal() = 0;
+
+  virtual uint64_t max_write() const = 0;       // largest single write the transport accepts
+  virtual size_t max_outstanding() const = 0;   // operations it can hold in flight
+  virtual std::string error_string(int err) const = 0;
+};
+
+}  // namespace weightsync

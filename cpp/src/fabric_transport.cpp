@@ -1,0 +1,334 @@
+#include "weightsync/fabric_transport.hpp"
+
+#include <rdma/fi_errno.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+#include "weightsync/errors.hpp"
+
+namespace weightsync {
+
+namespace {
+
+constexpr uint32_t kFiVersion = FI_VERSION(1, 14);
+constexpr size_t kRxBuffers = 256;
+constexpr size_t kCqSize = 8192;
+
+// The mr_mode bits we can work with; the provider answers with the subset it needs.
+constexpr uint64_t kMrModeHints =
+    FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+
+fi_info* make_hints(const std::string& provider, const std::string& domain) {
+  fi_info* hints = fi_allocinfo();
+  if (hints == nullptr) throw TransportError("fi_allocinfo failed: out of memory");
+  hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->domain_attr->mr_mode = kMrModeHints;
+  hints->domain_attr->threading = FI_THREAD_DOMAIN;  // one worker thread owns each domain
+  hints->domain_attr->cq_data_size = 4;
+  if (!provider.empty()) hints->fabric_attr->prov_name = strdup(provider.c_str());
+  if (!domain.empty()) hints->domain_attr->name = strdup(domain.c_str());
+  return hints;
+}
+
+std::string fi_error(int rc) { return std::string(fi_strerror(rc < 0 ? -rc : rc)); }
+
+uint64_t random_u64() {
+  static thread_local std::mt19937_64 gen{std::random_device{}()};
+  return gen();
+}
+
+}  // namespace
+
+std::vector<FabricNicInfo> FabricTransport::discover(const std::string& provider) {
+  std::vector<FabricNicInfo> out;
+  fi_info* hints = make_hints(provider, "");
+  fi_info* info = nullptr;
+  int rc = fi_getinfo(kFiVersion, nullptr, nullptr, 0, hints, &info);
+  fi_freeinfo(hints);
+  if (rc != 0) return out;
+  for (fi_info* cur = info; cur != nullptr; cur = cur->next) {
+    FabricNicInfo nic{cur->fabric_attr->prov_name ? cur->fabric_attr->prov_name : "",
+                      cur->domain_attr->name ? cur->domain_attr->name : "",
+                      cur->fabric_attr->name ? cur->fabric_attr->name : ""};
+    bool seen = false;
+    for (const auto& n : out) seen |= (n.provider == nic.provider && n.domain == nic.domain);
+    if (!seen) out.push_back(nic);
+  }
+  fi_freeinfo(info);
+  return out;
+}
+
+std::string FabricTransport::pick_provider() {
+  for (const char* p : {"efa", "verbs;ofi_rxm", "tcp;ofi_rxm"}) {
+    if (!discover(p).empty()) return p;
+  }
+  throw TransportError(
+      "no libfabric provider offers RMA writes with remote CQ data here (tried efa, verbs;ofi_rxm, "
+      "tcp;ofi_rxm); check `fi_info -p tcp` and that libfabric is installed");
+}
+
+FabricTransport::FabricTransport(const std::string& provider, const std::string& domain)
+    : provider_(provider), domain_(domain) {
+  fi_info* hints = make_hints(provider, domain);
+  fi_info* list = nullptr;
+  int rc = fi_getinfo(kFiVersion, nullptr, nullptr, 0, hints, &list);
+  fi_freeinfo(hints);
+  if (rc != 0 || list == nullptr) {
+    throw TransportError("libfabric provider '" + provider + "' has no NIC named '" + domain +
+                         "' with RMA and remote CQ data: " + fi_error(rc));
+  }
+  // Several entries can name the same domain (IPv4 and IPv6 on tcp): prefer IPv4, then the first.
+  // Layered providers do not always filter on the domain name, so match it here.
+  fi_info* pick = nullptr;
+  for (fi_info* cur = list; cur != nullptr; cur = cur->next) {
+    const char* name = cur->domain_attr->name;
+    if (!domain.empty() && (name == nullptr || domain != name)) continue;
+    if (pick == nullptr || (cur->addr_format == FI_SOCKADDR_IN && pick->addr_format != FI_SOCKADDR_IN)) pick = cur;
+  }
+  if (pick == nullptr) {
+    fi_freeinfo(list);
+    throw TransportError("libfabric provider '" + provider + "' has no NIC named '" + domain + "'");
+  }
+  info_ = fi_dupinfo(pick);
+  fi_freeinfo(list);
+  if (info_ == nullptr) throw TransportError("fi_dupinfo failed: out of memory");
+  if (info_->domain_attr->name) domain_ = info_->domain_attr->name;
+
+  mr_mode_ = info_->domain_attr->mr_mode;
+  key_size_ = info_->domain_attr->mr_key_size ? info_->domain_attr->mr_key_size : 8;
+  rx_cq_data_ = (info_->mode & FI_RX_CQ_DATA) != 0;
+  max_msg_size_ = info_->ep_attr->max_msg_size ? info_->ep_attr->max_msg_size : (1ull << 30);
+  tx_size_ = info_->tx_attr->size ? info_->tx_attr->size : 256;
+
+  try {
+    check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
+    check(fi_domain(fabric_, info_, &domain_fid_, nullptr), "fi_domain");
+
+    fi_cq_attr cq_attr{};
+    cq_attr.format = FI_CQ_FORMAT_DATA;
+    cq_attr.size = kCqSize;
+    cq_attr.wait_obj = FI_WAIT_UNSPEC;
+    if (fi_cq_open(domain_fid_, &cq_attr, &cq_, nullptr) == 0) {
+      waitable_ = true;
+    } else {
+      // Some providers (EFA) have no wait objects: the worker then polls with short sleeps.
+      cq_attr.wait_obj = FI_WAIT_NONE;
+      check(fi_cq_open(domain_fid_, &cq_attr, &cq_, nullptr), "fi_cq_open");
+    }
+
+    fi_av_attr av_attr{};
+    av_attr.type = FI_AV_TABLE;
+    check(fi_av_open(domain_fid_, &av_attr, &av_, nullptr), "fi_av_open");
+
+    check(fi_endpoint(domain_fid_, info_, &ep_, nullptr), "fi_endpoint");
+    check(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
+    check(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    check(fi_enable(ep_), "fi_enable");
+
+    char name[256];
+    size_t name_len = sizeof(name);
+    check(fi_getname(&ep_->fid, name, &name_len), "fi_getname");
+    address_.assign(name, name_len);
+    if (rx_cq_data_) post_rx_buffers();
+  } catch (...) {
+    close_all();
+    throw;
+  }
+}
+
+FabricTransport::~FabricTransport() { close_all(); }
+
+void FabricTransport::close_all() {
+  if (ep_) fi_close(&ep_->fid);
+  if (av_) fi_close(&av_->fid);
+  if (cq_) fi_close(&cq_->fid);
+  if (domain_fid_) fi_close(&domain_fid_->fid);
+  if (fabric_) fi_close(&fabric_->fid);
+  if (info_) fi_freeinfo(info_);
+  ep_ = nullptr;
+  av_ = nullptr;
+  cq_ = nullptr;
+  domain_fid_ = nullptr;
+  fabric_ = nullptr;
+  info_ = nullptr;
+}
+
+void FabricTransport::check(int rc, const char* what) const {
+  if (rc != 0) {
+    throw TransportError(std::string(what) + " failed on " + provider_ + " NIC " + domain_ + ": " +
+                         fi_error(rc));
+  }
+}
+
+void FabricTransport::post_rx_buffers() {
+  rx_ctx_.resize(kRxBuffers);
+  for (auto& ctx : rx_ctx_) {
+    check(static_cast<int>(fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, &ctx)), "fi_recv");
+  }
+}
+
+std::string FabricTransport::describe_address(const std::string& address) const {
+  char buf[128];
+  size_t len = sizeof(buf);
+  fi_av_straddr(av_, address.data(), buf, &len);
+  return std::string(buf);
+}
+
+MemRegistration FabricTransport::register_memory(void* ptr, size_t len, MemKind kind, int device) {
+  (void)device;
+  if (kind != MemKind::kHost) {
+    // GPU memory needs FI_HMEM; until the provider is asked for it the engine stages through host memory.
+    throw TransportError("provider " + provider_ + " on NIC " + domain_ +
+                         " was not opened for GPU memory (FI_HMEM)");
+  }
+  MemRegistration reg;
+  fid_mr* mr = nullptr;
+  const uint64_t access = FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ;
+  int rc = 0;
+  // A zero-length buffer still needs a valid address for some providers.
+  static char empty_byte;
+  void* base = len ? ptr : &empty_byte;
+  size_t reg_len = len ? len : 1;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    uint64_t requested = 0;
+    if (!(mr_mode_ & FI_MR_PROV_KEY)) {
+      // We choose the key: random, so that a stranger cannot guess it (keys are per-domain unique).
+      requested = random_u64();
+      if (key_size_ < 8) requested &= ((1ull << (8 * key_size_)) - 1);
+    }
+    rc = fi_mr_reg(domain_fid_, base, reg_len, access, 0, requested, 0, &mr, nullptr);
+    if (rc != -FI_ENOKEY) break;
+  }
+  check(rc, "fi_mr_reg");
+  if (mr_mode_ & FI_MR_ENDPOINT) {
+    int brc = fi_mr_bind(mr, &ep_->fid, 0);
+    if (brc == 0) brc = fi_mr_enable(mr);
+    if (brc != 0) {
+      fi_close(&mr->fid);
+      check(brc, "fi_mr_bind/enable");
+    }
+  }
+  reg.handle = mr;
+  reg.local_desc = fi_mr_desc(mr);
+  reg.key = fi_mr_key(mr);
+  reg.remote_base = (mr_mode_ & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(base) : 0;
+  return reg;
+}
+
+void FabricTransport::deregister(const MemRegistration& reg) {
+  if (reg.handle) fi_close(&static_cast<fid_mr*>(reg.handle)->fid);
+}
+
+uint64_t FabricTransport::insert_peer(const std::string& address) {
+  fi_addr_t addr = FI_ADDR_UNSPEC;
+  int rc = fi_av_insert(av_, address.data(), 1, &addr, 0, nullptr);
+  if (rc != 1) {
+    throw TransportError("fi_av_insert of peer " + describe_address(address) + " failed on NIC " +
+                         domain_ + ": " + fi_error(rc < 0 ? rc : -FI_EINVAL));
+  }
+  return addr;
+}
+
+int FabricTransport::post_write(const WriteRequest& req) {
+  ssize_t rc;
+  if (req.has_imm) {
+    rc = fi_writedata(ep_, req.src, req.len, req.src_desc, req.imm, req.peer, req.remote_addr, req.key,
+                      req.context);
+  } else {
+    rc = fi_write(ep_, req.src, req.len, req.src_desc, req.peer, req.remote_addr, req.key, req.context);
+  }
+  if (rc == -FI_EAGAIN) return -EAGAIN;
+  return static_cast<int>(rc);
+}
+
+size_t FabricTransport::poll(std::vector<Completion>& out, size_t max) {
+  size_t got = 0;
+  auto emit = [&](const fi_cq_data_entry& e) {
+    Completion c;
+    if (e.flags & FI_REMOTE_CQ_DATA) {
+      c.kind = Completion::kRemoteImm;
+      c.imm = static_cast<uint32_t>(e.data);
+      // With FI_RX_CQ_DATA each immediate consumed one posted receive: give it back.
+      if (rx_cq_data_ && e.op_context) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, e.op_context);
+    } else if (e.flags & FI_RECV) {
+      if (rx_cq_data_ && e.op_context) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, e.op_context);
+      return;
+    } else {
+      c.kind = Completion::kLocalDone;
+      c.context = e.op_context;
+    }
+    out.push_back(std::move(c));
+    ++got;
+  };
+  if (stash_valid_) {
+    stash_valid_ = false;
+    emit(stash_);
+  }
+  fi_cq_data_entry entries[64];
+  while (got < max) {
+    bool had_error = stash_error_;
+    stash_error_ = false;
+    ssize_t n = had_error ? -FI_EAVAIL : fi_cq_read(cq_, entries, std::min<size_t>(64, max - got));
+    if (n == -FI_EAGAIN) break;
+    if (n == -FI_EAVAIL) {
+      fi_cq_err_entry err{};
+      if (fi_cq_readerr(cq_, &err, 0) < 0) break;
+      Completion c;
+      c.kind = Completion::kLocalError;
+      c.context = err.op_context;
+      c.error = err.err ? err.err : FI_EIO;
+      char buf[256];
+      const char* prov = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
+      c.message = fi_error(c.error) + " (" + (prov ? prov : "no provider detail") + ")";
+      if (err.flags & FI_REMOTE_CQ_DATA || err.flags & FI_RECV) {
+        // A failed incoming operation: nothing of ours is waiting on it; repost and report nothing.
+        if (rx_cq_data_ && err.op_context) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, err.op_context);
+        continue;
+      }
+      out.push_back(std::move(c));
+      ++got;
+      continue;
+    }
+    if (n < 0) {
+      Completion c;
+      c.kind = Completion::kLocalError;
+      c.error = static_cast<int>(-n);
+      c.message = "fi_cq_read: " + fi_error(static_cast<int>(n));
+      out.push_back(std::move(c));
+      ++got;
+      break;
+    }
+    for (ssize_t i = 0; i < n; ++i) emit(entries[i]);
+    if (n < 64) break;
+  }
+  return got;
+}
+
+void FabricTransport::wait(int timeout_ms) {
+  if (stash_valid_ || stash_error_) return;
+  if (!waitable_) {
+    // No wait object: a short sleep keeps an idle worker off the CPU while bounding latency.
+    struct timespec ts{0, 50 * 1000};
+    nanosleep(&ts, nullptr);
+    return;
+  }
+  ssize_t n = fi_cq_sread(cq_, &stash_, 1, nullptr, timeout_ms);
+  if (n == 1) {
+    stash_valid_ = true;
+  } else if (n == -FI_EAVAIL) {
+    stash_error_ = true;
+  }
+}
+
+void FabricTransport::signal() {
+  if (waitable_) fi_cq_signal(cq_);
+}
+
+std::string FabricTransport::error_string(int err) const { return fi_error(err); }
+
+}  // namespace weightsync

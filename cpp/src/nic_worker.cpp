@@ -1,0 +1,313 @@
+// One thread per NIC: it alone posts to and polls its transport. Other threads reach it through queues.
+#include <cerrno>
+#include <future>
+
+#include "weightsync/engine.hpp"
+#include "weightsync/errors.hpp"
+
+namespace weightsync {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+constexpr int kIdleWaitMs = 20;  // longest an idle worker sleeps before looking at its queues again
+constexpr auto kStallCheckEvery = std::chrono::milliseconds(50);
+}  // namespace
+
+NicWorker::NicWorker(Engine* engine, int index, std::unique_ptr<Transport> transport,
+                     const EngineConfig& cfg)
+    : engine_(engine),
+      index_(index),
+      transport_(std::move(transport)),
+      window_bytes_(cfg.window_bytes),
+      window_ops_(std::max<uint64_t>(1, std::min<uint64_t>(cfg.window_ops, transport_->max_outstanding()))),
+      stall_timeout_(cfg.stall_timeout_s) {}
+
+NicWorker::~NicWorker() {
+  stop();
+  // The transport (and its endpoint) goes first, so no completion can name a piece we free below.
+  transport_.reset();
+  for (Piece* p : stale_) delete p;
+  for (Piece* p : outstanding_) delete p;
+  for (Piece* p : pending_) delete p;
+  for (Piece* p : incoming_) delete p;
+  stale_.clear();
+  outstanding_.clear();
+  pending_.clear();
+  incoming_.clear();
+}
+
+void NicWorker::start() { thread_ = std::thread([this] { run(); }); }
+
+void NicWorker::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ && !thread_.joinable()) return;
+    stop_ = true;
+  }
+  if (transport_) transport_->signal();
+  if (thread_.joinable()) thread_.join();
+}
+
+void NicWorker::call(const std::function<void(Transport&)>& fn, double timeout_s) {
+  auto done = std::make_shared<std::promise<void>>();
+  auto fut = done->get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) throw TransportError("engine is closed (NIC " + transport_->nic_name() + ")");
+    commands_.push_back([fn, done](Transport& t) {
+      try {
+        fn(t);
+        done->set_value();
+      } catch (...) {
+        done->set_exception(std::current_exception());
+      }
+    });
+  }
+  transport_->signal();
+  if (fut.wait_for(std::chrono::duration<double>(timeout_s)) != std::future_status::ready) {
+    throw TimeoutError("NIC " + transport_->nic_name() + " worker did not answer within " +
+                       std::to_string(timeout_s) + " s");
+  }
+  fut.get();
+}
+
+void NicWorker::post_command(std::function<void(Transport&)> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    commands_.push_back(std::move(fn));
+  }
+  transport_->signal();
+}
+
+void NicWorker::submit(std::vector<Piece*> pieces) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_) {
+      incoming_.insert(incoming_.end(), pieces.begin(), pieces.end());
+      pieces.clear();
+    }
+  }
+  for (Piece* p : pieces) engine_->piece_failed(p, "engine is closed");
+  transport_->signal();
+}
+
+NicStats NicWorker::stats() {
+  NicStats s;
+  s.name = transport_->nic_name();
+  s.provider = transport_->provider();
+  s.bytes_completed = bytes_completed_.load();
+  s.writes_completed = writes_completed_.load();
+  s.imm_received = imm_received_.load();
+  s.errors = errors_.load();
+  s.rerouted = rerouted_.load();
+  s.failed_paths = failed_paths_.load();
+  s.in_flight = in_flight_.load();
+  return s;
+}
+
+void NicWorker::run() {
+  std::vector<std::function<void(Transport&)>> commands;
+  std::vector<Piece*> incoming;
+  std::vector<Completion> completions;
+  completions.reserve(256);
+  while (true) {
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      commands.swap(commands_);
+      incoming.swap(incoming_);
+      stopping = stop_;
+    }
+    for (auto& cmd : commands) cmd(*transport_);
+    const bool had_work = !commands.empty() || !incoming.empty();
+    commands.clear();
+    for (Piece* p : incoming) pending_.push_back(p);
+    incoming.clear();
+    if (stopping) break;
+
+    const size_t before = outstanding_.size();
+    post_pending();
+    completions.clear();
+    transport_->poll(completions, 256);
+    for (const Completion& c : completions) handle(c);
+
+    auto now = Clock::now();
+    if (now - last_stall_check_ > kStallCheckEvery) {
+      last_stall_check_ = now;
+      check_stalls();
+    }
+    if (completions.empty() && !had_work && outstanding_.size() == before) {
+      // Nothing happened: block in the provider until a completion, a signal, or a short timeout.
+      transport_->wait(kIdleWaitMs);
+    }
+  }
+  shutdown_pieces();
+}
+
+void NicWorker::post_pending() {
+  while (!pending_.empty()) {
+    Piece* p = pending_.front();
+    if (p->transfer->failed() && !p->stale) {
+      // Its transfer already failed for good: do not spend the link on it.
+      pending_.pop_front();
+      engine_->piece_failed(p, p->transfer->error());
+      continue;
+    }
+    if (outstanding_.size() >= window_ops_ || (outstanding_bytes_ > 0 && outstanding_bytes_ + p->len > window_bytes_)) {
+      return;
+    }
+    const Peer& peer = *p->dst->peer;
+    if (peer.path_failed[index_].load()) {
+      pending_.pop_front();
+      engine_->reroute(p, index_, "path already failed");
+      continue;
+    }
+    const int rn = peer.remote_nic[index_];
+    WriteRequest req;
+    req.src = static_cast<const char*>(p->src->ptr) + p->src_off;
+    req.len = p->len;
+    req.src_desc = p->src->regs[index_].local_desc;
+    req.peer = peer.paths[index_];
+    req.remote_addr = p->dst->base[rn] + p->dst_off;
+    req.key = p->dst->key[rn];
+    req.has_imm = p->has_imm;
+    req.imm = p->imm;
+    req.context = p;
+    int rc = transport_->post_write(req);
+    if (rc == -EAGAIN) {
+      if (blocked_since_ == Clock::time_point{}) blocked_since_ = Clock::now();
+      return;
+    }
+    blocked_since_ = Clock::time_point{};
+    pending_.pop_front();
+    if (rc != 0) {
+      errors_++;
+      engine_->reroute(p, index_, "posting failed: " + transport_->error_string(-rc));
+      continue;
+    }
+    p->nic = index_;
+    outstanding_.insert(p);
+    outstanding_bytes_ += p->len;
+    in_flight_ = outstanding_.size();
+    PathClock& clock = path_clock_[peer.id];
+    if (clock.outstanding++ == 0) clock.progress = Clock::now();
+  }
+}
+
+void NicWorker::handle(const Completion& c) {
+  if (c.kind == Completion::kRemoteImm) {
+    imm_received_++;
+    engine_->counters().add(c.imm);
+    return;
+  }
+  Piece* p = static_cast<Piece*>(c.context);
+  if (p == nullptr) {
+    errors_++;
+    return;
+  }
+  if (p->stale) {
+    // A piece we already gave up on and retried elsewhere: the retry owns the transfer now.
+    auto it = std::find(stale_.begin(), stale_.end(), p);
+    if (it != stale_.end()) stale_.erase(it);
+    delete p;
+    return;
+  }
+  outstanding_.erase(p);
+  outstanding_bytes_ -= p->len;
+  in_flight_ = outstanding_.size();
+  const uint64_t peer_id = p->dst->peer->id;
+  PathClock& clock = path_clock_[peer_id];
+  if (clock.outstanding > 0) clock.outstanding--;
+  clock.progress = Clock::now();
+  if (c.kind == Completion::kLocalDone) {
+    bytes_completed_ += p->len;
+    writes_completed_++;
+    engine_->piece_done(p, index_);
+    return;
+  }
+  errors_++;
+  // Access errors (a bad key, out of the region's bounds) are the same on every NIC: do not retry them.
+  const bool access_error = c.error == EACCES || c.error == EINVAL || c.error == EPERM || c.error == EKEYREJECTED;
+  if (access_error) {
+    engine_->piece_failed(p, "remote refused the write on NIC " + transport_->nic_name() + ": " + c.message);
+    return;
+  }
+  fail_path(peer_id, c.message);
+  engine_->reroute(p, index_, c.message);
+}
+
+void NicWorker::fail_path(uint64_t peer_id, const std::string& why) {
+  // Everything in flight or queued to this peer on this NIC moves to the peer's other NICs.
+  std::vector<Piece*> moved;
+  for (Piece* p : outstanding_) {
+    if (p->dst->peer->id == peer_id) moved.push_back(p);
+  }
+  Peer* peer = nullptr;
+  for (Piece* p : moved) {
+    peer = p->dst->peer.get();
+    outstanding_.erase(p);
+    outstanding_bytes_ -= p->len;
+    Piece* retry = new Piece(*p);
+    retry->stale = false;
+    p->stale = true;  // the provider may still complete it; that completion is then ignored
+    stale_.push_back(p);
+    rerouted_++;
+    engine_->reroute(retry, index_, why);
+  }
+  std::deque<Piece*> keep;
+  for (Piece* p : pending_) {
+    if (p->dst->peer->id == peer_id) {
+      peer = p->dst->peer.get();
+      rerouted_++;
+      engine_->reroute(p, index_, why);
+    } else {
+      keep.push_back(p);
+    }
+  }
+  pending_.swap(keep);
+  in_flight_ = outstanding_.size();
+  path_clock_.erase(peer_id);
+  if (peer != nullptr && !peer->path_failed[index_].exchange(true)) failed_paths_++;
+}
+
+void NicWorker::check_stalls() {
+  const auto now = Clock::now();
+  std::vector<uint64_t> stalled;
+  for (auto& [peer_id, clock] : path_clock_) {
+    if (clock.outstanding > 0 && now - clock.progress > stall_timeout_) stalled.push_back(peer_id);
+  }
+  for (uint64_t peer_id : stalled) {
+    fail_path(peer_id, "no completion on NIC " + transport_->nic_name() + " for " +
+                           std::to_string(stall_timeout_.count()) + " s (link down or peer gone)");
+  }
+  if (!pending_.empty() && blocked_since_ != Clock::time_point{} && now - blocked_since_ > stall_timeout_) {
+    // The provider has refused new work for too long (for example while it keeps failing to connect).
+    blocked_since_ = Clock::time_point{};
+    fail_path(pending_.front()->dst->peer->id,
+              "NIC " + transport_->nic_name() + " accepted no new write for " +
+                  std::to_string(stall_timeout_.count()) + " s");
+  }
+}
+
+void NicWorker::shutdown_pieces() {
+  for (Piece* p : pending_) engine_->piece_failed(p, "engine closed with the write queued");
+  pending_.clear();
+  std::vector<Piece*> incoming;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    incoming.swap(incoming_);
+  }
+  for (Piece* p : incoming) engine_->piece_failed(p, "engine closed with the write queued");
+  // In-flight pieces stay allocated until the endpoint is closed (the provider still holds them);
+  // their transfers fail now so that nobody waits for them.
+  for (Piece* p : outstanding_) {
+    p->transfer->piece_failed("engine closed with the write in flight");
+    p->stale = true;
+    stale_.push_back(p);
+  }
+  outstanding_.clear();
+  in_flight_ = 0;
+}
+
+}  // namespace weightsync

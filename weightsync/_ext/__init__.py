@@ -1,0 +1,13 @@
+"""The compiled engine (cpp/, bound in binding.cpp). Import names from here, not from ``_core``."""
+
+from weightsync._ext._core import (
+    Engine,
+    Peer,
+    Region,
+    RemoteRegion,
+    Transfer,
+    discover,
+    pick_provider,
+)
+
+__all__ = ["Engine", "Peer", "Region", "RemoteRegion", "Transfer", "discover", "pick_provider"]

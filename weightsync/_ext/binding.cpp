@@ -1,0 +1,189 @@
+// The Python binding of the engine: thin on purpose. It converts arguments, releases the GIL around
+// anything that can wait, and maps engine exceptions onto weightsync.errors. Descriptors, addresses and
+// every policy live in weightsync/engine.py; the data plane lives in cpp/.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+
+#include "weightsync/engine.hpp"
+#include "weightsync/errors.hpp"
+#include "weightsync/fabric_transport.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace ws = weightsync;
+
+namespace {
+
+template <typename T>
+using Column = nb::ndarray<const T, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+nb::object error_class(const char* name) {
+  return nb::module_::import_("weightsync.errors").attr(name);
+}
+
+nb::bytes to_bytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "weightsync transfer engine (C++ core)";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const ws::TimeoutError& e) {
+      PyErr_SetString(error_class("TimeoutError").ptr(), e.what());
+    } catch (const ws::TransportError& e) {
+      PyErr_SetString(error_class("TransportError").ptr(), e.what());
+    }
+  });
+
+  m.def("pick_provider", &ws::FabricTransport::pick_provider);
+  m.def("discover", [](const std::string& provider) {
+    std::vector<std::tuple<std::string, std::string, std::string>> out;
+    for (const auto& nic : ws::FabricTransport::discover(provider)) out.emplace_back(nic.provider, nic.domain, nic.fabric);
+    return out;
+  }, "provider"_a = "");
+
+  nb::class_<ws::LocalRegion>(m, "Region")
+      .def_ro("id", &ws::LocalRegion::id)
+      .def_prop_ro("ptr", [](const ws::LocalRegion& r) { return reinterpret_cast<uintptr_t>(r.ptr); })
+      .def_ro("len", &ws::LocalRegion::len)
+      .def_prop_ro("kind", [](const ws::LocalRegion& r) { return static_cast<int>(r.kind); })
+      .def_ro("device", &ws::LocalRegion::device)
+      .def_prop_ro("valid", [](const ws::LocalRegion& r) { return r.valid.load(); })
+      .def_prop_ro("keys", [](const ws::LocalRegion& r) {
+        std::vector<uint64_t> out;
+        for (const auto& reg : r.regs) out.push_back(reg.key);
+        return out;
+      })
+      .def_prop_ro("bases", [](const ws::LocalRegion& r) {
+        std::vector<uint64_t> out;
+        for (const auto& reg : r.regs) out.push_back(reg.remote_base);
+        return out;
+      });
+
+  nb::class_<ws::Peer>(m, "Peer")
+      .def_ro("id", &ws::Peer::id)
+      .def_ro("uid", &ws::Peer::uid)
+      .def_ro("label", &ws::Peer::label)
+      .def_ro("remote_nics", &ws::Peer::remote_nics)
+      .def_prop_ro("failed_paths", [](ws::Peer& p) {
+        std::vector<bool> out;
+        for (size_t i = 0; i < p.paths.size(); ++i) out.push_back(p.path_failed[i].load());
+        return out;
+      });
+
+  nb::class_<ws::RemoteRegion>(m, "RemoteRegion")
+      .def_ro("id", &ws::RemoteRegion::id)
+      .def_ro("len", &ws::RemoteRegion::len)
+      .def_ro("peer", &ws::RemoteRegion::peer);
+
+  nb::class_<ws::TransferState>(m, "Transfer")
+      .def("wait", &ws::TransferState::wait, "timeout"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "True once every piece landed or one failed for good; False on timeout.")
+      .def_prop_ro("done", &ws::TransferState::done)
+      .def_prop_ro("failed", &ws::TransferState::failed)
+      .def_prop_ro("error", &ws::TransferState::error)
+      .def_prop_ro("pending", &ws::TransferState::pending)
+      .def_prop_ro("imm_count", &ws::TransferState::imm_count)
+      .def_prop_ro("bytes", &ws::TransferState::bytes)
+      .def_prop_ro("what", &ws::TransferState::what);
+
+  nb::class_<ws::Engine>(m, "Engine")
+      .def_static(
+          "create",
+          [](const std::string& transport, const std::string& provider, const std::vector<std::string>& nics,
+             uint64_t stripe_threshold, uint64_t max_piece, uint64_t window_bytes, uint64_t window_ops,
+             double stall_timeout_s) {
+            ws::EngineConfig cfg;
+            cfg.transport = transport;
+            cfg.provider = provider;
+            cfg.nics = nics;
+            cfg.stripe_threshold = stripe_threshold;
+            cfg.max_piece = max_piece;
+            cfg.window_bytes = window_bytes;
+            cfg.window_ops = window_ops;
+            cfg.stall_timeout_s = stall_timeout_s;
+            nb::gil_scoped_release release;
+            return ws::Engine::create(cfg);
+          },
+          "transport"_a, "provider"_a, "nics"_a, "stripe_threshold"_a, "max_piece"_a, "window_bytes"_a,
+          "window_ops"_a, "stall_timeout_s"_a)
+      .def_prop_ro("uid", &ws::Engine::uid)
+      .def_prop_ro("provider", &ws::Engine::provider)
+      .def_prop_ro("transport", &ws::Engine::transport_kind)
+      .def_prop_ro("nic_names", &ws::Engine::nic_names)
+      .def_prop_ro("nic_addresses", [](const ws::Engine& e) {
+        std::vector<nb::bytes> out;
+        for (const auto& a : e.nic_addresses()) out.push_back(to_bytes(a));
+        return out;
+      })
+      .def_prop_ro("stripe_threshold", [](const ws::Engine& e) { return e.config().stripe_threshold; })
+      .def_prop_ro("max_piece", [](const ws::Engine& e) { return e.config().max_piece; })
+      .def_prop_ro("closed", &ws::Engine::closed)
+      .def("register", [](ws::Engine& e, uintptr_t ptr, uint64_t len, int kind, int device) {
+        return e.register_memory(reinterpret_cast<void*>(ptr), len, static_cast<ws::MemKind>(kind), device);
+      }, "ptr"_a, "len"_a, "kind"_a, "device"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("deregister", &ws::Engine::deregister)
+      .def("connect", [](ws::Engine& e, const std::string& uid, const std::string& provider,
+                         const std::vector<nb::bytes>& addresses) {
+        std::vector<std::string> addrs;
+        for (const auto& a : addresses) addrs.emplace_back(a.c_str(), a.size());
+        nb::gil_scoped_release release;
+        return e.connect(uid, provider, addrs);
+      })
+      .def("import_region", &ws::Engine::import_region)
+      .def("imm_count", &ws::Engine::imm_count, "nbytes"_a, "has_imm"_a = true)
+      .def("write", [](ws::Engine& e, std::shared_ptr<ws::LocalRegion> src, uint64_t src_off,
+                       std::shared_ptr<ws::RemoteRegion> dst, uint64_t dst_off, uint64_t len,
+                       std::optional<uint32_t> imm) {
+        ws::WriteOp op{0, src_off, 0, dst_off, len, imm.value_or(0)};
+        return e.write({std::move(src)}, {std::move(dst)}, &op, 1, imm.has_value());
+      }, "src"_a, "src_off"_a, "dst"_a, "dst_off"_a, "len"_a, "imm"_a.none())
+      .def("write_batch", [](ws::Engine& e, const std::vector<std::shared_ptr<ws::LocalRegion>>& srcs,
+                             const std::vector<std::shared_ptr<ws::RemoteRegion>>& dsts, Column<uint32_t> src_idx,
+                             Column<uint64_t> src_off, Column<uint32_t> dst_idx, Column<uint64_t> dst_off,
+                             Column<uint64_t> len, std::optional<Column<uint32_t>> imm) {
+        const size_t n = src_idx.shape(0);
+        if (src_off.shape(0) != n || dst_idx.shape(0) != n || dst_off.shape(0) != n || len.shape(0) != n ||
+            (imm && imm->shape(0) != n)) {
+          throw ws::UsageError("write_batch: all columns must have the same length");
+        }
+        std::vector<ws::WriteOp> ops(n);
+        for (size_t i = 0; i < n; ++i) {
+          ops[i] = ws::WriteOp{src_idx(i), src_off(i), dst_idx(i), dst_off(i), len(i), imm ? (*imm)(i) : 0u};
+        }
+        return e.write(srcs, dsts, ops.data(), n, imm.has_value());
+      }, "srcs"_a, "dsts"_a, "src_idx"_a, "src_off"_a, "dst_idx"_a, "dst_off"_a, "len"_a, "imm"_a.none())
+      .def("counter_wait", [](ws::Engine& e, uint32_t imm, uint64_t n, double timeout) {
+        return e.counters().wait(imm, n, timeout);
+      }, "imm"_a, "n"_a, "timeout"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("counter_value", [](ws::Engine& e, uint32_t imm) { return e.counters().value(imm); })
+      .def("counter_total", [](ws::Engine& e, uint32_t imm) { return e.counters().total(imm); })
+      .def("counter_reset", [](ws::Engine& e, uint32_t imm) { return e.counters().reset(imm); })
+      .def("stats", [](ws::Engine& e) {
+        nb::list out;
+        for (const auto& s : e.stats()) {
+          nb::dict d;
+          d["nic"] = s.name;
+          d["provider"] = s.provider;
+          d["bytes"] = s.bytes_completed;
+          d["writes"] = s.writes_completed;
+          d["imm_received"] = s.imm_received;
+          d["errors"] = s.errors;
+          d["rerouted"] = s.rerouted;
+          d["failed_paths"] = s.failed_paths;
+          d["in_flight"] = s.in_flight;
+          out.append(d);
+        }
+        return out;
+      })
+      .def("close", &ws::Engine::close, nb::call_guard<nb::gil_scoped_release>());
+}

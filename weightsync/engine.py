@@ -1,0 +1,416 @@
+"""The data plane as Python sees it: ``TransferEngine``, registered ``Region``s, ``Peer``s, ``Transfer``s.
+
+The C++ engine (cpp/) does the work on its own threads; this module gives it the contract's shape:
+addresses and descriptors are opaque msgpack bytes (safe to send through Ray), every wait has a timeout,
+and every failure is a ``weightsync`` error that names the peer, region or tensor.
+
+How many immediates a write delivers (``Transfer.imm_count``): a write of ``n`` bytes with an immediate
+is posted as pieces, and every piece delivers the immediate once to the destination's counter:
+
+* ``n == 0``: one piece (a zero-length write that only signals);
+* ``n <= stripe_threshold``: one piece;
+* otherwise the write is striped over the engine's NICs: pieces of ``min(max_piece, ceil(n / nics)
+  rounded up to 4 KiB)`` bytes, ``ceil(n / piece)`` of them.
+
+The count depends only on ``n`` and the sending engine's configuration (never on which NICs are up), so
+the planner can compute expected counts ahead of time with ``TransferEngine.imm_count``. A piece whose
+NIC fails is re-posted whole on another NIC and still delivers exactly one immediate, unless the failed
+NIC had already delivered it (a link that dies after the data landed but before the acknowledgement):
+then the destination may count it twice, which is why pushes use a fresh immediate per version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from weightsync import _ext
+from weightsync.errors import TimeoutError, TransportError
+
+log = logging.getLogger("weightsync.engine")
+
+_DESCRIPTOR_VERSION = 1
+_ADDRESS_VERSION = 1
+_KIND_HOST = 0
+_KIND_CUDA = 1
+
+
+def _default_nics(provider: str) -> list[str]:
+    env = os.environ.get("WEIGHTSYNC_NICS")
+    if env:
+        return [n for n in env.split(",") if n]
+    if provider.startswith("tcp"):
+        # TCP has one "NIC" per network interface. Loopback is the safe default for one host; pass
+        # nics=["eth0"] (or set WEIGHTSYNC_NICS) for engines on different hosts.
+        return ["lo"]
+    return [domain for _prov, domain, _fabric in _ext.discover(provider)]
+
+
+def _crc(fields: list[Any]) -> int:
+    return zlib.crc32(msgpack.packb(fields, use_bin_type=True))
+
+
+@dataclass(frozen=True)
+class _BufferInfo:
+    ptr: int
+    nbytes: int
+    kind: int
+    device: int
+    label: str
+
+
+def _buffer_info(buffer: Any, name: str | None) -> _BufferInfo:
+    """Pointer and size of a torch tensor, numpy array or writable buffer."""
+    label = name or type(buffer).__name__
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency; keep numpy usable without it
+        torch = None
+    if torch is not None and isinstance(buffer, torch.Tensor):
+        if not buffer.is_contiguous():
+            raise TransportError(f"cannot register tensor {label}: it is not contiguous (call .contiguous())")
+        nbytes = buffer.numel() * buffer.element_size()
+        if buffer.is_cuda:
+            return _BufferInfo(buffer.data_ptr(), nbytes, _KIND_CUDA, buffer.device.index or 0, label)
+        return _BufferInfo(buffer.data_ptr(), nbytes, _KIND_HOST, -1, label)
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise TransportError(f"cannot register array {label}: it is not C-contiguous")
+        return _BufferInfo(buffer.ctypes.data, buffer.nbytes, _KIND_HOST, -1, label)
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TransportError(
+            f"cannot register {label}: expected a torch tensor, numpy array or writable buffer"
+        ) from None
+    if view.readonly:
+        raise TransportError(f"cannot register {label}: the buffer is read-only")
+    arr = np.frombuffer(view, dtype=np.uint8)
+    return _BufferInfo(arr.ctypes.data, arr.nbytes, _KIND_HOST, -1, label)
+
+
+class Region:
+    """Memory registered on every NIC of an engine. ``descriptor`` lets a peer write into it."""
+
+    def __init__(self, engine: TransferEngine, native: _ext.Region, buffer: Any, label: str) -> None:
+        self._engine = engine
+        self._native = native
+        self.buffer = buffer  # keeps the memory alive as long as the region is
+        self.label = label
+        fields = [
+            _DESCRIPTOR_VERSION,
+            engine.uid,
+            native.id,
+            native.len,
+            native.kind,
+            [[b, k] for b, k in zip(native.bases, native.keys, strict=True)],
+        ]
+        self.descriptor: bytes = msgpack.packb([*fields, _crc(fields)], use_bin_type=True)
+
+    @property
+    def nbytes(self) -> int:
+        return self._native.len
+
+    @property
+    def id(self) -> int:
+        return self._native.id
+
+    @property
+    def valid(self) -> bool:
+        return self._native.valid
+
+    def __repr__(self) -> str:
+        return f"Region({self.label}, id={self.id}, {self.nbytes} bytes)"
+
+
+class Peer:
+    """A remote engine this engine can write to (``TransferEngine.connect``)."""
+
+    def __init__(self, native: _ext.Peer) -> None:
+        self._native = native
+        self._imported: dict[bytes, _ext.RemoteRegion] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def uid(self) -> str:
+        return self._native.uid
+
+    @property
+    def label(self) -> str:
+        return self._native.label
+
+    @property
+    def failed_paths(self) -> list[bool]:
+        """Per local NIC: whether writes to this peer through it have failed (and moved to other NICs)."""
+        return list(self._native.failed_paths)
+
+    def __repr__(self) -> str:
+        return f"Peer({self.label})"
+
+
+class Transfer:
+    """A write (or a batch of writes) in flight. ``wait`` returns once every byte has been written."""
+
+    def __init__(self, native: _ext.Transfer, keep_alive: Sequence[Region]) -> None:
+        self._native = native
+        self._keep_alive = keep_alive  # source memory must outlive the pieces still being posted
+
+    @property
+    def imm_count(self) -> int:
+        """Immediates this write delivers to the destination's counter (see the module docstring)."""
+        return self._native.imm_count
+
+    @property
+    def nbytes(self) -> int:
+        return self._native.bytes
+
+    @property
+    def done(self) -> bool:
+        return self._native.done
+
+    def wait(self, timeout: float = 60.0) -> None:
+        if not self._native.wait(float(timeout)):
+            raise TimeoutError(
+                f"{self._native.what}: not complete after {timeout} s ({self._native.pending} pieces pending)"
+            )
+        if self._native.failed:
+            raise TransportError(self._native.error)
+        self._keep_alive = ()
+
+
+class ImmCounter:
+    """Arrivals of one immediate value at this engine. Credits: early arrivals are kept, ``wait`` consumes."""
+
+    def __init__(self, engine: TransferEngine, imm: int) -> None:
+        self._engine = engine
+        self.imm = imm
+
+    @property
+    def value(self) -> int:
+        """Credits held now (arrived and not yet consumed)."""
+        return self._engine._native.counter_value(self.imm)
+
+    @property
+    def total(self) -> int:
+        """Immediates ever received with this value."""
+        return self._engine._native.counter_total(self.imm)
+
+    def wait(self, n: int, timeout: float = 60.0) -> None:
+        if n < 0:
+            raise ValueError(f"cannot wait for {n} immediates")
+        if not self._engine._native.counter_wait(self.imm, n, float(timeout)):
+            if self._engine.closed:
+                raise TransportError(f"engine closed while waiting for {n} immediates {self.imm}")
+            raise TimeoutError(
+                f"counter {self.imm}: {self.value} of {n} immediates arrived within {timeout} s"
+            )
+
+    def reset(self) -> int:
+        """Drops the credits held (for an abandoned version) and returns how many there were."""
+        return self._engine._native.counter_reset(self.imm)
+
+
+class TransferEngine:
+    """One per process (per GPU): registers memory and writes one-sided into peers' memory.
+
+    ``transport``: "auto" or "fabric" (libfabric; "cuda" arrives with the NVLink transport).
+    ``nics``: libfabric domain names to use (every one gets a worker thread); ``None`` picks all of the
+    provider's, or loopback for TCP. ``provider``: e.g. "efa", "verbs;ofi_rxm", "tcp;ofi_rxm"; ``None``
+    picks the first of those available (or ``$WEIGHTSYNC_PROVIDER``).
+    """
+
+    def __init__(
+        self,
+        transport: str = "auto",
+        nics: Sequence[str] | None = None,
+        *,
+        provider: str | None = None,
+        stripe_threshold: int = 1 << 20,
+        max_piece: int = 16 << 20,
+        window_bytes: int = 64 << 20,
+        window_ops: int = 256,
+        stall_timeout: float = 5.0,
+    ) -> None:
+        if transport not in ("auto", "fabric"):
+            raise TransportError(f"transport {transport!r} is not available in this build (have: auto, fabric)")
+        provider = provider or os.environ.get("WEIGHTSYNC_PROVIDER") or _ext.pick_provider()
+        nic_list = list(nics) if nics is not None else _default_nics(provider)
+        self._native = _ext.Engine.create(
+            "fabric",
+            provider,
+            nic_list,
+            int(stripe_threshold),
+            int(max_piece),
+            int(window_bytes),
+            int(window_ops),
+            float(stall_timeout),
+        )
+        self.transport = "fabric"
+        fields = [_ADDRESS_VERSION, self.uid, self.provider, list(self._native.nic_addresses)]
+        self.address: bytes = msgpack.packb([*fields, _crc(fields)], use_bin_type=True)
+        log.debug("engine %s on %s NICs %s", self.uid[:8], self.provider, self.nics)
+
+    # --- identity -----------------------------------------------------------------------------------
+    @property
+    def uid(self) -> str:
+        return self._native.uid
+
+    @property
+    def provider(self) -> str:
+        return self._native.provider
+
+    @property
+    def nics(self) -> list[str]:
+        return list(self._native.nic_names)
+
+    @property
+    def closed(self) -> bool:
+        return self._native.closed
+
+    # --- memory ---------------------------------------------------------------------------------------
+    def register(self, buffer: Any, name: str | None = None) -> Region:
+        """Registers a tensor/array/buffer on every NIC; the region keeps it alive."""
+        info = _buffer_info(buffer, name)
+        native = self._native.register(info.ptr, info.nbytes, info.kind, info.device)
+        return Region(self, native, buffer, info.label)
+
+    def deregister(self, region: Region) -> None:
+        """New writes from the region are refused; writes in flight finish first."""
+        self._native.deregister(region._native)
+
+    # --- peers ----------------------------------------------------------------------------------------
+    def connect(self, address: bytes) -> Peer:
+        version, uid, provider, nic_addresses = _unpack_checked(address, "engine address", 4)
+        if version != _ADDRESS_VERSION:
+            raise TransportError(f"engine address of version {version}, expected {_ADDRESS_VERSION}")
+        return Peer(self._native.connect(uid, provider, nic_addresses))
+
+    def _import(self, peer: Peer, descriptor: bytes) -> _ext.RemoteRegion:
+        with peer._lock:
+            remote = peer._imported.get(descriptor)
+        if remote is not None:
+            return remote
+        version, engine_uid, region_id, nbytes, _kind, nics = _unpack_checked(descriptor, "region descriptor", 6)
+        if version != _DESCRIPTOR_VERSION:
+            raise TransportError(f"region descriptor of version {version}, expected {_DESCRIPTOR_VERSION}")
+        if engine_uid != peer.uid:
+            raise TransportError(
+                f"descriptor of region {region_id} belongs to engine {engine_uid[:8]}, not to {peer.label}"
+            )
+        remote = self._native.import_region(
+            peer._native, region_id, nbytes, [int(b) for b, _ in nics], [int(k) for _, k in nics]
+        )
+        with peer._lock:
+            peer._imported[descriptor] = remote
+        return remote
+
+    # --- writes ---------------------------------------------------------------------------------------
+    def imm_count(self, nbytes: int, imm: bool = True) -> int:
+        """Immediates a write of ``nbytes`` from this engine delivers (see the module docstring)."""
+        return self._native.imm_count(int(nbytes), imm)
+
+    def write(
+        self,
+        src: Region,
+        src_off: int,
+        peer: Peer,
+        dst_descriptor: bytes,
+        dst_off: int,
+        nbytes: int,
+        imm: int | None = None,
+    ) -> Transfer:
+        """Writes ``nbytes`` from ``src[src_off:]`` into the peer's region at ``dst_off``, one-sided."""
+        if not isinstance(src, Region):
+            raise TransportError(
+                f"write source must be a Region registered with this engine, got {type(src).__name__}"
+            )
+        if min(src_off, dst_off, nbytes) < 0:
+            raise TransportError(f"negative offset or size in write to {peer.label}")
+        remote = self._import(peer, dst_descriptor)
+        native = self._native.write(src._native, src_off, remote, dst_off, nbytes, _imm(imm))
+        return Transfer(native, (src,))
+
+    def write_batch(
+        self,
+        srcs: Sequence[Region],
+        peer_descriptors: Sequence[tuple[Peer, bytes]],
+        src_index: np.ndarray,
+        src_off: np.ndarray,
+        dst_index: np.ndarray,
+        dst_off: np.ndarray,
+        nbytes: np.ndarray,
+        imm: np.ndarray | int | None = None,
+    ) -> Transfer:
+        """Submits many writes in one call: columns index into ``srcs`` and ``peer_descriptors``."""
+        remotes = [self._import(peer, desc) for peer, desc in peer_descriptors]
+        cols = [
+            np.ascontiguousarray(src_index, dtype=np.uint32),
+            np.ascontiguousarray(src_off, dtype=np.uint64),
+            np.ascontiguousarray(dst_index, dtype=np.uint32),
+            np.ascontiguousarray(dst_off, dtype=np.uint64),
+            np.ascontiguousarray(nbytes, dtype=np.uint64),
+        ]
+        imm_col = None
+        if imm is not None:
+            imm_col = (
+                np.full(len(cols[0]), _imm(int(imm)), dtype=np.uint32)
+                if np.isscalar(imm)
+                else np.ascontiguousarray(imm, dtype=np.uint32)
+            )
+        native = self._native.write_batch([s._native for s in srcs], remotes, *cols, imm_col)
+        return Transfer(native, tuple(srcs))
+
+    # --- counters and state ---------------------------------------------------------------------------
+    def counter(self, imm: int) -> ImmCounter:
+        return ImmCounter(self, _imm(imm))
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per NIC: bytes and writes completed, immediates received, errors, rerouted pieces."""
+        return list(self._native.stats())
+
+    def close(self) -> None:
+        """Stops the NIC workers; writes still in flight fail with a TransportError."""
+        self._native.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TransferEngine({self.uid[:8]}, {self.provider}, nics={self.nics})"
+
+
+def _imm(imm: int | None) -> int | None:
+    if imm is None:
+        return None
+    if not 0 <= int(imm) < 1 << 32:
+        raise TransportError(f"immediate {imm} does not fit in 32 bits")
+    return int(imm)
+
+
+def _unpack_checked(blob: bytes, what: str, nfields: int) -> list[Any]:
+    """Decodes an address or descriptor and checks its CRC, so corruption is reported, not written."""
+    try:
+        fields = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise TransportError(f"corrupted {what}: {exc}") from None
+    if not isinstance(fields, list) or len(fields) != nfields + 1:
+        raise TransportError(f"corrupted {what}: unexpected structure")
+    *body, crc = fields
+    if _crc(body) != crc:
+        raise TransportError(f"corrupted {what}: checksum mismatch")
+    return body
+
+
+__all__ = ["ImmCounter", "Peer", "Region", "Transfer", "TransferEngine"]
+
