@@ -173,9 +173,11 @@ std::shared_ptr<RemoteRegion> Engine::import_region(const std::shared_ptr<Peer>&
 
 uint64_t Engine::piece_size(uint64_t nbytes) const {
   if (nbytes <= cfg_.stripe_threshold) return std::max<uint64_t>(nbytes, 1);
-  // Above the threshold: one stripe per NIC, 4 KiB aligned, none larger than max_piece.
-  uint64_t per_nic = ceil_div(ceil_div(nbytes, workers_.size()), 4096) * 4096;
-  return std::min(per_nic, cfg_.max_piece);
+  // Above the threshold: a multiple of the NIC count of equal pieces (so every NIC carries the same
+  // share), 4 KiB aligned, none larger than max_piece.
+  const uint64_t nics = std::max<size_t>(workers_.size(), 1);
+  const uint64_t count = nics * ceil_div(nbytes, nics * cfg_.max_piece);
+  return std::min(ceil_div(ceil_div(nbytes, count), 4096) * 4096, cfg_.max_piece);
 }
 
 uint64_t Engine::imm_count(uint64_t nbytes, bool has_imm) const {

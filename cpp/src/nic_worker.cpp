@@ -191,6 +191,7 @@ void NicWorker::post_pending() {
     outstanding_bytes_ += p->len;
     in_flight_ = outstanding_.size();
     PathClock& clock = path_clock_[peer.id];
+    clock.peer = p->dst->peer.get();
     if (clock.outstanding++ == 0) clock.progress = Clock::now();
   }
 }
@@ -216,8 +217,8 @@ void NicWorker::handle(const Completion& c) {
   outstanding_.erase(p);
   outstanding_bytes_ -= p->len;
   in_flight_ = outstanding_.size();
-  const uint64_t peer_id = p->dst->peer->id;
-  PathClock& clock = path_clock_[peer_id];
+  Peer* peer = p->dst->peer.get();
+  PathClock& clock = path_clock_[peer->id];
   if (clock.outstanding > 0) clock.outstanding--;
   clock.progress = Clock::now();
   if (c.kind == Completion::kLocalDone) {
@@ -233,19 +234,20 @@ void NicWorker::handle(const Completion& c) {
     engine_->piece_failed(p, "remote refused the write on NIC " + transport_->nic_name() + ": " + c.message);
     return;
   }
-  fail_path(peer_id, c.message);
+  fail_path(peer, c.message);
+  rerouted_++;
   engine_->reroute(p, index_, c.message);
 }
 
-void NicWorker::fail_path(uint64_t peer_id, const std::string& why) {
+void NicWorker::fail_path(Peer* peer, const std::string& why) {
+  // Mark the path first, so the engine routes the pieces below (and new writes) to other NICs.
+  if (!peer->path_failed[index_].exchange(true)) failed_paths_++;
   // Everything in flight or queued to this peer on this NIC moves to the peer's other NICs.
   std::vector<Piece*> moved;
   for (Piece* p : outstanding_) {
-    if (p->dst->peer->id == peer_id) moved.push_back(p);
+    if (p->dst->peer.get() == peer) moved.push_back(p);
   }
-  Peer* peer = nullptr;
   for (Piece* p : moved) {
-    peer = p->dst->peer.get();
     outstanding_.erase(p);
     outstanding_bytes_ -= p->len;
     Piece* retry = new Piece(*p);
@@ -257,8 +259,7 @@ void NicWorker::fail_path(uint64_t peer_id, const std::string& why) {
   }
   std::deque<Piece*> keep;
   for (Piece* p : pending_) {
-    if (p->dst->peer->id == peer_id) {
-      peer = p->dst->peer.get();
+    if (p->dst->peer.get() == peer) {
       rerouted_++;
       engine_->reroute(p, index_, why);
     } else {
@@ -267,24 +268,23 @@ void NicWorker::fail_path(uint64_t peer_id, const std::string& why) {
   }
   pending_.swap(keep);
   in_flight_ = outstanding_.size();
-  path_clock_.erase(peer_id);
-  if (peer != nullptr && !peer->path_failed[index_].exchange(true)) failed_paths_++;
+  path_clock_.erase(peer->id);
 }
 
 void NicWorker::check_stalls() {
   const auto now = Clock::now();
-  std::vector<uint64_t> stalled;
+  std::vector<Peer*> stalled;
   for (auto& [peer_id, clock] : path_clock_) {
-    if (clock.outstanding > 0 && now - clock.progress > stall_timeout_) stalled.push_back(peer_id);
+    if (clock.outstanding > 0 && now - clock.progress > stall_timeout_) stalled.push_back(clock.peer);
   }
-  for (uint64_t peer_id : stalled) {
-    fail_path(peer_id, "no completion on NIC " + transport_->nic_name() + " for " +
+  for (Peer* peer : stalled) {
+    fail_path(peer, "no completion on NIC " + transport_->nic_name() + " for " +
                            std::to_string(stall_timeout_.count()) + " s (link down or peer gone)");
   }
   if (!pending_.empty() && blocked_since_ != Clock::time_point{} && now - blocked_since_ > stall_timeout_) {
     // The provider has refused new work for too long (for example while it keeps failing to connect).
     blocked_since_ = Clock::time_point{};
-    fail_path(pending_.front()->dst->peer->id,
+    fail_path(pending_.front()->dst->peer.get(),
               "NIC " + transport_->nic_name() + " accepted no new write for " +
                   std::to_string(stall_timeout_.count()) + " s");
   }

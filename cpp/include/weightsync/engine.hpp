@@ -122,7 +122,7 @@ class NicWorker {
   void run();
   void post_pending();
   void handle(const Completion& c);
-  void fail_path(uint64_t peer_id, const std::string& why);
+  void fail_path(Peer* peer, const std::string& why);
   void check_stalls();
   void shutdown_pieces();
 
@@ -145,6 +145,7 @@ class NicWorker {
   std::vector<Piece*> stale_;  // superseded pieces the provider may still complete
   uint64_t outstanding_bytes_ = 0;
   struct PathClock {
+    Peer* peer = nullptr;  // kept alive by the pieces in flight to it
     uint64_t outstanding = 0;
     std::chrono::steady_clock::time_point progress;
   };

@@ -1,0 +1,172 @@
+"""A transfer-engine peer in its own process (optionally inside a network namespace), driven by tests.
+
+The parent speaks length-prefixed msgpack over the child's stdin/stdout: each request is a dict with an
+``op``; each answer is ``{"ok": value}`` or ``{"error": "Type: message"}``. Keeping the engine in another
+process is the point: writes cross a real connection, and a peer can be killed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+
+POISON = 0xA5
+
+
+def _read(stream: Any) -> Any:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack("<I", head)
+    return msgpack.unpackb(stream.read(n), raw=False)
+
+
+def _write(stream: Any, obj: Any) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    stream.write(struct.pack("<I", len(data)) + data)
+    stream.flush()
+
+
+def digest(buf: np.ndarray) -> str:
+    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+
+
+def random_bytes(size: int, seed: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8).copy()
+
+
+class _Server:
+    def __init__(self) -> None:
+        self.engine: Any = None
+        self.buffers: dict[int, np.ndarray] = {}
+        self.regions: dict[int, Any] = {}
+        self.peers: dict[int, Any] = {}
+        self.transfers: dict[int, Any] = {}
+
+    def engine_(self, **kwargs: Any) -> bytes:
+        from weightsync.engine import TransferEngine
+
+        self.engine = TransferEngine(**kwargs)
+        return self.engine.address
+
+    def alloc(self, size: int, seed: int | None = None) -> list[Any]:
+        buf = np.full(size, POISON, dtype=np.uint8) if seed is None else random_bytes(size, seed)
+        region = self.engine.register(buf, name=f"buffer{len(self.buffers)}")
+        self.buffers[region.id] = buf
+        self.regions[region.id] = region
+        return [region.id, region.descriptor]
+
+    def digest(self, region: int, off: int, size: int) -> str:
+        return digest(self.buffers[region][off : off + size])
+
+    def poisoned_outside(self, region: int, off: int, size: int) -> bool:
+        buf = self.buffers[region]
+        return bool((buf[:off] == POISON).all() and (buf[off + size :] == POISON).all())
+
+    def connect(self, address: bytes) -> int:
+        peer = self.engine.connect(address)
+        self.peers[len(self.peers)] = peer
+        return len(self.peers) - 1
+
+    def write(self, region: int, src_off: int, peer: int, descriptor: bytes, dst_off: int, size: int,
+              imm: int | None = None, timeout: float = 60.0) -> list[Any]:
+        t0 = time.perf_counter()
+        t = self.engine.write(self.regions[region], src_off, self.peers[peer], descriptor, dst_off, size, imm)
+        t.wait(timeout)
+        return [t.imm_count, time.perf_counter() - t0]
+
+    def write_async(self, region: int, src_off: int, peer: int, descriptor: bytes, dst_off: int, size: int,
+                    imm: int | None = None) -> int:
+        t = self.engine.write(self.regions[region], src_off, self.peers[peer], descriptor, dst_off, size, imm)
+        self.transfers[len(self.transfers)] = t
+        return len(self.transfers) - 1
+
+    def wait(self, transfer: int, timeout: float = 60.0) -> list[Any]:
+        t0 = time.perf_counter()
+        t = self.transfers[transfer]
+        t.wait(timeout)
+        return [t.imm_count, time.perf_counter() - t0]
+
+    def counter_wait(self, imm: int, n: int, timeout: float = 60.0) -> None:
+        self.engine.counter(imm).wait(n, timeout)
+
+    def counter_value(self, imm: int) -> int:
+        return self.engine.counter(imm).value
+
+    def stats(self) -> list[dict[str, Any]]:
+        return self.engine.stats()
+
+    def failed_paths(self, peer: int) -> list[bool]:
+        return self.peers[peer].failed_paths
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def serve() -> None:
+    server = _Server()
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
+    while True:
+        req = _read(stdin)
+        if req is None or req.get("op") == "exit":
+            break
+        op = req.pop("op")
+        try:
+            fn = getattr(server, "engine_" if op == "engine" else op)
+            _write(stdout, {"ok": fn(**req)})
+        except Exception as exc:  # reported to the parent, which re-raises it
+            _write(stdout, {"error": f"{type(exc).__name__}: {exc}"})
+    if server.engine is not None:
+        server.engine.close()
+
+
+class PeerError(Exception):
+    """An operation failed in the peer process; the message starts with the exception's type."""
+
+
+class PeerProcess:
+    """Parent-side handle: ``peer.call("alloc", size=...)``."""
+
+    def __init__(self, netns: str | None = None, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "tests.peer"]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root, env={**os.environ, **(env or {})}
+        )
+
+    def call(self, op: str, **kwargs: Any) -> Any:
+        _write(self.proc.stdin, {"op": op, **kwargs})
+        answer = _read(self.proc.stdout)
+        if answer is None:
+            raise PeerError(f"peer process exited (code {self.proc.poll()}) during {op}")
+        if "error" in answer:
+            raise PeerError(answer["error"])
+        return answer["ok"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                _write(self.proc.stdin, {"op": "exit"})
+                self.proc.wait(20)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.kill()
+
+
+if __name__ == "__main__":
+    serve()
