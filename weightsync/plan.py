@@ -1,0 +1,1394 @@
+"""The planner: from what every source holds and every destination needs to per-source write lists.
+
+``plan(sources, destinations)`` intersects every needed region with the held ones, picks one source per
+piece (balancing bytes per source GPU and per NIC, preferring sources on the destination's host),
+turns every piece into 2-D byte blocks inside the local tensors, coalesces adjacent writes, orders each
+source's writes in rounds so that every destination has as few simultaneous writers as possible, and
+validates the result before any byte moves.
+
+Everything is columnar (numpy): a plan for a trillion-parameter model has millions of writes, and the
+coordinator computes it at start-up. Ranks whose layouts are equal (HSDP nodes, inference replicas)
+are planned as one *class*, so the work grows with the number of distinct layouts, not with the
+number of GPUs times the number of tensors.
+
+Ops (one row of :data:`OP_DTYPE` per write):
+
+``src_rank``, ``dst_rank``
+    source (trainer) and destination (rollout) rank, i.e. index in the lists given to :func:`plan`.
+``round``
+    position of the write's group in its source's schedule. A source runs its rounds in order; within
+    a round it writes to a single destination. Rounds of different sources with equal index are meant to
+    run at about the same time, and the scheduler pairs them so that each destination has one writer
+    at a time wherever the byte counts allow.
+``src_key``, ``dst_key``
+    indices into ``Plan.keys``: the user's dict keys of the local tensors (one registered region each).
+``src_offset``, ``dst_offset``
+    byte offsets of the block's first byte inside those local tensors.
+``rows``, ``row_bytes``, ``src_pitch``, ``dst_pitch``
+    a 2-D block: ``rows`` rows of ``row_bytes`` bytes; row ``i`` starts at ``offset + i * pitch``.
+    ``rows == 1`` for a contiguous write (pitches then equal ``row_bytes``).
+``pack``
+    1 when the block is not contiguous on either side, so the sender packs it (``cuMemcpy2DAsync``
+    into staging) rather than posting one write per row.
+``transform``
+    0 none, 1 dtype cast, 2 FP8 block quantization, 3 FP8 block scales (see :data:`TRANSFORMS`). For
+    transformed ops ``row_bytes``/``dst_pitch`` count destination bytes and ``src_offset``/``src_pitch``
+    source bytes (source dtype); rows outside the sender's own shard are first gathered to it, as listed in
+    ``Plan.gathers``. Scale ops have no source bytes (``src_key == -1``): the sender produces them when
+    it quantizes the same tiles.
+``tensor``
+    index into ``Plan.tensors`` of the (first) logical tensor the write carries, for diagnostics.
+"""
+
+from __future__ import annotations
+
+import difflib
+import heapq
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import LayoutError, PlanError
+from .layout import DTYPE_CODE, DTYPE_SIZES, DTYPES, UNKNOWN, Layout, as_layout, is_float8
+
+OP_DTYPE = np.dtype([
+    ("src_rank", "<i4"), ("dst_rank", "<i4"), ("round", "<i4"), ("src_key", "<i4"), ("dst_key", "<i4"),
+    ("tensor", "<i4"), ("transform", "u1"), ("pack", "u1"),
+    ("src_offset", "<i8"), ("dst_offset", "<i8"), ("rows", "<i8"), ("row_bytes", "<i8"),
+    ("src_pitch", "<i8"), ("dst_pitch", "<i8"),
+])
+GATHER_DTYPE = np.dtype([("provider", "<i4"), ("gatherer", "<i4"), ("tensor", "<i4"), ("nbytes", "<i8")])
+
+TRANSFORMS = ("none", "cast", "fp8", "fp8_scale")
+T_NONE, T_CAST, T_FP8, T_SCALE = 0, 1, 2, 3
+SCALE_SUFFIX = "_scale_inv"
+_ITEMSIZE = np.array([DTYPE_SIZES[d] for d in DTYPES], dtype=np.int64)
+_BIG = np.int64(1) << np.int64(40)  # > any extent; tensor ids ride above it in composite sort keys
+
+
+# ==================================================================================================
+# Plan
+
+
+@dataclass
+class Expected:
+    """What one destination receives: its incoming ops (sorted by source) and their totals."""
+
+    ops: np.ndarray
+    count: int
+    nbytes: int
+
+    def immediates(self, shard_bytes: int | None = None, nics: int = 1) -> int:
+        """Immediates to wait for when the engine splits writes above ``shard_bytes`` over ``nics``."""
+        if shard_bytes is None or nics <= 1:
+            return self.count
+        b = self.ops["rows"] * self.ops["row_bytes"]
+        shards = np.where(b > shard_bytes, np.minimum(nics, -(-b // shard_bytes)), 1)
+        return int(shards.sum())
+
+
+class Plan:
+    """A validated, static schedule of one-sided writes. See the module docstring for the op columns."""
+
+    def __init__(self, ops: np.ndarray, num_sources: int, num_destinations: int, keys: list[str],
+                 tensors: list[str], src_dtype: list[str], dst_dtype: list[str],
+                 gathers: np.ndarray | None = None, needed_bytes: np.ndarray | None = None,
+                 stats: dict[str, Any] | None = None) -> None:
+        order = np.lexsort((ops["dst_offset"], ops["dst_key"], ops["dst_rank"], ops["round"],
+                            ops["src_rank"]))
+        self.ops = np.ascontiguousarray(ops[order])
+        self.num_sources = int(num_sources)
+        self.num_destinations = int(num_destinations)
+        self.keys = keys
+        self.tensors = tensors
+        self.src_dtype = src_dtype
+        self.dst_dtype = dst_dtype
+        self.gathers = (np.zeros(0, GATHER_DTYPE) if gathers is None
+                        else np.ascontiguousarray(gathers, dtype=GATHER_DTYPE))
+        self.needed_bytes = (np.zeros(num_destinations, np.int64) if needed_bytes is None
+                             else np.asarray(needed_bytes, np.int64))
+        self.stats = dict(stats or {})
+        self._src_bounds = np.searchsorted(self.ops["src_rank"], np.arange(self.num_sources + 1))
+        self._by_dst = np.argsort(self.ops["dst_rank"], kind="stable")
+        self._dst_bounds = np.searchsorted(self.ops["dst_rank"][self._by_dst],
+                                           np.arange(self.num_destinations + 1))
+
+    # -- views ------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def for_source(self, rank: int) -> np.ndarray:
+        """This source's ops in execution order (by round), as a structured array (columns by name)."""
+        if not 0 <= rank < self.num_sources:
+            raise PlanError(f"source rank {rank} out of range (the plan has {self.num_sources} sources)")
+        return self.ops[self._src_bounds[rank]:self._src_bounds[rank + 1]]
+
+    def expected_for_destination(self, rank: int) -> Expected:
+        """The ops that write into destination ``rank``: count, bytes and the ops themselves."""
+        if not 0 <= rank < self.num_destinations:
+            raise PlanError(f"destination rank {rank} out of range (the plan has "
+                            f"{self.num_destinations} destinations)")
+        ops = self.ops[self._by_dst[self._dst_bounds[rank]:self._dst_bounds[rank + 1]]]
+        return Expected(ops=ops, count=len(ops), nbytes=int((ops["rows"] * ops["row_bytes"]).sum()))
+
+    def op_bytes(self) -> np.ndarray:
+        return self.ops["rows"] * self.ops["row_bytes"]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.op_bytes().sum())
+
+    def bytes_per_source(self) -> np.ndarray:
+        return np.bincount(self.ops["src_rank"], weights=self.op_bytes(),
+                           minlength=self.num_sources).astype(np.int64)
+
+    def bytes_per_destination(self) -> np.ndarray:
+        return np.bincount(self.ops["dst_rank"], weights=self.op_bytes(),
+                           minlength=self.num_destinations).astype(np.int64)
+
+    def writes_per_source(self) -> np.ndarray:
+        return np.bincount(self.ops["src_rank"], minlength=self.num_sources)
+
+    def max_writers_per_round(self) -> int:
+        """Largest number of sources writing one destination in the same round."""
+        if len(self.ops) == 0:
+            return 0
+        pairs = np.unique(np.stack([self.ops["round"].astype(np.int64), self.ops["dst_rank"],
+                                    self.ops["src_rank"]], axis=1), axis=0)
+        _, counts = np.unique(pairs[:, :2], axis=0, return_counts=True)
+        return int(counts.max())
+
+    # -- checks -----------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check the plan on its own: every destination receives exactly the bytes it needs and no two
+        writes touch the same destination byte. Raises :class:`PlanError`."""
+        got = self.bytes_per_destination()
+        bad = np.nonzero(got != self.needed_bytes)[0]
+        if len(bad):
+            r = int(bad[0])
+            raise PlanError(f"destination rank {r} would receive {int(got[r])} bytes but needs "
+                            f"{int(self.needed_bytes[r])}")
+        ops = self.ops
+        if len(ops) == 0:
+            return
+        # Destination byte intervals of each write's rows must not overlap. Expand blocks into rows
+        # (bounded: rows of packed blocks only), then sort and compare neighbours.
+        rows = ops["rows"]
+        total_rows = int(rows.sum())
+        if total_rows > 50_000_000:
+            return  # too large to expand here; the construction path already proved disjointness
+        idx = np.repeat(np.arange(len(ops)), rows)
+        first = np.cumsum(rows) - rows
+        i = np.arange(total_rows) - np.repeat(first, rows)
+        start = ops["dst_offset"][idx] + i * ops["dst_pitch"][idx]
+        end = start + ops["row_bytes"][idx]
+        dk = ops["dst_rank"][idx].astype(np.int64) * (1 << 20) + ops["dst_key"][idx]
+        order = np.lexsort((start, dk))
+        s, e, k = start[order], end[order], dk[order]
+        clash = np.nonzero((k[1:] == k[:-1]) & (s[1:] < e[:-1]))[0]
+        if len(clash):
+            j = int(clash[0])
+            a, b = ops[idx[order][j]], ops[idx[order][j + 1]]
+            raise PlanError(
+                f"two writes overlap in destination rank {int(a['dst_rank'])} tensor "
+                f"{self.keys[int(a['dst_key'])]!r} at byte {int(s[j + 1])}: from source ranks "
+                f"{int(a['src_rank'])} and {int(b['src_rank'])}")
+
+    # -- wire format ------------------------------------------------------------------------------
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb({
+            "v": 1, "num_sources": self.num_sources, "num_destinations": self.num_destinations,
+            "keys": self.keys, "tensors": self.tensors, "src_dtype": self.src_dtype,
+            "dst_dtype": self.dst_dtype, "ops": self.ops.tobytes(), "gathers": self.gathers.tobytes(),
+            "needed_bytes": self.needed_bytes.tobytes(), "stats": _plain(self.stats),
+        }, use_bin_type=True)
+
+    @staticmethod
+    def from_msgpack(data: bytes) -> Plan:
+        d = msgpack.unpackb(data, raw=False)
+        return Plan(np.frombuffer(d["ops"], OP_DTYPE).copy(), d["num_sources"], d["num_destinations"],
+                    list(d["keys"]), list(d["tensors"]), list(d["src_dtype"]), list(d["dst_dtype"]),
+                    np.frombuffer(d["gathers"], GATHER_DTYPE).copy(),
+                    np.frombuffer(d["needed_bytes"], np.int64).copy(), d.get("stats"))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Plan) and self.num_sources == other.num_sources
+                and self.num_destinations == other.num_destinations and self.keys == other.keys
+                and self.tensors == other.tensors and np.array_equal(self.ops, other.ops)
+                and np.array_equal(self.gathers, other.gathers))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"Plan({len(self.ops)} writes, {self.nbytes} bytes, {self.num_sources} sources -> "
+                f"{self.num_destinations} destinations)")
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+# ==================================================================================================
+# Helpers on boxes
+
+
+def _pad(a: np.ndarray, width: int, fill: int) -> np.ndarray:
+    if a.shape[1] == width:
+        return a
+    out = np.full((a.shape[0], width), fill, dtype=a.dtype)
+    out[:, width - a.shape[1]:] = a
+    return out
+
+
+def _classes(layouts: Sequence[Layout]) -> tuple[list[Layout], np.ndarray]:
+    """Distinct layouts and the class of every rank (equal layouts are planned once)."""
+    by_id: dict[int, int] = {}
+    by_fp: dict[str, int] = {}
+    classes: list[Layout] = []
+    class_of = np.zeros(len(layouts), np.int32)
+    for r, lay in enumerate(layouts):
+        c = by_id.get(id(lay))
+        if c is None:
+            fp = lay.fingerprint()
+            c = by_fp.get(fp)
+            if c is None:
+                c = by_fp[fp] = len(classes)
+                classes.append(lay)
+            by_id[id(lay)] = c
+        class_of[r] = c
+    return classes, class_of
+
+
+def _ranks_text(ranks: np.ndarray | Sequence[int], limit: int = 8) -> str:
+    ranks = [int(x) for x in ranks]
+    s = ", ".join(str(x) for x in ranks[:limit])
+    return f"[{s}{', ...' if len(ranks) > limit else ''}]"
+
+
+def _group_bounds(sorted_keys: np.ndarray) -> np.ndarray:
+    """Start indices of runs of equal values in a sorted array, plus len at the end."""
+    if len(sorted_keys) == 0:
+        return np.zeros(1, np.int64)
+    change = np.nonzero(sorted_keys[1:] != sorted_keys[:-1])[0] + 1
+    return np.concatenate([[0], change, [len(sorted_keys)]]).astype(np.int64)
+
+
+def _split_dims(tensor: np.ndarray, lo: np.ndarray, shape: np.ndarray, ntensors: int) -> np.ndarray:
+    """Per tensor: the one dimension along which its boxes differ (0 if none), -1 if several."""
+    width = lo.shape[1]
+    mn_lo = np.full((ntensors, width), np.iinfo(np.int64).max)
+    mx_lo = np.full((ntensors, width), np.iinfo(np.int64).min)
+    mn_sh = mn_lo.copy()
+    mx_sh = mx_lo.copy()
+    for d in range(width):
+        np.minimum.at(mn_lo[:, d], tensor, lo[:, d])
+        np.maximum.at(mx_lo[:, d], tensor, lo[:, d])
+        np.minimum.at(mn_sh[:, d], tensor, shape[:, d])
+        np.maximum.at(mx_sh[:, d], tensor, shape[:, d])
+    varies = (mn_lo != mx_lo) | (mn_sh != mx_sh)
+    nvar = varies.sum(axis=1)
+    split = np.where(nvar == 0, 0, np.argmax(varies, axis=1))
+    return np.where(nvar > 1, -1, split).astype(np.int64)
+
+
+def _tensors_with_overlap(tensor: np.ndarray, lo: np.ndarray, shape: np.ndarray,
+                          ntensors: int) -> np.ndarray:
+    """Ids of tensors two of whose (non-empty) boxes share an element."""
+    keep = np.all(shape > 0, axis=1)
+    t, lo, shape = tensor[keep].astype(np.int64), lo[keep], shape[keep]
+    if len(t) < 2:
+        return np.zeros(0, np.int64)
+    split = _split_dims(t, lo, shape, ntensors)
+    sd = split[t]
+    simple = sd >= 0
+    bad: list[np.ndarray] = []
+    # Boxes of a tensor that differ in one dimension only: sort along it; a box starting before the
+    # furthest end seen so far in its tensor overlaps an earlier one.
+    si = np.nonzero(simple)[0]
+    if len(si) > 1:
+        k = sd[si]
+        start = lo[si, k]
+        end = start + shape[si, k]
+        order = np.lexsort((start, t[si]))
+        ts, ss, es = t[si][order], start[order], end[order]
+        run_end = np.maximum.accumulate(es + ts * _BIG)
+        hit = np.nonzero((ts[1:] == ts[:-1]) & (ss[1:] + ts[1:] * _BIG < run_end[:-1]))[0]
+        bad.append(ts[hit + 1])
+    # Boxes cut along several dimensions: pairwise inside each such tensor (small in practice).
+    gi = np.nonzero(~simple)[0]
+    if len(gi):
+        order = gi[np.argsort(t[gi], kind="stable")]
+        bounds = _group_bounds(t[order])
+        for a, b in itertools.pairwise(bounds):
+            idx = order[a:b]
+            if _pairwise(lo[idx], shape[idx]):
+                bad.append(t[idx[:1]])
+    return np.unique(np.concatenate(bad)) if bad else np.zeros(0, np.int64)
+
+
+def _pairwise(lo: np.ndarray, shape: np.ndarray) -> list[tuple[int, int]]:
+    hi = lo + shape
+    inter = np.all(np.maximum(lo[:, None, :], lo[None, :, :]) < np.minimum(hi[:, None, :], hi[None, :, :]),
+                   axis=2)
+    ii, jj = np.nonzero(np.triu(inter, k=1))
+    return [(int(a), int(b)) for a, b in zip(ii, jj, strict=True)]
+
+
+def _first_overlap(tensor: np.ndarray, lo: np.ndarray, shape: np.ndarray,
+                   ntensors: int) -> tuple[int, int] | None:
+    """A pair (i, j) of rows whose boxes of the same tensor share an element, or None."""
+    bad = _tensors_with_overlap(tensor, lo, shape, ntensors)
+    if len(bad) == 0:
+        return None
+    idx = np.nonzero((tensor == bad[0]) & np.all(shape > 0, axis=1))[0]
+    pairs = _pairwise(lo[idx], shape[idx])
+    return (int(idx[pairs[0][0]]), int(idx[pairs[0][1]])) if pairs else None
+
+
+def _box_minus(alo: np.ndarray, ahi: np.ndarray, blo: np.ndarray, bhi: np.ndarray
+               ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Box a minus box b as at most 2*ndim disjoint boxes."""
+    if not np.all(np.maximum(alo, blo) < np.minimum(ahi, bhi)):
+        return [(alo.copy(), ahi.copy())]
+    out = []
+    lo, hi = alo.copy(), ahi.copy()
+    for d in range(len(alo)):
+        if lo[d] < blo[d]:
+            h = hi.copy()
+            h[d] = blo[d]
+            out.append((lo.copy(), h))
+            lo[d] = blo[d]
+        if hi[d] > bhi[d]:
+            lo2 = lo.copy()
+            lo2[d] = bhi[d]
+            out.append((lo2, hi.copy()))
+            hi[d] = bhi[d]
+    return out
+
+
+# ==================================================================================================
+# Holder boxes: distinct source boxes, each with the (class, row) pairs that hold it
+
+
+@dataclass
+class _Holders:
+    tensor: np.ndarray   # [H]
+    lo: np.ndarray       # [H, W]
+    shape: np.ndarray    # [H, W]
+    ent_hb: np.ndarray   # [E] holder box of each entry, sorted by (hb, class)
+    ent_class: np.ndarray
+    ent_row: np.ndarray  # global source row index
+    split: np.ndarray    # per tensor: the one dim its boxes are cut along, or -1
+
+
+def _build_holders(tensor: np.ndarray, lo: np.ndarray, shape: np.ndarray, cls: np.ndarray,
+                   row: np.ndarray, ntensors: int) -> _Holders:
+    width = lo.shape[1]
+    keep = np.all(shape > 0, axis=1)
+    tensor, lo, shape, cls, row = tensor[keep], lo[keep], shape[keep], cls[keep], row[keep]
+    if len(tensor) == 0:
+        z = np.zeros(0, np.int64)
+        return _Holders(z.astype(np.int32), np.zeros((0, width), np.int64), np.zeros((0, width), np.int64),
+                        z, z.astype(np.int32), z, np.zeros(ntensors, np.int64))
+    boxes = np.concatenate([tensor[:, None].astype(np.int64), lo, shape], axis=1)
+    uniq, inv = np.unique(boxes, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    h_t, h_lo, h_sh = uniq[:, 0].astype(np.int32), uniq[:, 1:1 + width], uniq[:, 1 + width:]
+    order = np.lexsort((row, cls, inv))
+    e_hb, e_cls, e_row = inv[order], cls[order], row[order]
+    # one entry per (box, class): a class holding the same box twice adds no choice
+    first = np.ones(len(e_hb), bool)
+    first[1:] = (e_hb[1:] != e_hb[:-1]) | (e_cls[1:] != e_cls[:-1])
+    e_hb, e_cls, e_row = e_hb[first], e_cls[first], e_row[first]
+    hold = _Holders(h_t, h_lo, h_sh, e_hb.astype(np.int64), e_cls.astype(np.int32), e_row.astype(np.int64),
+                    np.zeros(ntensors, np.int64))
+    # Distinct boxes of one tensor must not overlap, otherwise a destination byte would be sent twice.
+    bad_t = _tensors_with_overlap(h_t, h_lo, h_sh, ntensors)
+    if len(bad_t):
+        hold = _disjointify(hold, [int(x) for x in bad_t])
+    hold.split = _split_dims(hold.tensor, hold.lo, hold.shape, ntensors)
+    return hold
+
+
+def _disjointify(h: _Holders, bad_tensors: list[int]) -> _Holders:
+    """Rewrite the boxes of tensors whose source boxes overlap (one source holds the full tensor, others
+    shards, ...) into disjoint boxes, each held by every class that holds all of it."""
+    bad = np.isin(h.tensor, bad_tensors)
+    new_t: list[int] = []
+    new_lo: list[np.ndarray] = []
+    new_hi: list[np.ndarray] = []
+    new_ent: list[list[tuple[int, int]]] = []
+    ent_bounds = np.searchsorted(h.ent_hb, np.arange(len(h.tensor) + 1))
+    for t in bad_tensors:
+        pieces: list[tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]] = []
+        for b in np.nonzero(h.tensor == t)[0]:
+            holders = [(int(h.ent_class[e]), int(h.ent_row[e]))
+                       for e in range(ent_bounds[b], ent_bounds[b + 1])]
+            rest = [(h.lo[b].copy(), h.lo[b] + h.shape[b])]
+            updated = []
+            for plo, phi, ph in pieces:
+                ilo, ihi = np.maximum(plo, h.lo[b]), np.minimum(phi, h.lo[b] + h.shape[b])
+                if np.all(ilo < ihi):
+                    for mlo, mhi in _box_minus(plo, phi, ilo, ihi):
+                        updated.append((mlo, mhi, ph))
+                    updated.append((ilo, ihi, ph + [x for x in holders if x[0] not in {c for c, _ in ph}]))
+                    nxt = []
+                    for rlo, rhi in rest:
+                        nxt.extend(_box_minus(rlo, rhi, ilo, ihi))
+                    rest = nxt
+                else:
+                    updated.append((plo, phi, ph))
+            pieces = updated + [(rlo, rhi, list(holders)) for rlo, rhi in rest if np.all(rlo < rhi)]
+        for plo, phi, ph in pieces:
+            new_t.append(t)
+            new_lo.append(plo)
+            new_hi.append(phi)
+            new_ent.append(sorted(ph))
+    keep_b = np.nonzero(~bad)[0]
+    remap = np.full(len(h.tensor), -1, np.int64)
+    remap[keep_b] = np.arange(len(keep_b))
+    ek = remap[h.ent_hb] >= 0
+    base = len(keep_b)
+    width = h.lo.shape[1]
+    t_all = np.concatenate([h.tensor[keep_b], np.array(new_t, np.int32)])
+    lo_all = np.concatenate([h.lo[keep_b], np.array(new_lo, np.int64).reshape(-1, width)])
+    sh_all = np.concatenate([h.shape[keep_b], (np.array(new_hi, np.int64) - np.array(new_lo, np.int64)
+                                               ).reshape(-1, width)])
+    e_hb = [remap[h.ent_hb[ek]]]
+    e_c = [h.ent_class[ek]]
+    e_r = [h.ent_row[ek]]
+    for i, ents in enumerate(new_ent):
+        e_hb.append(np.full(len(ents), base + i, np.int64))
+        e_c.append(np.array([c for c, _ in ents], np.int32))
+        e_r.append(np.array([r for _, r in ents], np.int64))
+    return _Holders(t_all, lo_all, sh_all, np.concatenate(e_hb), np.concatenate(e_c), np.concatenate(e_r),
+                    h.split)
+
+
+def _join(q_tensor: np.ndarray, q_lo: np.ndarray, q_shape: np.ndarray, h: _Holders
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """All non-empty intersections of query boxes with holder boxes of the same tensor.
+
+    Returns (query index, holder box index, intersection lo, intersection shape). Tensors whose holder
+    boxes are cut along one dimension (FSDP shards, TP slices) are found by binary search, so a query
+    meets only the boxes it overlaps, not every shard of its tensor.
+    """
+    nh = len(h.tensor)
+    width = q_lo.shape[1]
+    if nh == 0 or len(q_tensor) == 0:
+        z = np.zeros(0, np.int64)
+        return z, z, np.zeros((0, width), np.int64), np.zeros((0, width), np.int64)
+    sd_h = np.maximum(h.split[h.tensor], 0)
+    hstart = h.lo[np.arange(nh), sd_h]
+    hend = hstart + h.shape[np.arange(nh), sd_h]
+    order = np.lexsort((hstart, h.tensor))
+    ht = h.tensor[order].astype(np.int64)
+    key_start = ht * _BIG + hstart[order]
+    key_end = ht * _BIG + hend[order]
+    qt = q_tensor.astype(np.int64)
+    sd_q = h.split[q_tensor]
+    general = sd_q < 0
+    k = np.maximum(sd_q, 0)
+    qs = q_lo[np.arange(len(qt)), k]
+    qe = qs + q_shape[np.arange(len(qt)), k]
+    first = np.searchsorted(key_end, qt * _BIG + qs, side="right")
+    last = np.searchsorted(key_start, qt * _BIG + qe, side="left")
+    if general.any():
+        t_first = np.searchsorted(ht, qt[general], side="left")
+        t_last = np.searchsorted(ht, qt[general], side="right")
+        first[general] = t_first
+        last[general] = t_last
+    count = np.maximum(last - first, 0)
+    qi = np.repeat(np.arange(len(qt)), count)
+    offs = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    hb = order[np.repeat(first, count) + offs]
+    ilo = np.maximum(q_lo[qi], h.lo[hb])
+    ihi = np.minimum(q_lo[qi] + q_shape[qi], h.lo[hb] + h.shape[hb])
+    ok = np.all(ihi > ilo, axis=1)
+    return qi[ok], hb[ok], ilo[ok], (ihi - ilo)[ok]
+
+
+# ==================================================================================================
+# Local-memory overlap of destination pieces
+
+
+def _local_overlap(lay: Layout, boff: np.ndarray, esize: np.ndarray) -> tuple[int, int] | None:
+    """First pair of regions of one layout whose local bytes overlap (same local tensor)."""
+    nonempty = np.all(lay.shape > 0, axis=1)
+    idx = np.nonzero(nonempty)[0]
+    if len(idx) < 2:
+        return None
+    span = (np.sum((lay.shape[idx] - 1) * lay.strides[idx], axis=1) + 1) * esize[idx]
+    start = boff[idx]
+    end = start + span
+    key = lay.key[idx].astype(np.int64)
+    order = np.lexsort((start, key))
+    s, e, k = start[order], end[order], key[order]
+    run = np.maximum.accumulate(e + k * _BIG)
+    cand = np.nonzero((k[1:] == k[:-1]) & (s[1:] + k[1:] * _BIG < run[:-1]))[0] + 1
+    for c in cand:
+        j = int(idx[order[c]])
+        for b in range(c - 1, -1, -1):
+            if k[b] != k[c]:
+                break
+            i = int(idx[order[b]])
+            if e[b] > s[c] and _strided_overlap(lay, i, j, boff, esize):
+                return (i, j)
+    return None
+
+
+def _strided_overlap(lay: Layout, i: int, j: int, boff: np.ndarray, esize: np.ndarray) -> bool:
+    si, sj = lay.strides[i], lay.strides[j]
+    ni, nj = lay.shape[i], lay.shape[j]
+    aligned = boff[i] % esize[i] == 0 and boff[j] % esize[j] == 0
+    if esize[i] == esize[j] and np.array_equal(si, sj) and aligned:
+        # Same strides: both are boxes of one local index space; decompose the start offsets along
+        # the strides (largest first) and compare as boxes. Exact for strides of a dense tensor.
+        order = np.argsort(-si, kind="stable")
+        a, b = boff[i] // esize[i], boff[j] // esize[j]
+        ai, bi = np.zeros(len(si), np.int64), np.zeros(len(si), np.int64)
+        for d in order:
+            if si[d] > 0:
+                ai[d], a = divmod(a, si[d])
+                bi[d], b = divmod(b, si[d])
+        if a == 0 and b == 0:
+            return bool(np.all(np.maximum(ai, bi) < np.minimum(ai + ni, bi + nj)))
+    if np.prod(ni) + np.prod(nj) <= 4_000_000:
+        def addrs(k: int) -> np.ndarray:
+            axes = [np.arange(n) * s for n, s in zip(lay.shape[k], lay.strides[k], strict=True)]
+            grids = np.meshgrid(*axes, indexing="ij")
+            el = np.sum(grids, axis=0).reshape(-1) * esize[k] + boff[k]
+            return (el[:, None] + np.arange(esize[k])[None, :]).reshape(-1)
+        return len(np.intersect1d(addrs(i), addrs(j))) > 0
+    return True  # cannot prove them disjoint cheaply: refuse rather than risk a torn write
+
+
+# ==================================================================================================
+# The planner
+
+
+def plan(sources: Sequence[Any], destinations: Sequence[Any], *,
+         source_hosts: Sequence[Any] | None = None, destination_hosts: Sequence[Any] | None = None,
+         source_nics: Sequence[Any] | None = None, allow_cast: bool = False,
+         fp8_block: tuple[int, int] | None = None, round_bytes: int = 256 << 20,
+         coalesce: bool = True, validate: bool = True) -> Plan:
+    """Plan the writes that bring every destination up to date from the sources.
+
+    ``sources[i]`` / ``destinations[j]`` are layouts (:class:`~weightsync.layout.Layout`, or anything
+    :func:`~weightsync.layout.as_layout` reads); their list index is the rank. ``source_hosts`` and
+    ``destination_hosts`` give a host id per rank: a destination takes a piece from a source on its own
+    host whenever one holds it (the ``cuda`` transport). ``source_nics`` gives a NIC id per source rank
+    (default: one NIC per GPU); bytes are balanced per NIC, then per GPU.
+
+    ``allow_cast`` lets a destination hold a different float dtype than the sources (cast on the
+    sender). ``fp8_block=(128, 128)`` lets destinations hold FP8 weights with block scales: a
+    destination tensor ``W`` in ``float8_*`` with a ``W_scale_inv`` (float32) beside it; each tile is
+    quantized by one sender, rows of a tile held by another shard are gathered to it first.
+
+    ``round_bytes`` bounds the bytes of one round of one source (finer rounds let the scheduler keep
+    every destination fed by one writer at a time).
+
+    Raises :class:`LayoutError` for inconsistent layouts, :class:`PlanError` when the sources do not
+    cover what the destinations need.
+    """
+    return _Planner(sources, destinations, source_hosts, destination_hosts, source_nics, allow_cast,
+                    fp8_block, round_bytes, coalesce, validate).run()
+
+
+class _Planner:
+    def __init__(self, sources: Sequence[Any], destinations: Sequence[Any], source_hosts: Any,
+                 destination_hosts: Any, source_nics: Any, allow_cast: bool,
+                 fp8_block: tuple[int, int] | None, round_bytes: int, coalesce: bool, validate: bool) -> None:
+        self.src_layouts = [as_layout(x) for x in sources]
+        self.dst_layouts = [as_layout(x) for x in destinations]
+        self.T = len(self.src_layouts)
+        self.R = len(self.dst_layouts)
+        if self.T == 0:
+            raise PlanError("no sources")
+        self.allow_cast = allow_cast
+        self.fp8_block = fp8_block
+        self.round_bytes = int(round_bytes)
+        self.coalesce = coalesce
+        self.validate = validate
+        hosts = list(source_hosts) if source_hosts is not None else [("src", i) for i in range(self.T)]
+        dhosts = (list(destination_hosts) if destination_hosts is not None
+                  else [("dst", j) for j in range(self.R)])
+        if len(hosts) != self.T or len(dhosts) != self.R:
+            raise PlanError("source_hosts/destination_hosts must have one entry per rank")
+        host_ids: dict[Any, int] = {}
+        self.src_host = np.array([host_ids.setdefault(h, len(host_ids)) for h in hosts], np.int64)
+        self.dst_host = np.array([host_ids.setdefault(h, len(host_ids)) for h in dhosts], np.int64)
+        nics = list(source_nics) if source_nics is not None else list(range(self.T))
+        if len(nics) != self.T:
+            raise PlanError("source_nics must have one entry per source rank")
+        nic_ids: dict[Any, int] = {}
+        self.src_nic = np.array([nic_ids.setdefault(n, len(nic_ids)) for n in nics], np.int64)
+        self.stats: dict[str, Any] = {}
+
+    # ----------------------------------------------------------------------------------------------
+    def run(self) -> Plan:
+        self._classes()
+        self._tensor_table()
+        self._rows()
+        self._check_bounds()
+        self._check_destinations()
+        self._holders()
+        self._pieces()
+        self._choose_sources()
+        ops = self._blocks()
+        if self.coalesce:
+            ops = _coalesce(ops)
+        ops["round"] = _schedule(ops, self.T, self.R, self.round_bytes)
+        gathers = self._gathers()
+        needed = self.needed_bytes
+        p = Plan(ops, self.T, self.R, self.keys, self.names,
+                 [DTYPES[int(c)] for c in self.g_dtype], [DTYPES[int(c)] for c in self.g_dst_dtype],
+                 gathers, needed, self.stats)
+        if self.validate:
+            p.validate()
+        return p
+
+    # ----------------------------------------------------------------------------------------------
+    def _classes(self) -> None:
+        self.src_classes, self.src_class_of = _classes(self.src_layouts)
+        self.dst_classes, self.dst_class_of = _classes(self.dst_layouts)
+        self.src_ranks_of = [np.nonzero(self.src_class_of == c)[0] for c in range(len(self.src_classes))]
+        self.dst_ranks_of = [np.nonzero(self.dst_class_of == c)[0] for c in range(len(self.dst_classes))]
+        self.W = max([lay.width for lay in self.src_classes + self.dst_classes] + [1])
+        self.stats["source_classes"] = len(self.src_classes)
+        self.stats["destination_classes"] = len(self.dst_classes)
+
+    def _tensor_table(self) -> None:
+        """Global tensor ids; shapes and dtypes agreed between all sources and every destination."""
+        W = self.W
+        self.names: list[str] = []
+        index: dict[str, int] = {}
+        cache: dict[int, np.ndarray] = {}
+
+        def map_table(lay: Layout) -> np.ndarray:
+            got = cache.get(id(lay.table))
+            if got is None:
+                got = np.empty(len(lay.table), np.int32)
+                for i, n in enumerate(lay.table.names):
+                    g = index.get(n)
+                    if g is None:
+                        g = index[n] = len(self.names)
+                        self.names.append(n)
+                    got[i] = g
+                cache[id(lay.table)] = got
+            return got
+
+        self.src_tmap = [map_table(lay) for lay in self.src_classes]
+        nsrc_names = len(self.names)
+        src_index = dict(index)
+        G = np.full((nsrc_names, W), -2, np.int64)
+        nd = np.full(nsrc_names, -1, np.int64)
+        dt = np.full(nsrc_names, -1, np.int64)
+        seen_by = np.full(nsrc_names, -1, np.int64)
+        for c, lay in enumerate(self.src_classes):
+            gids = self.src_tmap[c]
+            gs = _pad(lay.table.gshape, W, 1)
+            for arr, val, what in ((nd, lay.table.ndim.astype(np.int64), "rank"),
+                                   (dt, lay.table.dtype.astype(np.int64), "dtype")):
+                cur = arr[gids]
+                new = cur < 0
+                arr[gids[new]] = val[new]
+                bad = np.nonzero(~new & (cur != val))[0]
+                if len(bad):
+                    i = int(bad[0])
+                    self._raise_src_mismatch(gids[i], c, int(seen_by[gids[i]]), what)
+            cur = G[gids]
+            unknown_cur = cur < 0
+            unknown_new = gs == UNKNOWN
+            bad = np.nonzero(np.any(~unknown_cur & ~unknown_new & (cur != gs), axis=1))[0]
+            if len(bad):
+                i = int(bad[0])
+                self._raise_src_mismatch(gids[i], c, int(seen_by[gids[i]]), "global shape")
+            G[gids] = np.where(unknown_cur, gs, cur)
+            seen_by[gids] = np.where(seen_by[gids] < 0, c, seen_by[gids])
+        unknown = np.nonzero(np.any(G < 0, axis=1))[0]
+        if len(unknown):
+            t = int(unknown[0])
+            raise LayoutError(f"no source states the global shape of tensor {self.names[t]!r} "
+                              f"(Fused parts without global_shape on every source holding it)")
+        self.g_shape = G
+        self.g_ndim = nd
+        self.g_dtype = dt
+        # Destinations: every name must be a source tensor, or the FP8 scales of one.
+        self.dst_tmap: list[np.ndarray] = []
+        self.g_dst_dtype = dt.copy()
+        self.g_transform = np.zeros(nsrc_names, np.int64)
+        scale_of: dict[int, int] = {}  # scale tensor id -> weight tensor id
+        dst_set = np.zeros(nsrc_names, bool)
+        pending: list[tuple[int, Layout, int, str]] = []
+        for c, lay in enumerate(self.dst_classes):
+            gids = np.empty(len(lay.table), np.int32)
+            for i, n in enumerate(lay.table.names):
+                g = src_index.get(n)
+                if g is None:
+                    g = index.get(n)
+                if g is None:
+                    g = -1
+                    pending.append((c, lay, i, n))
+                gids[i] = g
+            self.dst_tmap.append(gids)
+        # FP8 scales: names the sources don't hold, derived from a weight they do hold.
+        unknown_names: dict[str, list[int]] = defaultdict(list)
+        for c, _lay, i, n in pending:
+            base = n[: -len(SCALE_SUFFIX)] if n.endswith(SCALE_SUFFIX) else None
+            if self.fp8_block is not None and base is not None and base in src_index:
+                w = src_index[base]
+                g = index.get(n)
+                if g is None:
+                    g = index[n] = len(self.names)
+                    self.names.append(n)
+                    scale_of[g] = w
+                self.dst_tmap[c][i] = g
+            else:
+                unknown_names[n].extend(int(r) for r in self.dst_ranks_of[c])
+        if unknown_names:
+            lines = []
+            src_names = self.names[:nsrc_names]
+            for n, ranks in list(unknown_names.items())[:5]:
+                close = difflib.get_close_matches(n, src_names, n=3, cutoff=0.6)
+                hint = f"; did you mean {', '.join(repr(x) for x in close)}?" if close else ""
+                lines.append(f"{n!r} (destination ranks {_ranks_text(sorted(set(ranks)))}){hint}")
+            more = f" and {len(unknown_names) - 5} more" if len(unknown_names) > 5 else ""
+            raise LayoutError("destinations need tensors no source holds: " + "; ".join(lines) + more)
+        nall = len(self.names)
+        if nall > nsrc_names:
+            grow = nall - nsrc_names
+            self.g_shape = np.concatenate([self.g_shape, np.ones((grow, W), np.int64)])
+            self.g_ndim = np.concatenate([self.g_ndim, np.zeros(grow, np.int64)])
+            self.g_dtype = np.concatenate([self.g_dtype, np.full(grow, DTYPE_CODE["float32"])])
+            self.g_dst_dtype = np.concatenate([self.g_dst_dtype, np.full(grow, DTYPE_CODE["float32"])])
+            self.g_transform = np.concatenate([self.g_transform, np.full(grow, T_SCALE)])
+            dst_set = np.concatenate([dst_set, np.zeros(grow, bool)])
+        self.scale_of = scale_of
+        # dtype / shape agreement of destinations with the sources
+        for c, lay in enumerate(self.dst_classes):
+            gids = self.dst_tmap[c]
+            ranks = self.dst_ranks_of[c]
+            is_scale = np.array([int(g) in scale_of for g in gids], bool) if scale_of else np.zeros(len(gids),
+                                                                                                      bool)
+            ddt = lay.table.dtype.astype(np.int64)
+            dnd = lay.table.ndim.astype(np.int64)
+            dgs = _pad(lay.table.gshape, W, 1)
+            for i in np.nonzero(~is_scale)[0]:
+                g = int(gids[i])
+                name = self.names[g]
+                if dnd[i] != self.g_ndim[g] or np.any((dgs[i] != UNKNOWN) & (dgs[i] != self.g_shape[g])):
+                    w = self.g_shape[g][W - int(self.g_ndim[g]):]
+                    raise LayoutError(
+                        f"shape mismatch for tensor {name!r}: destination ranks {_ranks_text(ranks)} say "
+                        f"{tuple(int(x) for x in dgs[i][W - int(dnd[i]):])}, the sources hold "
+                        f"{tuple(int(x) for x in w)}")
+                tr = self._transform_for(int(self.g_dtype[g]), int(ddt[i]), name, ranks)
+                if dst_set[g] and (self.g_dst_dtype[g] != ddt[i] or self.g_transform[g] != tr):
+                    raise LayoutError(f"destinations disagree on the dtype of tensor {name!r} (destination "
+                                      f"ranks {_ranks_text(ranks)} want {DTYPES[int(ddt[i])]}, others "
+                                      f"{DTYPES[int(self.g_dst_dtype[g])]})")
+                dst_set[g] = True
+                self.g_dst_dtype[g] = ddt[i]
+                self.g_transform[g] = tr
+        for g, w in scale_of.items():
+            if self.g_transform[w] != T_FP8:
+                raise LayoutError(f"destinations need {self.names[g]!r}, the FP8 block scales of "
+                                  f"{self.names[w]!r}, but no destination holds that tensor in FP8")
+            bm, bn = self.fp8_block  # type: ignore[misc]
+            shp = self.g_shape[w].copy()
+            shp[W - 2] = -(-shp[W - 2] // bm)
+            shp[W - 1] = -(-shp[W - 1] // bn)
+            self.g_shape[g] = shp
+            self.g_ndim[g] = self.g_ndim[w]
+        for c, lay in enumerate(self.dst_classes):
+            for i in range(len(lay.table)):
+                g = int(self.dst_tmap[c][i])
+                if g in scale_of:
+                    dgs = _pad(lay.table.gshape, W, 1)[i]
+                    nd_i = int(lay.table.ndim[i])
+                    if (lay.table.dtype[i] != DTYPE_CODE["float32"] or nd_i != self.g_ndim[g]
+                            or np.any((dgs != UNKNOWN) & (dgs != self.g_shape[g]))):
+                        raise LayoutError(
+                            f"FP8 scales {self.names[g]!r} on destination ranks "
+                            f"{_ranks_text(self.dst_ranks_of[c])} must be float32 of shape "
+                            f"{tuple(int(x) for x in self.g_shape[g][W - nd_i:])}")
+
+    def _transform_for(self, src_dt: int, dst_dt: int, name: str, ranks: np.ndarray) -> int:
+        if src_dt == dst_dt:
+            return T_NONE
+        s, d = DTYPES[src_dt], DTYPES[dst_dt]
+        floats = ("float", "bfloat")
+        if is_float8(d) and self.fp8_block is not None and s.startswith(floats) and not is_float8(s):
+            return T_FP8
+        if self.allow_cast and s.startswith(floats) and d.startswith(floats) and not is_float8(d):
+            return T_CAST
+        raise LayoutError(f"dtype mismatch for tensor {name!r}: destination ranks {_ranks_text(ranks)} hold "
+                          f"{d}, the sources {s} (pass allow_cast=True for float casts, fp8_block for FP8)")
+
+    def _raise_src_mismatch(self, g: int, c1: int, c0: int, what: str) -> None:
+        r1 = self.src_ranks_of[c1]
+        r0 = self.src_ranks_of[c0] if c0 >= 0 else []
+        raise LayoutError(f"sources disagree on the {what} of tensor {self.names[g]!r}: source ranks "
+                          f"{_ranks_text(r0)} vs {_ranks_text(r1)}")
+
+    # ----------------------------------------------------------------------------------------------
+    def _rows(self) -> None:
+        """Concatenate the rows of every class into global tables (global tensor ids, padded width)."""
+        W = self.W
+
+        def cat(classes: list[Layout], tmaps: list[np.ndarray]) -> dict[str, np.ndarray]:
+            parts: dict[str, list[np.ndarray]] = defaultdict(list)
+            key_base = 0
+            for c, lay in enumerate(classes):
+                n = len(lay)
+                parts["tensor"].append(tmaps[c][lay.tensor])
+                parts["lo"].append(_pad(lay.offsets, W, 0))
+                parts["shape"].append(_pad(lay.shape, W, 1))
+                parts["strides"].append(_pad(lay.strides, W, 0))
+                parts["boff"].append(lay.byte_offset)
+                parts["class"].append(np.full(n, c, np.int32))
+                parts["lrow"].append(np.arange(n, dtype=np.int64))
+                parts["key"].append(lay.key.astype(np.int64) + key_base)
+                key_base += len(lay.keys)
+            if not classes:
+                return {k: np.zeros((0, W) if k in ("lo", "shape", "strides") else 0, np.int64)
+                        for k in ("tensor", "lo", "shape", "strides", "boff", "class", "lrow", "key")}
+            return {k: np.concatenate(v) for k, v in parts.items()}
+
+        self.S = cat(self.src_classes, self.src_tmap)
+        self.D = cat(self.dst_classes, self.dst_tmap)
+        # global key table: class-local key ids are offset per class; map them to strings once
+        self.keys: list[str] = []
+        kidx: dict[str, int] = {}
+        for side in (self.src_classes, self.dst_classes):
+            ids = []
+            for lay in side:
+                ids.extend(kidx.setdefault(k, len(kidx)) for k in lay.keys)
+            if side is self.src_classes:
+                self.src_key_map = np.array(ids, np.int64)
+            else:
+                self.dst_key_map = np.array(ids, np.int64)
+        self.keys = list(kidx)
+
+    def _check_bounds(self) -> None:
+        W = self.W
+        for side, _T, classes, ranks_of, name in (
+                (self.S, self.src_tmap, self.src_classes, self.src_ranks_of, "source"),
+                (self.D, self.dst_tmap, self.dst_classes, self.dst_ranks_of, "destination")):
+            t = side["tensor"]
+            G = self.g_shape[t]
+            lo, sh = side["lo"], side["shape"]
+            bad = np.any((lo < 0) | (sh < 0) | (lo + sh > G), axis=1)
+            if bad.any():
+                i = int(np.nonzero(bad)[0][0])
+                c = int(side["class"][i])
+                nd = int(self.g_ndim[t[i]])
+                raise LayoutError(
+                    f"{name} ranks {_ranks_text(ranks_of[c])}: box offsets "
+                    f"{tuple(int(x) for x in lo[i][W - nd:])} shape {tuple(int(x) for x in sh[i][W - nd:])} "
+                    f"of tensor {self.names[int(t[i])]!r} leaves its global shape "
+                    f"{tuple(int(x) for x in G[i][W - nd:])}")
+            dtc = (self.g_dtype if name == "source" else self.g_dst_dtype)[t]
+            esize = _ITEMSIZE[dtc]
+            side["esize"] = esize
+            nonempty = np.all(sh > 0, axis=1)
+            span = (np.sum((sh - 1) * side["strides"], axis=1) + 1) * esize
+            limit = np.concatenate([lay.key_nbytes for lay in classes]) if classes else np.zeros(0, np.int64)
+            kl = limit[side["key"]] if len(limit) else np.zeros(0, np.int64)
+            bad = nonempty & ((side["boff"] < 0) | ((kl >= 0) & (side["boff"] + span > kl))
+                              | np.any(side["strides"] < 0, axis=1))
+            if bad.any():
+                i = int(np.nonzero(bad)[0][0])
+                c = int(side["class"][i])
+                raise LayoutError(
+                    f"{name} ranks {_ranks_text(ranks_of[c])}: the region of tensor "
+                    f"{self.names[int(t[i])]!r} spans bytes {int(side['boff'][i])}.."
+                    f"{int(side['boff'][i] + span[i])}"
+                    f" of local tensor {classes[c].keys[int(classes[c].key[side['lrow'][i]])]!r}, which has "
+                    f"{int(kl[i])} bytes")
+
+    def _check_destinations(self) -> None:
+        """A destination may need each logical byte once, and its pieces must not share local bytes."""
+        ntens = len(self.names)
+        for c, lay in enumerate(self.dst_classes):
+            sel = self.D["class"] == c
+            t = self.D["tensor"][sel]
+            pair = _first_overlap(t, self.D["lo"][sel], self.D["shape"][sel], ntens)
+            if pair is not None:
+                i, _ = pair
+                raise LayoutError(
+                    f"bytes covered twice: destination ranks {_ranks_text(self.dst_ranks_of[c])} need "
+                    f"parts of "
+                    f"tensor {self.names[int(t[i])]!r} twice (two of their pieces overlap in the logical "
+                    f"tensor)")
+            hit = _local_overlap(lay, lay.byte_offset, self.D["esize"][sel])
+            if hit is not None:
+                i, j = hit
+                ri, rj = lay.region(i), lay.region(j)
+                raise LayoutError(
+                    f"overlapping destination pieces: on destination ranks "
+                    f"{_ranks_text(self.dst_ranks_of[c])} "
+                    f"pieces of {ri.name!r} and {rj.name!r} share bytes of local tensor {ri.key!r}")
+
+    # ----------------------------------------------------------------------------------------------
+    def _holders(self) -> None:
+        S = self.S
+        lo, sh = S["lo"].copy(), S["shape"].copy()
+        self.fp8_tensors = np.nonzero(self.g_transform == T_FP8)[0]
+        if len(self.fp8_tensors):
+            # Each 128x128 tile gets one owner: the shard holding most of its rows (columns); boundaries
+            # inside a tile move to the nearer tile edge. The owner gathers the rest of the tile.
+            bm, bn = self.fp8_block  # type: ignore[misc]
+            is8 = np.isin(S["tensor"], self.fp8_tensors)
+            G = self.g_shape[S["tensor"][is8]]
+            for d, b in ((self.W - 2, bm), (self.W - 1, bn)):
+                a = lo[is8, d]
+                e = a + sh[is8, d]
+                g = G[:, d]
+
+                def snap(x: np.ndarray, g: np.ndarray = g, b: int = b) -> np.ndarray:
+                    s = np.minimum(((x + b // 2) // b) * b, g)
+                    return np.where((x == 0) | (x == g), x, s)
+
+                na, ne = snap(a), snap(e)
+                lo[is8, d] = na
+                sh[is8, d] = np.maximum(ne - na, 0)
+        self.S["own_lo"], self.S["own_shape"] = lo, sh
+        h = _build_holders(S["tensor"], lo, sh, S["class"], np.arange(len(S["tensor"])), len(self.names))
+        if self.scale_of:
+            bm, bn = self.fp8_block  # type: ignore[misc]
+            W = self.W
+            parts_t, parts_lo, parts_sh, e_hb, e_c, e_r = [h.tensor], [h.lo], [h.shape], [h.ent_hb], \
+                [h.ent_class], [h.ent_row]
+            base = len(h.tensor)
+            for g, w in self.scale_of.items():
+                sel = np.nonzero(h.tensor == w)[0]
+                slo = h.lo[sel].copy()
+                shi = h.lo[sel] + h.shape[sel]
+                for d, b in ((W - 2, bm), (W - 1, bn)):
+                    slo[:, d] = slo[:, d] // b
+                    shi[:, d] = -(-shi[:, d] // b)
+                parts_t.append(np.full(len(sel), g, np.int32))
+                parts_lo.append(slo)
+                parts_sh.append(shi - slo)
+                remap = np.full(len(h.tensor), -1, np.int64)
+                remap[sel] = base + np.arange(len(sel))
+                m = remap[h.ent_hb] >= 0
+                e_hb.append(remap[h.ent_hb[m]])
+                e_c.append(h.ent_class[m])
+                e_r.append(h.ent_row[m])
+                base += len(sel)
+            h = _Holders(np.concatenate(parts_t), np.concatenate(parts_lo), np.concatenate(parts_sh),
+                         np.concatenate(e_hb), np.concatenate(e_c), np.concatenate(e_r), h.split)
+            o = np.lexsort((h.ent_class, h.ent_hb))
+            h.ent_hb, h.ent_class, h.ent_row = h.ent_hb[o], h.ent_class[o], h.ent_row[o]
+            h.split = _split_dims(h.tensor, h.lo, h.shape, len(self.names))
+        self.H = h
+
+    def _pieces(self) -> None:
+        D, h = self.D, self.H
+        qi, hb, ilo, ish = _join(D["tensor"], D["lo"], D["shape"], h)
+        vol = np.prod(ish, axis=1).astype(np.float64)
+        need = np.prod(D["shape"], axis=1).astype(np.float64)
+        got = np.bincount(qi, weights=vol, minlength=len(need))
+        short = np.nonzero(got < need)[0]
+        if len(short):
+            i = int(short[0])
+            c = int(D["class"][i])
+            t = int(D["tensor"][i])
+            nd = int(self.g_ndim[t])
+            W = self.W
+            raise PlanError(
+                f"uncovered bytes: destination ranks {_ranks_text(self.dst_ranks_of[c])} need "
+                f"{int(need[i] - got[i])} elements of tensor {self.names[t]!r} (box offsets "
+                f"{tuple(int(x) for x in D['lo'][i][W - nd:])} shape "
+                f"{tuple(int(x) for x in D['shape'][i][W - nd:])})"
+                f" that no source holds")
+        over = np.nonzero(got > need)[0]
+        if len(over):  # cannot happen with disjoint holder boxes; guard the invariant anyway
+            i = int(over[0])
+            raise PlanError(f"bytes covered twice: tensor {self.names[int(D['tensor'][i])]!r} on "
+                            f"destination ranks "
+                            f"{_ranks_text(self.dst_ranks_of[int(D['class'][i])])}")
+        # expand each piece over the ranks of its destination class
+        cls = D["class"][qi]
+        nr = np.array([len(r) for r in self.dst_ranks_of], np.int64)[cls]
+        rank_base = np.concatenate([[0], np.cumsum([len(r) for r in self.dst_ranks_of])])
+        all_ranks = np.concatenate(self.dst_ranks_of) if self.dst_ranks_of else np.zeros(0, np.int64)
+        p = np.repeat(np.arange(len(qi)), nr)
+        within = np.arange(len(p)) - np.repeat(np.cumsum(nr) - nr, nr)
+        self.P = {
+            "drow": qi[p], "hb": hb[p], "lo": ilo[p], "shape": ish[p],
+            "dst": all_ranks[rank_base[cls[p]] + within].astype(np.int64),
+        }
+        t = D["tensor"][qi[p]]
+        self.P["tensor"] = t
+        self.P["nbytes"] = np.prod(ish[p], axis=1) * D["esize"][qi[p]]
+        self.needed_bytes = np.bincount(self.P["dst"], weights=self.P["nbytes"],
+                                        minlength=self.R).astype(np.int64)
+
+    def _choose_sources(self) -> None:
+        """One source rank per piece: same host first, then water-filling of bytes per NIC and GPU."""
+        P, h = self.P, self.H
+        n = len(P["hb"])
+        nsc = len(self.src_classes)
+        ent_bounds = np.searchsorted(h.ent_hb, np.arange(len(h.tensor) + 1))
+        ecount = np.diff(ent_bounds)
+        # candidate group of each holder box: its class when one class holds it, else the class set
+        grp_of_hb = np.where(ecount == 1, h.ent_class[np.minimum(ent_bounds[:-1], len(h.ent_class) - 1)], -1)
+        sigs: dict[tuple[int, ...], int] = {}
+        group_classes: list[tuple[int, ...]] = [(c,) for c in range(nsc)]
+        for b in np.nonzero(ecount > 1)[0]:
+            sig = tuple(int(x) for x in h.ent_class[ent_bounds[b]:ent_bounds[b + 1]])
+            g = sigs.get(sig)
+            if g is None:
+                g = sigs[sig] = len(group_classes)
+                group_classes.append(sig)
+            grp_of_hb[b] = g
+        grp = grp_of_hb[P["hb"]]
+        load = np.zeros(self.T, np.float64)
+        nic_load = np.zeros(int(self.src_nic.max()) + 1, np.float64)
+        src = np.full(n, -1, np.int64)
+        # sub-groups (group, restricted host); order by size so that big shard groups go first and
+        # widely replicated small tensors fill in the gaps
+        dh = self.dst_host[P["dst"]]
+        order_g = np.argsort(grp, kind="stable")
+        bounds = _group_bounds(grp[order_g])
+        work: list[tuple[float, np.ndarray, np.ndarray]] = []
+        for a, b in itertools.pairwise(bounds):
+            idx = order_g[a:b]
+            g = int(grp[idx[0]])
+            ranks = np.concatenate([self.src_ranks_of[c] for c in group_classes[g]])
+            ranks.sort()
+            rhosts = self.src_host[ranks]
+            local = np.isin(dh[idx], rhosts)
+            if local.any():
+                li = idx[local]
+                for hval in np.unique(dh[li]):
+                    sub = li[dh[li] == hval]
+                    work.append((float(P["nbytes"][sub].sum()), sub, ranks[rhosts == hval]))
+            rem = idx[~local]
+            if len(rem):
+                work.append((float(P["nbytes"][rem].sum()), rem, ranks))
+        work.sort(key=lambda x: -x[0] / max(len(x[2]), 1))
+        for _, idx, ranks in work:
+            # keep each source's share contiguous by destination so that it talks to few destinations
+            o = np.lexsort((P["drow"][idx], P["dst"][idx]))
+            idx = idx[o]
+            nb = P["nbytes"][idx].astype(np.float64)
+            total = nb.sum()
+            nics = self.src_nic[ranks]
+            un, inv = np.unique(nics, return_inverse=True)
+            nl = nic_load[un]
+            per_nic = np.bincount(inv, minlength=len(un))
+            level = _water_level(nl, total)
+            cap_nic = np.maximum(level - nl, 0.0)
+            cap = cap_nic[inv] / per_nic[inv]
+            if cap.sum() <= 0:
+                cap = np.ones(len(ranks))
+            cap = cap * (total / cap.sum())
+            edges = np.cumsum(cap)
+            mid = np.cumsum(nb) - nb / 2
+            which = np.minimum(np.searchsorted(edges, mid, side="right"), len(ranks) - 1)
+            chosen = ranks[which]
+            src[idx] = chosen
+            np.add.at(load, chosen, nb)
+            np.add.at(nic_load, self.src_nic[chosen], nb)
+        P["src"] = src
+        # the holder entry (class, row) of the chosen rank's class gives the local address
+        cls = self.src_class_of[src].astype(np.int64)
+        ekey = h.ent_hb * nsc + h.ent_class
+        pos = np.searchsorted(ekey, P["hb"] * nsc + cls)
+        P["srow"] = h.ent_row[pos]
+        self.stats["pieces"] = int(n)
+
+    # ----------------------------------------------------------------------------------------------
+    def _blocks(self) -> np.ndarray:
+        """Pieces to 2-D byte blocks: merge trailing dimensions contiguous on both sides into a run,
+        the next dimension(s) into rows with a pitch, and enumerate what is left as separate blocks."""
+        P, S, D, W = self.P, self.S, self.D, self.W
+        n = len(P["src"])
+        tr = self.g_transform[P["tensor"]]
+        sr, dr = P["srow"], P["drow"]
+        shape = P["shape"]
+        ss, ds = S["strides"][sr], D["strides"][dr]
+        is_scale = tr == T_SCALE
+        # source strides mean nothing for scales (the sender produces them); make them "contiguous"
+        if is_scale.any():
+            dense = np.ones((int(is_scale.sum()), W), np.int64)
+            sc = shape[is_scale]
+            for d in range(W - 2, -1, -1):
+                dense[:, d] = dense[:, d + 1] * sc[:, d + 1]
+            ss = ss.copy()
+            ss[is_scale] = dense
+        s_es = _ITEMSIZE[self.g_dtype[P["tensor"]]]
+        d_es = D["esize"][dr]
+        # element offsets of the piece's first element
+        s_el = np.sum((P["lo"] - S["lo"][sr]) * S["strides"][sr], axis=1)
+        d_el = np.sum((P["lo"] - D["lo"][dr]) * ds, axis=1)
+        run = np.ones(n, np.int64)
+        active = np.ones(n, bool)
+        phase = np.zeros(n, np.int8)  # 0 run, 1 rows, 2 outer
+        rows = np.ones(n, np.int64)
+        sp = np.zeros(n, np.int64)
+        dp = np.zeros(n, np.int64)
+        outer = np.zeros((n, W), bool)
+        for d in range(W - 1, -1, -1):
+            sd_, dd_, sh = ss[:, d], ds[:, d], shape[:, d]
+            trivial = sh == 1
+            in_run = (phase == 0) & (trivial | ((sd_ == run) & (dd_ == run)))
+            run = np.where(in_run, run * sh, run)
+            start_rows = (phase == 0) & ~in_run
+            sp = np.where(start_rows, sd_, sp)
+            dp = np.where(start_rows, dd_, dp)
+            rows = np.where(start_rows, sh, rows)
+            merge_rows = (phase == 1) & (trivial | ((sd_ == sp * rows) & (dd_ == dp * rows)))
+            rows = np.where(merge_rows, rows * sh, rows)
+            to_outer = ((phase == 1) & ~merge_rows) | (phase == 2)
+            outer[:, d] = to_outer & ~trivial
+            phase = np.where(start_rows, 1, np.where(to_outer, 2, phase)).astype(np.int8)
+        del active
+        nblk = np.prod(np.where(outer, shape, 1), axis=1)
+        k = np.repeat(np.arange(n), nblk)
+        j = np.arange(len(k)) - np.repeat(np.cumsum(nblk) - nblk, nblk)
+        s_add = np.zeros(len(k), np.int64)
+        d_add = np.zeros(len(k), np.int64)
+        if (nblk > 1).any():
+            rem = j.copy()
+            for d in range(W - 1, -1, -1):
+                radix = np.where(outer[k, d], shape[k, d], 1)
+                i_d = rem % radix
+                rem //= radix
+                s_add += i_d * ss[k, d]
+                d_add += i_d * ds[k, d]
+        ops = np.zeros(len(k), OP_DTYPE)
+        ops["src_rank"] = P["src"][k]
+        ops["dst_rank"] = P["dst"][k]
+        skey = self.src_key_map[S["key"][sr[k]]]
+        ops["src_key"] = np.where(is_scale[k], -1, skey)
+        ops["dst_key"] = self.dst_key_map[D["key"][dr[k]]]
+        ops["tensor"] = P["tensor"][k]
+        ops["transform"] = tr[k]
+        ops["src_offset"] = np.where(is_scale[k], 0, S["boff"][sr[k]] + (s_el[k] + s_add) * s_es[k])
+        ops["dst_offset"] = D["boff"][dr[k]] + (d_el[k] + d_add) * d_es[k]
+        ops["rows"] = rows[k]
+        ops["row_bytes"] = run[k] * d_es[k]
+        single = rows[k] == 1
+        ops["src_pitch"] = np.where(single, run[k] * s_es[k], sp[k] * s_es[k])
+        ops["dst_pitch"] = np.where(single, run[k] * d_es[k], dp[k] * d_es[k])
+        ops["src_pitch"] = np.where(is_scale[k], 0, ops["src_pitch"])
+        ops["pack"] = (~single).astype(np.uint8)
+        self.stats["blocks"] = len(ops)
+        return ops
+
+    # ----------------------------------------------------------------------------------------------
+    def _gathers(self) -> np.ndarray:
+        """FP8: rows of a tile that the tile's owner does not hold are gathered to it, from a holder on
+        its host when there is one. Only the tiles some write uses are gathered."""
+        if not len(self.fp8_tensors):
+            return np.zeros(0, GATHER_DTYPE)
+        P, S, W = self.P, self.S, self.W
+        sel = np.nonzero(self.g_transform[P["tensor"]] == T_FP8)[0]
+        if len(sel) == 0:
+            return np.zeros(0, GATHER_DTYPE)
+        # unique (sender, piece box): a tile sent to several replicas is gathered once per sender
+        key = np.concatenate([P["src"][sel, None], P["tensor"][sel, None], P["lo"][sel], P["shape"][sel],
+                              P["srow"][sel, None]], axis=1)
+        key = np.unique(key, axis=0)
+        src, t, plo, psh, srow = key[:, 0], key[:, 1], key[:, 2:2 + W], key[:, 2 + W:2 + 2 * W], key[:, -1]
+        phi = plo + psh
+        olo = S["lo"][srow]
+        ohi = olo + S["shape"][srow]
+        # piece minus the sender's own box, dimension by dimension (at most 2W slabs each)
+        m_i, m_lo, m_hi = [], [], []
+        cur_lo, cur_hi = plo.copy(), phi.copy()
+        for d in range(W):
+            below = cur_lo[:, d] < np.minimum(olo[:, d], cur_hi[:, d])
+            lo_b, hi_b = cur_lo.copy(), cur_hi.copy()
+            hi_b[:, d] = np.minimum(olo[:, d], cur_hi[:, d])
+            m_i.append(np.nonzero(below)[0])
+            m_lo.append(lo_b[below])
+            m_hi.append(hi_b[below])
+            above = cur_hi[:, d] > np.maximum(ohi[:, d], cur_lo[:, d])
+            lo_a, hi_a = cur_lo.copy(), cur_hi.copy()
+            lo_a[:, d] = np.maximum(ohi[:, d], cur_lo[:, d])
+            m_i.append(np.nonzero(above)[0])
+            m_lo.append(lo_a[above])
+            m_hi.append(hi_a[above])
+            cur_lo[:, d] = np.clip(cur_lo[:, d], olo[:, d], ohi[:, d])
+            cur_hi[:, d] = np.clip(cur_hi[:, d], olo[:, d], ohi[:, d])
+        mi = np.concatenate(m_i)
+        if len(mi) == 0:
+            return np.zeros(0, GATHER_DTYPE)
+        mlo = np.concatenate(m_lo)
+        msh = np.concatenate(m_hi) - mlo
+        # who holds those rows (original, unsnapped boxes)
+        is8 = np.isin(S["tensor"], self.fp8_tensors)
+        rows8 = np.nonzero(is8)[0]
+        ho = _build_holders(S["tensor"][rows8], S["lo"][rows8], S["shape"][rows8], S["class"][rows8], rows8,
+                            len(self.names))
+        qi, hb, _ilo, ish = _join(t[mi].astype(np.int32), mlo, msh, ho)
+        gatherer = src[mi][qi]
+        ghost = self.src_host[gatherer]
+        # provider: a rank of a holding class on the gatherer's host, else the class's first rank
+        ent_bounds = np.searchsorted(ho.ent_hb, np.arange(len(ho.tensor) + 1))
+        nhosts = int(max(self.src_host.max(), self.dst_host.max())) + 1
+        rank_at = np.full((len(self.src_classes), nhosts), -1, np.int64)
+        for c, ranks in enumerate(self.src_ranks_of):
+            rank_at[c, self.src_host[ranks[::-1]]] = ranks[::-1]
+        cnt = ent_bounds[hb + 1] - ent_bounds[hb]
+        rep = np.repeat(np.arange(len(qi)), cnt)
+        e = np.repeat(ent_bounds[hb], cnt) + (np.arange(len(rep)) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+        cand = rank_at[ho.ent_class[e], ghost[rep]]
+        o = np.lexsort((cand < 0, rep))
+        firsts = o[np.searchsorted(rep[o], np.arange(len(qi)))]
+        first_rank = np.array([int(r[0]) for r in self.src_ranks_of], np.int64)
+        provider = np.where(cand[firsts] >= 0, cand[firsts], first_rank[ho.ent_class[e[firsts]]])
+        g = np.zeros(len(qi), GATHER_DTYPE)
+        g["provider"] = provider
+        g["gatherer"] = gatherer
+        g["tensor"] = t[mi][qi]
+        g["nbytes"] = np.prod(ish, axis=1) * _ITEMSIZE[self.g_dtype[t[mi][qi]]]
+        self.stats["gather_bytes"] = int(g["nbytes"].sum())
+        return g
+
+
+def _water_level(loads: np.ndarray, total: float) -> float:
+    """Level L with sum(max(0, L - loads)) == total."""
+    s = np.sort(loads)
+    csum = np.cumsum(s)
+    m = np.arange(1, len(s) + 1)
+    # level if the lowest m bins are filled: (total + sum of lowest m) / m, valid while <= next load
+    lv = (total + csum) / m
+    nxt = np.append(s[1:], np.inf)
+    ok = np.nonzero(lv <= nxt)[0]
+    return float(lv[ok[0]]) if len(ok) else float(lv[-1])
+
+
+# ==================================================================================================
+# Coalescing and rounds
+
+
+def _coalesce(ops: np.ndarray) -> np.ndarray:
+    """Merge writes that continue each other on both sides (same source, destination, local tensors)."""
+    if len(ops) < 2:
+        return ops
+    # order by destination offset: merges happen where both sides advance together
+    o2 = np.lexsort((ops["dst_offset"], ops["transform"], ops["dst_key"], ops["src_key"], ops["dst_rank"],
+                     ops["src_rank"]))
+    ops = ops[o2]
+    a, b = ops[:-1], ops[1:]
+    same = ((a["src_rank"] == b["src_rank"]) & (a["dst_rank"] == b["dst_rank"])
+            & (a["src_key"] == b["src_key"])
+            & (a["dst_key"] == b["dst_key"]) & (a["transform"] == b["transform"])
+            & ((a["transform"] == T_NONE) | (a["tensor"] == b["tensor"])) & (a["src_key"] >= 0))
+    contiguous = (same & (a["rows"] == 1) & (b["rows"] == 1)
+                  & (a["transform"] == T_NONE)
+                  & (b["src_offset"] == a["src_offset"] + a["row_bytes"])
+                  & (b["dst_offset"] == a["dst_offset"] + a["row_bytes"]))
+    stacked = (same & (a["rows"] > 1) & (b["rows"] > 1) & (a["row_bytes"] == b["row_bytes"])
+               & (a["src_pitch"] == b["src_pitch"]) & (a["dst_pitch"] == b["dst_pitch"])
+               & (b["src_offset"] == a["src_offset"] + a["rows"] * a["src_pitch"])
+               & (b["dst_offset"] == a["dst_offset"] + a["rows"] * a["dst_pitch"]))
+    # a chain must be all-contiguous or all-stacked: break where the kind changes
+    kind = np.where(contiguous, 1, np.where(stacked, 2, 0))
+    prev_kind = np.concatenate([[0], kind[:-1]])
+    join = (kind > 0) & ((prev_kind == 0) | (prev_kind == kind))
+    start = np.concatenate([[True], ~join])
+    seg = np.cumsum(start) - 1
+    heads = np.nonzero(start)[0]
+    out = ops[heads].copy()
+    rb = np.bincount(seg, weights=ops["row_bytes"]).astype(np.int64)
+    rows = np.bincount(seg, weights=ops["rows"]).astype(np.int64)
+    nxt_kind = np.concatenate([kind, [0]])
+    seg_kind = nxt_kind[heads]
+    merged = np.bincount(seg, minlength=len(heads)) > 1
+    c = merged & (seg_kind == 1)
+    out["row_bytes"] = np.where(c, rb, out["row_bytes"])
+    out["src_pitch"] = np.where(c, out["row_bytes"], out["src_pitch"])
+    out["dst_pitch"] = np.where(c, out["row_bytes"], out["dst_pitch"])
+    s = merged & (seg_kind == 2)
+    out["rows"] = np.where(s, rows, out["rows"])
+    return out
+
+
+def _schedule(ops: np.ndarray, T: int, R: int, round_bytes: int) -> np.ndarray:
+    """Order each source's writes in rounds so that every destination has one writer at a time as far
+    as the bytes allow: a list scheduler in simulated time (every link of equal speed, bytes as time)
+    that gives a free source the destination that is free soonest, the busiest one first on ties.
+
+    A round is a run of one source's writes to one destination of at most ``round_bytes`` (a single
+    larger write is a round of its own)."""
+    n = len(ops)
+    if n == 0:
+        return np.zeros(0, np.int32)
+    nb = (ops["rows"] * ops["row_bytes"]).astype(np.int64)
+    order = np.lexsort((ops["dst_offset"], ops["dst_key"], ops["dst_rank"], ops["src_rank"]))
+    s_sorted = ops["src_rank"][order].astype(np.int64)
+    d_sorted = ops["dst_rank"][order].astype(np.int64)
+    pair_start = np.concatenate([[True], (s_sorted[1:] != s_sorted[:-1]) | (d_sorted[1:] != d_sorted[:-1])])
+    pair_id = np.cumsum(pair_start) - 1
+    b_sorted = nb[order]
+    # chunk each pair into units of <= round_bytes
+    cum = np.cumsum(b_sorted)
+    pair_first = np.nonzero(pair_start)[0]
+    base = (cum - b_sorted)[pair_first][pair_id]
+    within = cum - b_sorted - base
+    chunk = within // max(round_bytes, 1)
+    unit_start = pair_start | np.concatenate([[True], chunk[1:] != chunk[:-1]])
+    unit_id = np.cumsum(unit_start) - 1
+    nunits = int(unit_id[-1]) + 1
+    u_bytes = np.bincount(unit_id, weights=b_sorted, minlength=nunits)
+    u_first = np.nonzero(unit_start)[0]
+    u_src = s_sorted[u_first]
+    u_dst = d_sorted[u_first]
+    # per source: per destination a queue of units (in order)
+    queues: list[dict[int, list[int]]] = [dict() for _ in range(T)]
+    for u in range(nunits):
+        queues[int(u_src[u])].setdefault(int(u_dst[u]), []).append(u)
+    for q in queues:
+        for lst in q.values():
+            lst.reverse()  # pop() from the end = next in order
+    dst_left = np.bincount(u_dst, weights=u_bytes, minlength=R)
+    dst_free = np.zeros(R)
+    u_round = np.zeros(nunits, np.int32)
+    heap = [(0.0, s) for s in range(T) if queues[s]]
+    heapq.heapify(heap)
+    nround = np.zeros(T, np.int32)
+    while heap:
+        t, s = heapq.heappop(heap)
+        q = queues[s]
+        best = None
+        best_key = (math.inf, 0.0, 0)
+        for d in q:
+            key = (max(t, float(dst_free[d])), -float(dst_left[d]), d)
+            if key < best_key:
+                best_key, best = key, d
+        assert best is not None
+        u = q[best].pop()
+        if not q[best]:
+            del q[best]
+        start = best_key[0]
+        end = start + float(u_bytes[u])
+        dst_free[best] = end
+        dst_left[best] -= u_bytes[u]
+        u_round[u] = nround[s]
+        nround[s] += 1
+        if q:
+            heapq.heappush(heap, (end, s))
+    out = np.empty(n, np.int32)
+    out[order] = u_round[unit_id]
+    return out
