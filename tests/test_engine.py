@@ -45,7 +45,8 @@ def test_write_sizes_at_odd_offsets(engine: TransferEngine, remote: PeerProcess,
     remote.call("counter_wait", imm=41, n=t.imm_count, timeout=30)
 
     assert t.imm_count == engine.imm_count(size)
-    assert remote.call("digest", region=dst_id, off=dst_off, size=size) == digest(src[src_off : src_off + size])
+    expected = digest(src[src_off : src_off + size])
+    assert remote.call("digest", region=dst_id, off=dst_off, size=size) == expected
     assert remote.call("poisoned_outside", region=dst_id, off=dst_off, size=size)
 
 

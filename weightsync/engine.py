@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 
 from weightsync import _ext
-from weightsync.errors import TimeoutError, TransportError
+from weightsync.errors import TimeoutError, TransportError  # noqa: A004
 
 log = logging.getLogger("weightsync.engine")
 
@@ -240,7 +240,9 @@ class TransferEngine:
         stall_timeout: float = 5.0,
     ) -> None:
         if transport not in ("auto", "fabric"):
-            raise TransportError(f"transport {transport!r} is not available in this build (have: auto, fabric)")
+            raise TransportError(
+                f"transport {transport!r} is not available in this build (have: auto, fabric)"
+            )
         provider = provider or os.environ.get("WEIGHTSYNC_PROVIDER") or _ext.pick_provider()
         nic_list = list(nics) if nics is not None else _default_nics(provider)
         self._native = _ext.Engine.create(
@@ -298,7 +300,8 @@ class TransferEngine:
             remote = peer._imported.get(descriptor)
         if remote is not None:
             return remote
-        version, engine_uid, region_id, nbytes, _kind, nics = _unpack_checked(descriptor, "region descriptor", 6)
+        fields = _unpack_checked(descriptor, "region descriptor", 6)
+        version, engine_uid, region_id, nbytes, _kind, nics = fields
         if version != _DESCRIPTOR_VERSION:
             raise TransportError(f"region descriptor of version {version}, expected {_DESCRIPTOR_VERSION}")
         if engine_uid != peer.uid:

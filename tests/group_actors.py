@@ -1,0 +1,133 @@
+"""Ray actors for the control-plane tests: trainer ranks (sources) and rollout ranks (destinations).
+
+The model: logical tensors q, k, v, gate, up, down and norm. Sources hold dim-0 shards (as
+``ws.Sharded`` or as DTensor on a gloo mesh) and a replicated norm; destinations hold vLLM-style fused
+``qkv_proj``/``gate_up_proj`` pieces per TP rank, a column shard of ``down``, or full replicas.
+Every version's values come from a seed, so the test builds its reference independently.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+import weightsync as ws
+
+SHAPES = {"q": (16, 8), "k": (8, 8), "v": (8, 8), "gate": (12, 8), "up": (12, 8), "down": (8, 12),
+          "norm": (8,)}
+
+
+def full_tensors(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + version)
+    return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
+
+
+def destination_view(layout: str, tp_rank: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a destination of this layout must hold, built straight from the full tensors."""
+    if layout == "replica":
+        return {k: v.clone() for k, v in full.items()}
+    r = tp_rank
+    q, k, v = full["q"][r * 8:(r + 1) * 8], full["k"][r * 4:(r + 1) * 4], full["v"][r * 4:(r + 1) * 4]
+    gate, up = full["gate"][r * 6:(r + 1) * 6], full["up"][r * 6:(r + 1) * 6]
+    return {"qkv_proj": torch.cat([q, k, v]), "gate_up_proj": torch.cat([gate, up]),
+            "down": full["down"][:, r * 6:(r + 1) * 6].contiguous(), "norm": full["norm"].clone()}
+
+
+class Trainer:
+    def __init__(self, group: str, rank: int, world: int, port: int, use_dtensor: bool) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        self.rank, self.world = rank, world
+        full = full_tensors(0)
+        tensors: dict[str, Any] = {}
+        self.locals: dict[str, torch.Tensor] = {}
+        for name, t in full.items():
+            if name == "norm":
+                tensors[name] = self.locals[name] = t.clone()  # replicated on every trainer
+            elif use_dtensor and name in ("q", "gate", "down"):
+                dt = distribute_tensor(t, mesh, [Shard(0)])
+                tensors[name] = dt
+                self.locals[name] = dt.to_local()
+            else:
+                rows = t.shape[0] // world
+                local = t[rank * rows:(rank + 1) * rows].clone()
+                tensors[name] = ws.Sharded(local, t.shape, (rank * rows, 0))
+                self.locals[name] = local
+        self.src = ws.Source(group, rank=rank, tensors=tensors)
+
+    def push(self, version: int, timeout: float = 30.0) -> dict[str, Any]:
+        # Update in place (as an optimizer step would), then push.
+        full = full_tensors(version)
+        for name, local in self.locals.items():
+            if name == "norm":
+                local.copy_(full[name])
+            else:
+                rows = full[name].shape[0] // self.world
+                local.copy_(full[name][self.rank * rows:(self.rank + 1) * rows])
+        stats = ws.push(self.src, version=version, timeout=timeout)
+        return stats.__dict__
+
+
+class Rollout:
+    def __init__(self, group: str, rank: int, layout: str, tp_rank: int, mode: str) -> None:
+        self.layout, self.tp_rank = layout, tp_rank
+        poison = {k: torch.full_like(v, float("nan")) for k, v in destination_view(layout, tp_rank,
+                                                                                     full_tensors(0)).items()}
+        self.tensors = poison
+        if layout == "replica":
+            named: dict[str, Any] = dict(poison)
+        else:
+            r = tp_rank
+            named = {
+                "qkv_proj": ws.Fused(poison["qkv_proj"], 0, [("q", (r * 8, 0), (8, 8)), ("k", (r * 4, 0), (4, 8)),
+                                                            ("v", (r * 4, 0), (4, 8))]),
+                "gate_up_proj": ws.Fused(poison["gate_up_proj"], 0, [("gate", (r * 6, 0), (6, 8)),
+                                                                    ("up", (r * 6, 0), (6, 8))]),
+                "down": ws.Sharded(poison["down"], (8, 12), (0, r * 6)),
+                "norm": poison["norm"],
+            }
+        self.dst = ws.Destination(group, rank=rank, tensors=named, mode=mode)
+        self.mixed: list[str] = []
+        self.reads = 0
+        self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def wait(self, version: int, timeout: float = 30.0) -> int:
+        return self.dst.wait(version, timeout)
+
+    def snapshot(self, apply: bool = True) -> tuple[int, dict[str, torch.Tensor]]:
+        if apply:
+            self.dst.apply()
+        return self.dst.live_version, {k: v.clone() for k, v in self.tensors.items()}
+
+    def start_reader(self) -> None:
+        """A generation loop: at each safe point apply the newest version, then read every tensor."""
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                version = self.dst.apply()
+                if version < 0:
+                    continue
+                want = destination_view(self.layout, self.tp_rank, full_tensors(version))
+                for k, t in self.tensors.items():
+                    if not torch.equal(t, want[k]):
+                        self.mixed.append(f"{k} differs from version {version}")
+                self.reads += 1
+
+        self._reader = threading.Thread(target=loop, daemon=True)
+        self._reader.start()
+
+    def stop_reader(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join(10)
+        return {"reads": self.reads, "mixed": self.mixed[:5]}
+
+    def version(self) -> int:
+        return self.dst.version

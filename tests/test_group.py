@@ -1,0 +1,100 @@
+"""Control plane on CPU with Ray: two trainer ranks push to three rollout ranks of different layouts."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import ray
+import torch
+
+import weightsync as ws
+from tests.group_actors import Rollout, Trainer, destination_view, full_tensors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DESTS = [("tp", 0), ("tp", 1), ("replica", 0)]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield
+    ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(name: str, mode: str) -> tuple[ws.Group, list, list]:
+    group = ws.Group.create(name, num_sources=2, num_destinations=3)
+    trainer_cls = ray.remote(num_cpus=0)(Trainer)
+    rollout_cls = ray.remote(num_cpus=0)(Rollout)
+    port = _free_port()
+    rollouts = [rollout_cls.remote(name, j, layout, tp, mode) for j, (layout, tp) in enumerate(DESTS)]
+    trainers = [trainer_cls.remote(name, i, 2, port, use_dtensor=(i >= 0)) for i in range(2)]
+    ray.get([t.__ray_ready__.remote() for t in trainers + rollouts], timeout=120)
+    return group, trainers, rollouts
+
+
+@pytest.mark.parametrize("mode", ["inplace", "staged"])
+def test_twenty_pushes_bit_identical(ray_cluster, mode: str) -> None:
+    group, trainers, rollouts = _start(f"t20-{mode}", mode)
+    try:
+        if mode == "staged":
+            ray.get([r.start_reader.remote() for r in rollouts])
+        for version in range(1, 21):
+            stats = ray.get([t.push.remote(version) for t in trainers], timeout=120)
+            assert all(s["failed_destinations"] == [] for s in stats)
+            assert ray.get([r.wait.remote(version) for r in rollouts]) == [version] * 3
+            full = full_tensors(version)
+            for (layout, tp), r in zip(DESTS, rollouts, strict=True):
+                live_version, got = ray.get(r.snapshot.remote())
+                assert live_version == version
+                want = destination_view(layout, tp, full)
+                assert got.keys() == want.keys()
+                for k in want:
+                    assert torch.equal(got[k], want[k]), f"{layout}{tp} {k} differs at version {version}"
+        if mode == "staged":
+            readers = ray.get([r.stop_reader.remote() for r in rollouts])
+            for rd in readers:
+                assert rd["mixed"] == [], rd
+                assert rd["reads"] > 0
+    finally:
+        for a in trainers + rollouts:
+            ray.kill(a)
+        group.shutdown()
+
+
+def test_bad_layout_is_refused_everywhere(ray_cluster) -> None:
+    name = "bad-layout"
+    group = ws.Group.create(name, num_sources=1, num_destinations=1)
+
+    @ray.remote(num_cpus=0)
+    class Holder:
+        def __init__(self, role: str, tensors: dict) -> None:
+            self.error = None
+            try:
+                if role == "source":
+                    ws.Source(name, rank=0, tensors=tensors, timeout=30)
+                else:
+                    ws.Destination(name, rank=0, tensors=tensors, timeout=30)
+            except ws.WeightSyncError as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+
+        def get(self):
+            return self.error
+
+    try:
+        src = Holder.remote("source", {"w": torch.randn(4, 4)})
+        dst = Holder.remote("destination", {"wq": torch.zeros(4, 4)})
+        errors = ray.get([src.get.remote(), dst.get.remote()], timeout=90)
+        for e in errors:
+            assert e is not None and e.startswith("LayoutError"), e
+            assert "'wq'" in e and "did you mean 'w'" in e
+    finally:
+        group.shutdown()

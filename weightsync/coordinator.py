@@ -1,0 +1,216 @@
+"""The coordinator: a named Ray actor per group that collects layouts, plans, and hands out plan parts.
+
+It is the only place that sees every participant. Sources and destinations join with their layout,
+engine address and descriptors; once every rank of both roles is present it plans (weightsync.plan),
+lowers each source's ops to writes (weightsync.writes) and keeps, per participant, the part it needs.
+A change of membership (a rank reported dead, a replacement or a new destination joining) re-plans
+under a new *epoch*; participants notice the epoch on their next push and fetch their new part.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from weightsync.errors import LayoutError, PlanError, WeightSyncError
+from weightsync.layout import Layout
+from weightsync.plan import plan as make_plan
+from weightsync.writes import imm_count_for, lower
+
+log = logging.getLogger("weightsync.coordinator")
+
+SOURCE, DESTINATION = "source", "destination"
+
+
+@dataclass
+class Member:
+    role: str
+    rank: int
+    layout: bytes
+    address: bytes
+    host: str
+    engine: dict[str, int]  # nics, stripe_threshold, max_piece: how the engine splits writes
+    descriptors: dict[str, list[bytes]]  # local key -> descriptor per buffer (staged: 2 shadows)
+    mailbox: bytes  # descriptor of the slots peers signal into (announces or acks)
+    joined: float = field(default_factory=time.time)
+
+
+class Coordinator:
+    """Runs as ``ray.remote(max_concurrency=...)(Coordinator)``; methods are called by participants."""
+
+    def __init__(self, name: str, num_sources: int, num_destinations: int, secret: str) -> None:
+        self.name = name
+        self.num_sources = num_sources
+        self.num_destinations = num_destinations
+        self._secret = secret
+        self._cv = threading.Condition()
+        self._members: dict[tuple[str, int], Member] = {}
+        self._dead: set[tuple[str, int]] = set()
+        self.epoch = 0
+        self._parts: dict[tuple[str, int], bytes] = {}
+        self._error: dict[str, Any] | None = None  # why the last planning attempt failed
+
+    # -- membership ----------------------------------------------------------------------------------
+    def join(self, secret: str, role: str, rank: int, layout: bytes, address: bytes, host: str,
+             engine: dict[str, int], descriptors: dict[str, list[bytes]], mailbox: bytes) -> int:
+        if not hmac.compare_digest(secret, self._secret):
+            raise WeightSyncError(f"group {self.name!r}: {role} rank {rank} presented a wrong secret")
+        limit = self.num_sources if role == SOURCE else None
+        if role not in (SOURCE, DESTINATION):
+            raise WeightSyncError(f"group {self.name!r}: unknown role {role!r}")
+        if rank < 0 or (limit is not None and rank >= limit):
+            raise LayoutError(f"group {self.name!r}: source rank {rank} outside 0..{self.num_sources - 1}")
+        with self._cv:
+            if role == DESTINATION and rank >= self.num_destinations:
+                # A destination beyond the initial count: a new rollout replica joining at run time.
+                self.num_destinations = rank + 1
+            before = self.epoch
+            self._members[(role, rank)] = Member(role, rank, layout, address, host, engine, descriptors,
+                                                 mailbox)
+            self._dead.discard((role, rank))
+            log.info("group %s: %s rank %d joined from %s", self.name, role, rank, host)
+            self._replan_if_complete()
+            # The epoch before this join: the member's first part is the first plan newer than it.
+            return before
+
+    def report_dead(self, reporter: str, role: str, ranks: list[int]) -> int:
+        """A participant saw these ranks fail (a push's writes or acks): drop them and re-plan."""
+        with self._cv:
+            changed = False
+            for r in ranks:
+                key = (role, int(r))
+                if key in self._members:
+                    del self._members[key]
+                    self._dead.add(key)
+                    changed = True
+                    log.warning("group %s: %s rank %d reported dead by %s", self.name, role, r, reporter)
+            if changed:
+                self._replan_if_complete()
+            return self.epoch
+
+    # -- planning ----------------------------------------------------------------------------------
+    def _alive(self, role: str) -> list[Member]:
+        return sorted((m for (r, _), m in self._members.items() if r == role), key=lambda m: m.rank)
+
+    def _replan_if_complete(self) -> None:
+        sources, dests = self._alive(SOURCE), self._alive(DESTINATION)
+        dead_sources = [r for (role, r) in self._dead if role == SOURCE]
+        missing_src = [r for r in range(self.num_sources) if (SOURCE, r) not in self._members]
+        live_dst = {m.rank for m in dests}
+        missing_dst = [r for r in range(self.num_destinations)
+                       if r not in live_dst and (DESTINATION, r) not in self._dead]
+        if missing_src or missing_dst:
+            if dead_sources:
+                log.warning("group %s: waiting for source ranks %s to rejoin", self.name, missing_src)
+            return
+        try:
+            parts = self._plan(sources, dests)
+        except (LayoutError, PlanError) as exc:
+            self._error = {"type": type(exc).__name__, "message": str(exc)}
+            self.epoch += 1
+            self._parts = {}
+            log.error("group %s: planning failed: %s", self.name, exc)
+        else:
+            self._error = None
+            self.epoch += 1
+            self._parts = parts
+            log.info("group %s: plan epoch %d for %d sources and %d destinations", self.name, self.epoch,
+                     len(sources), len(dests))
+        self._cv.notify_all()
+
+    def _plan(self, sources: list[Member], dests: list[Member]) -> dict[tuple[str, int], bytes]:
+        src_layouts = [Layout.from_msgpack(m.layout) for m in sources]
+        dst_layouts = [Layout.from_msgpack(m.layout) for m in dests]
+        p = make_plan(src_layouts, dst_layouts, source_hosts=[m.host for m in sources],
+                      destination_hosts=[m.host for m in dests])
+        epoch = self.epoch + 1
+        expected = np.zeros(len(dests), dtype=np.int64)
+        writers: list[set[int]] = [set() for _ in dests]
+        parts: dict[tuple[str, int], bytes] = {}
+        for i, src in enumerate(sources):
+            ops = p.for_source(i)
+            lowered = lower(ops)
+            w = lowered.writes
+            imms = imm_count_for(w["nbytes"], src.engine["nics"], src.engine["stripe_threshold"],
+                                 src.engine["max_piece"])
+            np.add.at(expected, w["dst_rank"], imms)
+            for j in np.unique(w["dst_rank"]):
+                writers[int(j)].add(src.rank)
+            used = {int(j) for j in np.unique(w["dst_rank"])}
+            parts[(SOURCE, src.rank)] = msgpack.packb({
+                "epoch": epoch,
+                "writes": w.tobytes(),
+                "packs": lowered.packs.tobytes(),
+                "staging_bytes": lowered.staging_bytes,
+                "keys": p.keys,
+                "destinations": {dests[j].rank: {
+                    "slot": j,
+                    "address": dests[j].address,
+                    "descriptors": dests[j].descriptors,
+                    "mailbox": dests[j].mailbox,
+                } for j in sorted(used)},
+                "bytes": int(w["nbytes"].sum()),
+            }, use_bin_type=True)
+        for j, dst in enumerate(dests):
+            parts[(DESTINATION, dst.rank)] = msgpack.packb({
+                "epoch": epoch,
+                "expected": int(expected[j]),
+                "bytes": int(p.bytes_per_destination()[j]) if len(p.ops) else 0,
+                "sources": {s.rank: {"address": s.address, "mailbox": s.mailbox}
+                            for s in sources if s.rank in writers[j]},
+            }, use_bin_type=True)
+        return parts
+
+    # -- participants fetch their part ------------------------------------------------------------
+    def part(self, secret: str, role: str, rank: int, after_epoch: int, timeout: float) -> bytes:
+        """This participant's part of the first plan newer than ``after_epoch`` (waits up to timeout)."""
+        if not hmac.compare_digest(secret, self._secret):
+            raise WeightSyncError(f"group {self.name!r}: {role} rank {rank} presented a wrong secret")
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self.epoch <= after_epoch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = self._missing()
+                    raise WeightSyncError(
+                        f"group {self.name!r}: no plan for {role} rank {rank} within {timeout} s; "
+                        f"still waiting for {missing or 'nothing (planning did not finish)'}")
+                self._cv.wait(left)
+            if self._error is not None:
+                return msgpack.packb({"epoch": self.epoch, "error": self._error}, use_bin_type=True)
+            part = self._parts.get((role, rank))
+            if part is None:
+                raise WeightSyncError(f"group {self.name!r}: {role} rank {rank} is not a member of plan "
+                                      f"epoch {self.epoch} (reported dead?)")
+            return part
+
+    def current_epoch(self) -> int:
+        return self.epoch
+
+    def _missing(self) -> str:
+        parts = []
+        ms = [r for r in range(self.num_sources) if (SOURCE, r) not in self._members]
+        md = [r for r in range(self.num_destinations) if (DESTINATION, r) not in self._members]
+        if ms:
+            parts.append(f"source ranks {ms}")
+        if md:
+            parts.append(f"destination ranks {md}")
+        return ", ".join(parts)
+
+    def status(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "name": self.name,
+                "epoch": self.epoch,
+                "sources": sorted(r for (role, r) in self._members if role == SOURCE),
+                "destinations": sorted(r for (role, r) in self._members if role == DESTINATION),
+                "dead": sorted(f"{role} {r}" for role, r in self._dead),
+                "error": self._error,
+            }

@@ -1,0 +1,606 @@
+"""The control plane users call: ``Group``, ``Source``, ``Destination``, ``push``.
+
+A push, from one source's point of view (every source does this at the same time, SPMD):
+
+1. fetch a new plan part only if the coordinator's epoch moved (membership changed);
+2. pack strided blocks into the staging buffer, then per destination submit one batch: the data
+   writes with immediate ``DATA(epoch, version)`` and a 16-byte *announce* of ``(epoch, version)`` into
+   the destination's mailbox slot with immediate ``ANNOUNCE``;
+3. wait for the local completion of every batch, then for each destination's *ack*: a 16-byte write
+   of ``(version, next buffer)`` into this source's mailbox with immediate ``ACK``.
+
+A destination's own thread (never the user's code) waits for announces, then for the expected number
+of data immediates of that version (computed by the coordinator from the same lowering the sources
+run), flips its version, and acks. A version is visible only when all of its immediates have arrived:
+immediates arrive after their bytes are placed, and nothing assumes ordering between writes.
+
+Staged destinations receive into one of two shadow copies; the ack tells sources which one the next
+push must use, so ``apply()`` (one local copy of the newest complete shadow into the live tensors) never
+reads a shadow that is being written. Inplace destinations receive straight into the live tensors.
+
+Failures: a destination whose writes fail or that does not ack within the timeout is reported in
+``PushStats.failed_destinations`` (the push does not raise for it) and reported to the coordinator, which
+re-plans without it; the other destinations still complete. If no destination acks at all, or a source
+is missing (every destination waits for all sources), the push raises ``weightsync.TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from weightsync.coordinator import DESTINATION, SOURCE, Coordinator
+from weightsync.engine import Region, TransferEngine
+from weightsync.errors import LayoutError, PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
+from weightsync.layout import describe_tensors
+from weightsync.writes import PACK_DTYPE, WRITE_DTYPE
+
+log = logging.getLogger("weightsync")
+
+ANNOUNCE = 0xFFFFFFFF
+ACK = 0xFFFFFFFE
+# One mailbox slot. Announce: (epoch, version, shadow written); ack: (version, shadow for the next push, 0).
+_SLOT = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("buffer", "<i8")])
+_MAX_SLOTS = 1024  # mailbox slots per participant: peers of the other role, by position in the plan
+
+
+def data_imm(epoch: int, version: int) -> int:
+    return ((epoch & 0x7F) << 24) | (version & 0xFFFFFF)
+
+
+def _actor_name(name: str) -> str:
+    return f"weightsync:{name}"
+
+
+def _secret_key(name: str) -> bytes:
+    return f"weightsync/{name}/secret".encode()
+
+
+def _host_id() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # outside Ray: the host name is as good an identity
+        pass
+    return socket.gethostname()
+
+
+def _group_logger(name: str) -> logging.LoggerAdapter:
+    return logging.LoggerAdapter(log, {"group": name})
+
+
+# ------------------------------------------------------------------------------------------------
+# Group
+
+
+class Group:
+    """Driver-side handle of a weight-sync group: owns the named coordinator actor."""
+
+    def __init__(self, name: str, actor: Any, secret: str) -> None:
+        self.name = name
+        self._actor = actor
+        self.secret = secret
+
+    @classmethod
+    def create(cls, name: str, num_sources: int, num_destinations: int) -> Group:
+        """Starts the coordinator as a named actor in the caller's Ray namespace."""
+        import ray
+        from ray.experimental import internal_kv
+
+        if num_sources < 1 or num_destinations < 1:
+            raise LayoutError(f"group {name!r} needs at least one source and one destination")
+        if not ray.is_initialized():
+            ray.init()
+        secret = secrets.token_hex(16)
+        actor = (
+            ray.remote(num_cpus=0, max_concurrency=1024)(Coordinator)
+            .options(name=_actor_name(name))
+            .remote(name, num_sources, num_destinations, secret)
+        )
+        ray.get(actor.current_epoch.remote())
+        # The secret travels through Ray's own store: members of this Ray cluster can join, others not.
+        internal_kv._internal_kv_put(_secret_key(name), secret.encode(), overwrite=True)
+        return cls(name, actor, secret)
+
+    def status(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self._actor.status.remote())
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(_secret_key(self.name))
+        ray.kill(self._actor)
+
+
+# ------------------------------------------------------------------------------------------------
+# Participants
+
+
+@dataclass
+class PushStats:
+    """What one source's push did. Times are seconds; ``gbps`` is GB/s of this source's bytes."""
+
+    version: int
+    bytes: int
+    seconds: float
+    gbps: float
+    writes: int
+    destinations: list[int]
+    failed_destinations: list[int] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    epoch: int = 0
+
+
+class _Participant:
+    role: str
+
+    def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], timeout: float,
+                 engine: TransferEngine | None, secret: str | None) -> None:
+        import ray
+
+        if not tensors:
+            raise LayoutError(f"group {group!r}: {self.role} rank {rank} gave no tensors")
+        self.group = group
+        self.rank = int(rank)
+        self.log = _group_logger(group)
+        self._timeout = timeout
+        self._coord = ray.get_actor(_actor_name(group))
+        self._secret = secret or self._read_secret(group)
+        self.engine = engine or TransferEngine()
+        self.tensors = dict(tensors)
+        self.layout = describe_tensors(self.tensors)
+        self.epoch = 0
+        # Mailbox: peers of the other role write 16-byte slots here (announces or acks).
+        self._mailbox = np.zeros(_MAX_SLOTS, dtype=_SLOT)
+        self._mailbox_region = self.engine.register(self._mailbox, name=f"{self.role} {rank} mailbox")
+        self._outbox = np.zeros(_MAX_SLOTS, dtype=_SLOT)
+        self._outbox_region = self.engine.register(self._outbox, name=f"{self.role} {rank} outbox")
+        self._peers: dict[bytes, Any] = {}
+
+    @staticmethod
+    def _read_secret(group: str) -> str:
+        from ray.experimental import internal_kv
+
+        value = internal_kv._internal_kv_get(_secret_key(group))
+        if value is None:
+            raise WeightSyncError(f"group {group!r}: no secret found in this Ray cluster (was it created?)")
+        return value.decode()
+
+    def _local_tensor(self, key: str) -> Any:
+        value = self.tensors[key]
+        for attr in ("local_tensor",):
+            if hasattr(value, attr):
+                return getattr(value, attr)
+        if hasattr(value, "to_local"):
+            return value.to_local()
+        return value
+
+    def _join(self, descriptors: dict[str, list[bytes]]) -> None:
+        import ray
+
+        native = self.engine._native
+        engine_info = {"nics": len(self.engine.nics), "stripe_threshold": native.stripe_threshold,
+                       "max_piece": native.max_piece}
+        self.epoch = ray.get(self._coord.join.remote(
+            self._secret, self.role, self.rank, self.layout.to_msgpack(), self.engine.address, _host_id(),
+            engine_info, descriptors, self._mailbox_region.descriptor), timeout=self._timeout)
+        self._fetch_part(self._timeout)
+
+    def _fetch_part(self, timeout: float) -> dict[str, Any]:
+        import ray
+
+        try:
+            blob = ray.get(self._coord.part.remote(self._secret, self.role, self.rank, self.epoch, timeout),
+                           timeout=timeout + 10)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+            if isinstance(cause, WeightSyncError):
+                raise type(cause)(str(cause)) from None
+            raise WeightSyncError(str(cause)) from None
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"group {self.group!r}: {self.role} rank {self.rank} got no plan "
+                               f"within {timeout} s") from None
+        part = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+        if "error" in part:
+            err = part["error"]
+            cls = LayoutError if err["type"] == "LayoutError" else PlanError
+            self.epoch = part["epoch"]
+            raise cls(f"group {self.group!r} ({self.role} rank {self.rank} sees it): {err['message']}")
+        self.epoch = part["epoch"]
+        self._apply_part(part)
+        return part
+
+    def _apply_part(self, part: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _peer(self, address: bytes) -> Any:
+        peer = self._peers.get(address)
+        if peer is None:
+            peer = self._peers[address] = self.engine.connect(address)
+        return peer
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class Source(_Participant):
+    """A trainer rank: holds (shards of) the weights and pushes them. See ``push``."""
+
+    role = SOURCE
+
+    def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], *, timeout: float = 120.0,
+                 engine: TransferEngine | None = None, secret: str | None = None) -> None:
+        super().__init__(group, rank, tensors, timeout, engine, secret)
+        self._regions: dict[str, Region] = {}
+        for key in self.tensors:
+            self._regions[key] = self.engine.register(_contiguous(self._local_tensor(key), key), name=key)
+        self._metrics: Any = None
+        self._join({})
+
+    def _apply_part(self, part: dict[str, Any]) -> None:
+        self._writes = np.frombuffer(part["writes"], dtype=WRITE_DTYPE)
+        self._packs = np.frombuffer(part["packs"], dtype=PACK_DTYPE)
+        self._keys: list[str] = part["keys"]
+        self._staging = np.zeros(max(part["staging_bytes"], 1), dtype=np.uint8)
+        self._staging_region = self.engine.register(self._staging, name=f"source {self.rank} staging")
+        self._bytes = part["bytes"]
+        # Per destination: its peer, descriptors, and the buffer (shadow) the next push writes.
+        old = getattr(self, "_dests", {})
+        self._dests: dict[int, dict[str, Any]] = {}
+        for rank, d in part["destinations"].items():
+            prev = old.get(int(rank))
+            # Remember which shadow a known destination wants next; a new process starts at shadow 0.
+            buffer = prev["buffer"] if prev is not None and prev["address"] == d["address"] else 0
+            self._dests[int(rank)] = {**d, "peer": self._peer(d["address"]), "buffer": buffer}
+        self._batches = self._prepare_batches()
+        self.log.info("source %d: plan epoch %d, %d writes, %d bytes to destinations %s", self.rank,
+                      self.epoch, len(self._writes), self._bytes, sorted(self._dests))
+
+    def _prepare_batches(self) -> dict[int, dict[str, Any]]:
+        """Column arrays for one write_batch per destination, built once per plan epoch."""
+        srcs = [self._regions[k] for k in self._keys if k in self._regions] + [self._staging_region,
+                                                                                 self._outbox_region]
+        src_index = {k: i for i, k in enumerate(k for k in self._keys if k in self._regions)}
+        staging_idx, outbox_idx = len(srcs) - 2, len(srcs) - 1
+        key_to_src = np.array([src_index.get(k, -1) for k in self._keys] or [-1], dtype=np.int64)
+        batches: dict[int, dict[str, Any]] = {}
+        for rank, d in self._dests.items():
+            w = self._writes[self._writes["dst_rank"] == d["slot"]]
+            si = np.where(w["staged"] == 1, staging_idx, key_to_src[w["src_key"]])
+            if (si < 0).any():
+                raise PlanError(f"source {self.rank}: plan reads a tensor this source does not hold")
+            # Destination descriptors: one table entry per (dst key, buffer); index chosen per push.
+            dkeys = sorted({self._keys[int(k)] for k in np.unique(w["dst_key"])})
+            dpos = {k: i for i, k in enumerate(dkeys)}
+            di = np.array([dpos[self._keys[int(k)]] for k in w["dst_key"]], dtype=np.uint32)
+            batches[rank] = {
+                "srcs": srcs,
+                "dkeys": dkeys,
+                "src_index": np.append(si, outbox_idx).astype(np.uint32),
+                "src_off": np.append(w["src_offset"], 0).astype(np.uint64),
+                "dst_index": np.append(di, len(dkeys)).astype(np.uint32),
+                "dst_off": np.append(w["dst_offset"], self.rank * _SLOT.itemsize).astype(np.uint64),
+                "nbytes": np.append(w["nbytes"], _SLOT.itemsize).astype(np.uint64),
+                "writes": len(w),
+                "bytes": int(w["nbytes"].sum()),
+            }
+        return batches
+
+    def _pack(self) -> None:
+        for p in self._packs:
+            src = self._regions[self._keys[int(p["src_key"])]]
+            flat = _byte_view(src.buffer)
+            rows, rb, pitch = int(p["rows"]), int(p["row_bytes"]), int(p["src_pitch"])
+            block = np.lib.stride_tricks.as_strided(flat[int(p["src_offset"]):], shape=(rows, rb),
+                                                    strides=(pitch, 1))
+            off = int(p["staging_offset"])
+            self._staging[off:off + rows * rb].reshape(rows, rb)[:] = block
+
+    def _metrics_record(self, stats: PushStats) -> None:
+        try:
+            from ray.util import metrics
+
+            if self._metrics is None:
+                tags = ("group", "rank")
+                self._metrics = (
+                    metrics.Histogram("weightsync_push_seconds", "Seconds per push",
+                                      boundaries=[0.001, 0.01, 0.1, 1, 10, 60], tag_keys=tags),
+                    metrics.Counter("weightsync_push_bytes", "Bytes pushed", tag_keys=tags),
+                )
+            tags = {"group": self.group, "rank": str(self.rank)}
+            self._metrics[0].observe(stats.seconds, tags=tags)
+            self._metrics[1].inc(stats.bytes, tags=tags)
+        except Exception:  # metrics are best effort: no Ray metrics agent outside a cluster
+            pass
+
+
+def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
+    """Writes the current contents of ``src``'s tensors to every destination as ``version``.
+
+    Called by every source rank (like a collective). Returns once every destination this source
+    writes to has confirmed the complete version, or reports the ones that failed (see module doc).
+    """
+    import ray
+
+    if not 0 <= version < 1 << 62:
+        raise WeightSyncError(f"version {version} must be a non-negative integer")
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    phases: dict[str, float] = {}
+    epoch = ray.get(src._coord.current_epoch.remote(), timeout=timeout)
+    if epoch != src.epoch:
+        src._fetch_part(max(deadline - time.monotonic(), 0.1))
+    phases["plan"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    src._pack()
+    phases["pack"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    imm = data_imm(src.epoch, version)
+    acks = src.engine.counter(ACK)
+    transfers: dict[int, Any] = {}
+    failed: dict[int, str] = {}
+    for rank, b in src._batches.items():
+        d = src._dests[rank]
+        src._outbox[rank] = (src.epoch, version, d["buffer"])
+        b["src_off"][-1] = rank * _SLOT.itemsize
+        descs = [(d["peer"], d["descriptors"][k][d["buffer"]]) for k in b["dkeys"]]
+        descs.append((d["peer"], d["mailbox"]))
+        imms = np.full(len(b["nbytes"]), imm, dtype=np.uint32)
+        imms[-1] = ANNOUNCE
+        try:
+            transfers[rank] = src.engine.write_batch(b["srcs"], descs, b["src_index"], b["src_off"],
+                                                     b["dst_index"], b["dst_off"], b["nbytes"], imms)
+        except TransportError as exc:
+            failed[rank] = str(exc)
+    for rank, tr in transfers.items():
+        try:
+            tr.wait(max(deadline - time.monotonic(), 0.0))
+        except (TransportError, TimeoutError) as exc:
+            failed[rank] = str(exc)
+    phases["write"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    waiting = {r for r in src._batches if r not in failed}
+    acked: set[int] = set()
+    while waiting - acked:
+        try:
+            acks.wait(1, timeout=min(max(deadline - time.monotonic(), 0.0), 0.5))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                break
+        for r in waiting - acked:
+            slot = src._mailbox[r]
+            if int(slot["epoch"]) == version:  # ack slot: (version, shadow for the next push, 0)
+                acked.add(r)
+                src._dests[r]["buffer"] = int(slot["version"])
+    phases["ack"] = time.perf_counter() - t
+    for r in waiting - acked:
+        failed[r] = f"no confirmation of version {version} within {timeout} s"
+
+    seconds = time.perf_counter() - t0
+    nbytes = sum(b["bytes"] for r, b in src._batches.items() if r not in failed)
+    stats = PushStats(version=version, bytes=nbytes, seconds=seconds, gbps=nbytes / seconds / 1e9,
+                      writes=sum(b["writes"] for b in src._batches.values()),
+                      destinations=sorted(src._batches), failed_destinations=sorted(failed),
+                      phases=phases, epoch=src.epoch)
+    src._metrics_record(stats)
+    if failed:
+        for r, why in sorted(failed.items()):
+            src.log.warning("group %s: push %d to destination %d failed: %s", src.group, version, r, why)
+        # Writes that failed are evidence against the destination; a missing ack only when others acked
+        # (otherwise a source may be what is missing).
+        dead = sorted(r for r in failed if r not in waiting or acked)
+        if dead:
+            src._coord.report_dead.remote(f"source {src.rank}", DESTINATION, dead)
+        if not acked:
+            raise TimeoutError(f"group {src.group!r}: push of version {version} from source {src.rank}: no "
+                               f"destination confirmed within {timeout} s ({failed[min(failed)]})")
+    return stats
+
+
+class Destination(_Participant):
+    """A rollout rank: receives into its tensors (``inplace``) or into shadows (``staged``)."""
+
+    role = DESTINATION
+
+    def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], mode: str = "staged", *,
+                 timeout: float = 120.0, push_timeout: float = 60.0, engine: TransferEngine | None = None,
+                 secret: str | None = None) -> None:
+        if mode not in ("inplace", "staged"):
+            raise WeightSyncError(f"destination mode must be 'inplace' or 'staged', not {mode!r}")
+        super().__init__(group, rank, tensors, timeout, engine, secret)
+        self.mode = mode
+        self._push_timeout = push_timeout
+        self._lock = threading.Condition()
+        self._version = -1
+        self._live_version = -1
+        self._landing: int | None = None
+        self._applying = False
+        self._complete_buffer = 0  # staged: the shadow that holds the newest complete version
+        self._live: dict[str, Any] = {k: _contiguous(self._local_tensor(k), k) for k in self.tensors}
+        self._buffers: dict[str, list[Any]] = {}
+        descriptors: dict[str, list[bytes]] = {}
+        self._regions: list[Region] = []
+        for key, live in self._live.items():
+            bufs = [live] if mode == "inplace" else [live.clone() for _ in range(2)]
+            self._buffers[key] = bufs
+            regs = [self.engine.register(b, name=f"{key}[{i}]") for i, b in enumerate(bufs)]
+            self._regions += regs
+            descriptors[key] = [r.descriptor for r in regs] * (2 if mode == "inplace" else 1)
+        self._sources: dict[int, dict[str, Any]] = {}
+        self._expected = 0
+        self._stop = threading.Event()
+        self._join(descriptors)
+        self._thread = threading.Thread(target=self._run, name=f"weightsync-{group}-dst{rank}", daemon=True)
+        self._thread.start()
+
+    def _apply_part(self, part: dict[str, Any]) -> None:
+        self._expected = part["expected"]
+        self._sources = {int(r): {**s, "peer": self._peer(s["address"])} for r, s in part["sources"].items()}
+        self.log.info("destination %d: plan epoch %d, expecting %d immediates from sources %s", self.rank,
+                      self.epoch, self._expected, sorted(self._sources))
+
+    # -- what users observe ---------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The newest version completely received (-1 before the first)."""
+        with self._lock:
+            return self._version
+
+    @property
+    def live_version(self) -> int:
+        """The version the live tensors hold (staged: the last one ``apply`` made live)."""
+        with self._lock:
+            return self._live_version if self.mode == "staged" else self._version
+
+    @property
+    def updating(self) -> bool:
+        """True while an announced update is landing (inplace: the live tensors are being written)."""
+        with self._lock:
+            return self._landing is not None
+
+    def wait(self, version: int | None = None, timeout: float = 60.0) -> int:
+        """Blocks until a complete version (``>= version``, or newer than now when None) has landed."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            target = self._version + 1 if version is None else version
+            while self._version < target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"group {self.group!r}: destination {self.rank} has version "
+                                       f"{self._version}, waited {timeout} s for {target}")
+                self._lock.wait(left)
+            return self._version
+
+    def apply(self) -> int:
+        """Staged mode: make the newest complete version live (one local copy); returns the live version."""
+        if self.mode != "staged":
+            return self.version
+        with self._lock:
+            if self._version == self._live_version:
+                return self._live_version
+            version, buf = self._version, self._complete_buffer
+            self._applying = True
+        try:
+            for key, live in self._live.items():
+                live.copy_(self._buffers[key][buf])
+        finally:
+            with self._lock:
+                self._applying = False
+                self._live_version = version
+                self._lock.notify_all()
+        return version
+
+    # -- the receiving thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        announce = self.engine.counter(ANNOUNCE)
+        while not self._stop.is_set():
+            try:
+                announce.wait(1, timeout=0.2)
+            except TimeoutError:
+                continue
+            except TransportError:
+                return  # engine closed
+            try:
+                self._receive()
+            except Exception as exc:  # keep receiving: a bad push must not kill the destination
+                self.log.error("destination %d: receiving failed: %s", self.rank, exc)
+
+    def _receive(self) -> None:
+        slots = self._mailbox[: len(self._mailbox)]
+        epochs = slots["epoch"]
+        newest_epoch = int(epochs.max())
+        if newest_epoch > self.epoch:
+            self._fetch_part(self._timeout)
+        current = slots[slots["epoch"] == self.epoch]
+        if len(current) == 0:
+            return
+        newest = int(np.argmax(current["version"]))
+        target, buffer = int(current["version"][newest]), int(current["buffer"][newest])
+        with self._lock:
+            if target <= self._version:
+                return
+            self._landing = target
+        counter = self.engine.counter(data_imm(self.epoch, target))
+        deadline = time.monotonic() + self._push_timeout
+        complete = False
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                counter.wait(self._expected, timeout=min(0.2, max(deadline - time.monotonic(), 0.01)))
+                complete = True
+                break
+            except TimeoutError:
+                continue
+        if not complete:
+            with self._lock:
+                self._landing = None
+            counter.reset()
+            self.log.warning("destination %d: version %d incomplete after %s s (a source failed?)", self.rank,
+                             target, self._push_timeout)
+            return
+        with self._lock:
+            # The next push writes the other shadow; wait out an apply() that may be reading it.
+            while self._applying:
+                self._lock.wait(1.0)
+            self._version = target
+            self._landing = None
+            if self.mode == "staged":
+                self._complete_buffer = buffer
+                next_buffer = 1 - buffer
+            else:
+                next_buffer = 0
+            self._lock.notify_all()
+        self._ack(target, next_buffer)
+
+    def _ack(self, version: int, next_buffer: int) -> None:
+        self._outbox[0] = (version, next_buffer, 0)
+        transfers = []
+        for rank, s in self._sources.items():
+            try:
+                transfers.append(self.engine.write(self._outbox_region, 0, s["peer"], s["mailbox"],
+                                                   self.rank * _SLOT.itemsize, _SLOT.itemsize, imm=ACK))
+            except TransportError as exc:
+                self.log.warning("destination %d: ack to source %d failed: %s", self.rank, rank, exc)
+        for t in transfers:
+            try:
+                t.wait(10.0)
+            except (TransportError, TimeoutError) as exc:
+                self.log.warning("destination %d: ack failed: %s", self.rank, exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        super().close()
+
+
+def _contiguous(t: Any, key: str) -> Any:
+    if hasattr(t, "is_contiguous") and not t.is_contiguous():
+        raise LayoutError(f"tensor {key!r} must be contiguous to be registered")
+    return t
+
+
+def _byte_view(t: Any) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t.reshape(-1).view(np.uint8)
+    import torch
+
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+__all__ = ["Destination", "Group", "PushStats", "Source", "push"]
