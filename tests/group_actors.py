@@ -85,8 +85,8 @@ class Rollout:
         else:
             r = tp_rank
             named = {
-                "qkv_proj": ws.Fused(poison["qkv_proj"], 0, [("q", (r * 8, 0), (8, 8)), ("k", (r * 4, 0), (4, 8)),
-                                                            ("v", (r * 4, 0), (4, 8))]),
+                "qkv_proj": ws.Fused(poison["qkv_proj"], 0, [
+                    ("q", (r * 8, 0), (8, 8)), ("k", (r * 4, 0), (4, 8)), ("v", (r * 4, 0), (4, 8))]),
                 "gate_up_proj": ws.Fused(poison["gate_up_proj"], 0, [("gate", (r * 6, 0), (6, 8)),
                                                                     ("up", (r * 6, 0), (6, 8))]),
                 "down": ws.Sharded(poison["down"], (8, 12), (0, r * 6)),

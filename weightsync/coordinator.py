@@ -39,6 +39,7 @@ class Member:
     engine: dict[str, int]  # nics, stripe_threshold, max_piece: how the engine splits writes
     descriptors: dict[str, list[bytes]]  # local key -> descriptor per buffer (staged: 2 shadows)
     mailbox: bytes  # descriptor of the slots peers signal into (announces or acks)
+    joined_epoch: int = 0  # the plan epoch when it joined: reports about older epochs do not apply to it
     joined: float = field(default_factory=time.time)
 
 
@@ -73,20 +74,23 @@ class Coordinator:
                 self.num_destinations = rank + 1
             before = self.epoch
             self._members[(role, rank)] = Member(role, rank, layout, address, host, engine, descriptors,
-                                                 mailbox)
+                                                 mailbox, joined_epoch=before)
             self._dead.discard((role, rank))
             log.info("group %s: %s rank %d joined from %s", self.name, role, rank, host)
             self._replan_if_complete()
             # The epoch before this join: the member's first part is the first plan newer than it.
             return before
 
-    def report_dead(self, reporter: str, role: str, ranks: list[int]) -> int:
-        """A participant saw these ranks fail (a push's writes or acks): drop them and re-plan."""
+    def report_dead(self, reporter: str, role: str, ranks: list[int], epoch: int) -> int:
+        """A participant saw these ranks fail during plan ``epoch``: drop them and re-plan.
+
+        A rank that (re)joined after that epoch is a new process and is left alone."""
         with self._cv:
             changed = False
             for r in ranks:
                 key = (role, int(r))
-                if key in self._members:
+                member = self._members.get(key)
+                if member is not None and member.joined_epoch < epoch:
                     del self._members[key]
                     self._dead.add(key)
                     changed = True

@@ -407,7 +407,7 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
         # (otherwise a source may be what is missing).
         dead = sorted(r for r in failed if r not in waiting or acked)
         if dead:
-            src._coord.report_dead.remote(f"source {src.rank}", DESTINATION, dead)
+            src._coord.report_dead.remote(f"source {src.rank}", DESTINATION, dead, src.epoch)
         if not acked:
             raise TimeoutError(f"group {src.group!r}: push of version {version} from source {src.rank}: no "
                                f"destination confirmed within {timeout} s ({failed[min(failed)]})")
