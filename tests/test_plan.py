@@ -26,7 +26,7 @@ def _local_copy(block: np.ndarray, strided: bool) -> np.ndarray:
     """A local tensor holding ``block``; when ``strided``, a view into a wider buffer (non-contiguous)."""
     if not strided or block.ndim == 0 or block.size == 0:
         return np.ascontiguousarray(block).copy()
-    wide = np.zeros(block.shape[:-1] + (block.shape[-1] + 3,), dtype=block.dtype)
+    wide = np.zeros((*block.shape[:-1], block.shape[-1] + 3), dtype=block.dtype)
     view = wide[..., 1:1 + block.shape[-1]]
     view[...] = block
     return view
@@ -265,7 +265,8 @@ def test_coalesces_adjacent_writes_and_marks_packing() -> None:
     d2 = describe_tensors({"q": Sharded(np.zeros((4, 3), np.float32), (4, 8), (0, 2))})
     p2 = plan([describe_tensors({"q": q})], [d2])
     op = p2.ops[0]
-    assert (int(op["rows"]), int(op["row_bytes"]), int(op["src_pitch"]), int(op["dst_pitch"])) == (4, 12, 32, 12)
+    got = (int(op["rows"]), int(op["row_bytes"]), int(op["src_pitch"]), int(op["dst_pitch"]))
+    assert got == (4, 12, 32, 12)
     assert int(op["pack"]) == 1
 
 
@@ -343,20 +344,21 @@ def test_overlapping_destination_pieces() -> None:
 
 
 def test_shape_mismatch() -> None:
-    g, srcs = _simple()
+    _g, srcs = _simple()
     with pytest.raises(LayoutError, match=r"shape mismatch.*down_proj.*\(10, 5\)"):
         plan(srcs, [describe_tensors({"model.layers.0.mlp.down_proj.weight": np.zeros((10, 5), np.float32)})])
 
 
 def test_dtype_mismatch() -> None:
-    g, srcs = _simple()
+    _g, srcs = _simple()
     with pytest.raises(LayoutError, match=r"dtype mismatch.*down_proj.*float16"):
         plan(srcs, [describe_tensors({"model.layers.0.mlp.down_proj.weight": np.zeros((10, 4), np.float16)})])
 
 
 def test_unknown_name_suggests_closest() -> None:
     g, srcs = _simple()
-    with pytest.raises(LayoutError, match=r"no source holds.*down_prj.*did you mean 'model.layers.0.mlp.down_proj"):
+    with pytest.raises(LayoutError,
+                       match=r"no source holds.*down_prj.*did you mean 'model.layers.0.mlp.down_proj"):
         plan(srcs, [describe_tensors({"model.layers.0.mlp.down_prj.weight": np.zeros_like(g)})])
 
 

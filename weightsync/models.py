@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .errors import LayoutError
-from .layout import DTYPE_CODE, Layout, TensorTable, dtensor_box
+from .layout import DTYPE_CODE, Layout, TensorTable
 
 W = 2  # every tensor of these models has rank <= 2 (per-expert weights are separate tensors)
 FP8 = "float8_e4m3fn"
@@ -268,7 +268,8 @@ class _Rows:
         self.key_nbytes.append(nbytes)
         return len(self.keys) - 1
 
-    def add(self, t: int, lo: tuple[int, int], sh: tuple[int, int], k: int, boff: int, row_stride: int) -> None:
+    def add(self, t: int, lo: tuple[int, int], sh: tuple[int, int], k: int, boff: int,
+            row_stride: int) -> None:
         self.t.append(t)
         self.lo.append(lo)
         self.sh.append(sh)
@@ -392,7 +393,8 @@ def inference_layouts(cfg: Mapping[str, Any], gpus: int, replica_gpus: int, dtyp
             if fam == "deepseek":
                 ga, gkv = gsh[idx[a + "q_a_proj.weight"]], gsh[idx[a + "kv_a_proj_with_mqa.weight"]]
                 fused(rows, a + "fused_qkv_a_proj.weight",
-                      [(a + "q_a_proj.weight", 0, ga[0]), (a + "kv_a_proj_with_mqa.weight", 0, gkv[0])], (0, H))
+                      [(a + "q_a_proj.weight", 0, ga[0]), (a + "kv_a_proj_with_mqa.weight", 0, gkv[0])],
+                      (0, H))
                 rep(rows, a + "q_a_layernorm.weight")
                 rep(rows, a + "kv_a_layernorm.weight")
                 col(rows, a + "q_b_proj.weight", [a + "q_b_proj.weight"], K, r)
@@ -403,7 +405,8 @@ def inference_layouts(cfg: Mapping[str, Any], gpus: int, replica_gpus: int, dtyp
                 hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
                 qlo, qn = heads_rows(a + "q_proj.weight", cfg["num_attention_heads"], hd, r)
                 klo, kn = heads_rows(a + "k_proj.weight", cfg["num_key_value_heads"], hd, r)
-                fused(rows, a + "qkv_proj.weight", [(a + "q_proj.weight", qlo, qn), (a + "k_proj.weight", klo, kn),
+                fused(rows, a + "qkv_proj.weight", [(a + "q_proj.weight", qlo, qn),
+                                                    (a + "k_proj.weight", klo, kn),
                                                     (a + "v_proj.weight", klo, kn)], (0, H))
                 row(rows, a + "o_proj.weight", a + "o_proj.weight", K, r)
                 if fam == "qwen3moe":
@@ -431,7 +434,8 @@ def inference_layouts(cfg: Mapping[str, Any], gpus: int, replica_gpus: int, dtyp
 
 
 def _experts(rows: _Rows, m: str, E: int, K: int, r: int, ep: bool, idx: dict[str, int],
-             gsh: list[tuple[int, ...]], scale_id: dict[int, int], esize: Any, block: tuple[int, int]) -> None:
+             gsh: list[tuple[int, ...]], scale_id: dict[int, int], esize: Any,
+             block: tuple[int, int]) -> None:
     """vLLM FusedMoE: w13_weight [E_local, 2*I_local, H] = per expert [gate; up], w2_weight
     [E_local, H, I_local]; whole experts per rank with EP, every expert's TP slice without."""
     g0 = idx[f"{m}experts.0.gate_proj.weight"]

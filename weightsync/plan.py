@@ -46,6 +46,7 @@ import difflib
 import heapq
 import itertools
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,11 +59,11 @@ from .errors import LayoutError, PlanError
 from .layout import DTYPE_CODE, DTYPE_SIZES, DTYPES, UNKNOWN, Layout, as_layout, is_float8
 
 OP_DTYPE = np.dtype([
-    ("src_rank", "<i4"), ("dst_rank", "<i4"), ("round", "<i4"), ("src_key", "<i4"), ("dst_key", "<i4"),
-    ("tensor", "<i4"), ("transform", "u1"), ("pack", "u1"),
     ("src_offset", "<i8"), ("dst_offset", "<i8"), ("rows", "<i8"), ("row_bytes", "<i8"),
     ("src_pitch", "<i8"), ("dst_pitch", "<i8"),
-])
+    ("src_rank", "<i4"), ("dst_rank", "<i4"), ("round", "<i4"), ("src_key", "<i4"), ("dst_key", "<i4"),
+    ("tensor", "<i4"), ("transform", "u1"), ("pack", "u1"),
+], align=True)  # aligned fields: numpy is several times slower on unaligned int64 columns
 GATHER_DTYPE = np.dtype([("provider", "<i4"), ("gatherer", "<i4"), ("tensor", "<i4"), ("nbytes", "<i8")])
 
 TRANSFORMS = ("none", "cast", "fp8", "fp8_scale")
@@ -100,9 +101,7 @@ class Plan:
                  tensors: list[str], src_dtype: list[str], dst_dtype: list[str],
                  gathers: np.ndarray | None = None, needed_bytes: np.ndarray | None = None,
                  stats: dict[str, Any] | None = None) -> None:
-        order = np.lexsort((ops["dst_offset"], ops["dst_key"], ops["dst_rank"], ops["round"],
-                            ops["src_rank"]))
-        self.ops = np.ascontiguousarray(ops[order])
+        self.ops = _sorted_ops(np.ascontiguousarray(ops, dtype=OP_DTYPE))
         self.num_sources = int(num_sources)
         self.num_destinations = int(num_destinations)
         self.keys = keys
@@ -228,6 +227,16 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan({len(self.ops)} writes, {self.nbytes} bytes, {self.num_sources} sources -> "
                 f"{self.num_destinations} destinations)")
+
+
+def _sorted_ops(ops: np.ndarray) -> np.ndarray:
+    """Ops in execution order: by source, then round (stable: the planner's order inside a round)."""
+    if len(ops) == 0:
+        return ops
+    k = (ops["src_rank"].astype(np.int64) << 32) + ops["round"]
+    if np.all(k[1:] >= k[:-1]):
+        return ops
+    return ops[np.argsort(k, kind="stable")]
 
 
 def _plain(x: Any) -> Any:
@@ -403,10 +412,24 @@ def _build_holders(tensor: np.ndarray, lo: np.ndarray, shape: np.ndarray, cls: n
         return _Holders(z.astype(np.int32), np.zeros((0, width), np.int64), np.zeros((0, width), np.int64),
                         z, z.astype(np.int32), z, np.zeros(ntensors, np.int64))
     boxes = np.concatenate([tensor[:, None].astype(np.int64), lo, shape], axis=1)
-    uniq, inv = np.unique(boxes, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
+    # group equal boxes: sort by a 64-bit hash (one key sorts fast), then split runs where the box
+    # itself changes; a hash collision only splits a group, which the overlap check below repairs
+    hsh = np.zeros(len(boxes), np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(boxes.shape[1]):
+            hsh = (hsh ^ boxes[:, j].astype(np.uint64)) * np.uint64(0x100000001B3)
+            hsh ^= hsh >> np.uint64(29)
+    order0 = np.argsort(hsh, kind="stable")
+    bs = boxes[order0]
+    new = np.ones(len(bs), bool)
+    new[1:] = np.any(bs[1:] != bs[:-1], axis=1)
+    gid = np.cumsum(new) - 1
+    inv = np.empty(len(bs), np.int64)
+    inv[order0] = gid
+    uniq = bs[new]
     h_t, h_lo, h_sh = uniq[:, 0].astype(np.int32), uniq[:, 1:1 + width], uniq[:, 1 + width:]
-    order = np.lexsort((row, cls, inv))
+    nc = int(cls.max()) + 1
+    order = np.argsort(inv * nc + cls, kind="stable")  # by (box, class), rows in input order
     e_hb, e_cls, e_row = inv[order], cls[order], row[order]
     # one entry per (box, class): a class holding the same box twice adds no choice
     first = np.ones(len(e_hb), bool)
@@ -639,25 +662,46 @@ class _Planner:
 
     # ----------------------------------------------------------------------------------------------
     def run(self) -> Plan:
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t0
+            t1 = time.perf_counter()
+            times[name] = round(t1 - t0, 3)
+            t0 = t1
+
         self._classes()
         self._tensor_table()
         self._rows()
+        lap("tables")
         self._check_bounds()
         self._check_destinations()
+        lap("checks")
         self._holders()
+        lap("holders")
         self._pieces()
+        lap("pieces")
         self._choose_sources()
+        lap("choose")
         ops = self._blocks()
+        lap("blocks")
         if self.coalesce:
             ops = _coalesce(ops)
+        lap("coalesce")
         ops["round"] = _schedule(ops, self.T, self.R, self.round_bytes)
+        lap("rounds")
         gathers = self._gathers()
-        needed = self.needed_bytes
+        lap("gathers")
+        self.stats["writes"] = len(ops)
+        self.stats["seconds"] = times
         p = Plan(ops, self.T, self.R, self.keys, self.names,
                  [DTYPES[int(c)] for c in self.g_dtype], [DTYPES[int(c)] for c in self.g_dst_dtype],
-                 gathers, needed, self.stats)
+                 gathers, self.needed_bytes, self.stats)
+        lap("index")
         if self.validate:
             p.validate()
+            lap("validate")
         return p
 
     # ----------------------------------------------------------------------------------------------
@@ -726,38 +770,36 @@ class _Planner:
         self.g_shape = G
         self.g_ndim = nd
         self.g_dtype = dt
-        # Destinations: every name must be a source tensor, or the FP8 scales of one.
-        self.dst_tmap: list[np.ndarray] = []
-        self.g_dst_dtype = dt.copy()
-        self.g_transform = np.zeros(nsrc_names, np.int64)
-        scale_of: dict[int, int] = {}  # scale tensor id -> weight tensor id
-        dst_set = np.zeros(nsrc_names, bool)
-        pending: list[tuple[int, Layout, int, str]] = []
+        # Destinations: every name must be a source tensor, or the FP8 scales of one. Classes that
+        # share a tensor table (all ranks built by one layout builder) are checked once.
+        by_table: dict[int, list[int]] = defaultdict(list)
         for c, lay in enumerate(self.dst_classes):
-            gids = np.empty(len(lay.table), np.int32)
-            for i, n in enumerate(lay.table.names):
+            by_table[id(lay.table)].append(c)
+        self.dst_tmap = [np.empty(0, np.int32)] * len(self.dst_classes)
+        scale_of: dict[int, int] = {}  # scale tensor id -> weight tensor id
+        unknown_names: dict[str, list[int]] = defaultdict(list)
+        table_groups: list[tuple[Any, list[int], np.ndarray, np.ndarray]] = []
+        for cs in by_table.values():
+            tb = self.dst_classes[cs[0]].table
+            ranks = np.sort(np.concatenate([self.dst_ranks_of[c] for c in cs]))
+            gids = np.empty(len(tb), np.int32)
+            for i, n in enumerate(tb.names):
                 g = src_index.get(n)
                 if g is None:
-                    g = index.get(n)
-                if g is None:
-                    g = -1
-                    pending.append((c, lay, i, n))
+                    base = n[: -len(SCALE_SUFFIX)] if n.endswith(SCALE_SUFFIX) else None
+                    if self.fp8_block is not None and base is not None and base in src_index:
+                        g = index.get(n)
+                        if g is None:
+                            g = index[n] = len(self.names)
+                            self.names.append(n)
+                            scale_of[g] = src_index[base]
+                    else:
+                        unknown_names[n].extend(int(r) for r in ranks)
+                        g = -1
                 gids[i] = g
-            self.dst_tmap.append(gids)
-        # FP8 scales: names the sources don't hold, derived from a weight they do hold.
-        unknown_names: dict[str, list[int]] = defaultdict(list)
-        for c, _lay, i, n in pending:
-            base = n[: -len(SCALE_SUFFIX)] if n.endswith(SCALE_SUFFIX) else None
-            if self.fp8_block is not None and base is not None and base in src_index:
-                w = src_index[base]
-                g = index.get(n)
-                if g is None:
-                    g = index[n] = len(self.names)
-                    self.names.append(n)
-                    scale_of[g] = w
-                self.dst_tmap[c][i] = g
-            else:
-                unknown_names[n].extend(int(r) for r in self.dst_ranks_of[c])
+            for c in cs:
+                self.dst_tmap[c] = gids
+            table_groups.append((tb, cs, ranks, gids))
         if unknown_names:
             lines = []
             src_names = self.names[:nsrc_names]
@@ -768,63 +810,78 @@ class _Planner:
             more = f" and {len(unknown_names) - 5} more" if len(unknown_names) > 5 else ""
             raise LayoutError("destinations need tensors no source holds: " + "; ".join(lines) + more)
         nall = len(self.names)
-        if nall > nsrc_names:
-            grow = nall - nsrc_names
-            self.g_shape = np.concatenate([self.g_shape, np.ones((grow, W), np.int64)])
-            self.g_ndim = np.concatenate([self.g_ndim, np.zeros(grow, np.int64)])
-            self.g_dtype = np.concatenate([self.g_dtype, np.full(grow, DTYPE_CODE["float32"])])
-            self.g_dst_dtype = np.concatenate([self.g_dst_dtype, np.full(grow, DTYPE_CODE["float32"])])
-            self.g_transform = np.concatenate([self.g_transform, np.full(grow, T_SCALE)])
-            dst_set = np.concatenate([dst_set, np.zeros(grow, bool)])
+        grow = nall - nsrc_names
+        self.g_shape = np.concatenate([self.g_shape, np.ones((grow, W), np.int64)])
+        self.g_ndim = np.concatenate([self.g_ndim, np.zeros(grow, np.int64)])
+        self.g_dtype = np.concatenate([self.g_dtype, np.full(grow, DTYPE_CODE["float32"])])
+        self.g_dst_dtype = np.concatenate([self.g_dtype[:nsrc_names], np.full(grow, DTYPE_CODE["float32"])])
+        self.g_transform = np.concatenate([np.zeros(nsrc_names, np.int64), np.full(grow, T_SCALE)])
+        dst_set = np.zeros(nall, bool)
         self.scale_of = scale_of
-        # dtype / shape agreement of destinations with the sources
-        for c, lay in enumerate(self.dst_classes):
-            gids = self.dst_tmap[c]
-            ranks = self.dst_ranks_of[c]
-            is_scale = np.array([int(g) in scale_of for g in gids], bool) if scale_of else np.zeros(len(gids),
-                                                                                                      bool)
-            ddt = lay.table.dtype.astype(np.int64)
-            dnd = lay.table.ndim.astype(np.int64)
-            dgs = _pad(lay.table.gshape, W, 1)
-            for i in np.nonzero(~is_scale)[0]:
-                g = int(gids[i])
-                name = self.names[g]
-                if dnd[i] != self.g_ndim[g] or np.any((dgs[i] != UNKNOWN) & (dgs[i] != self.g_shape[g])):
-                    w = self.g_shape[g][W - int(self.g_ndim[g]):]
-                    raise LayoutError(
-                        f"shape mismatch for tensor {name!r}: destination ranks {_ranks_text(ranks)} say "
-                        f"{tuple(int(x) for x in dgs[i][W - int(dnd[i]):])}, the sources hold "
-                        f"{tuple(int(x) for x in w)}")
-                tr = self._transform_for(int(self.g_dtype[g]), int(ddt[i]), name, ranks)
-                if dst_set[g] and (self.g_dst_dtype[g] != ddt[i] or self.g_transform[g] != tr):
-                    raise LayoutError(f"destinations disagree on the dtype of tensor {name!r} (destination "
-                                      f"ranks {_ranks_text(ranks)} want {DTYPES[int(ddt[i])]}, others "
-                                      f"{DTYPES[int(self.g_dst_dtype[g])]})")
-                dst_set[g] = True
-                self.g_dst_dtype[g] = ddt[i]
-                self.g_transform[g] = tr
-        for g, w in scale_of.items():
-            if self.g_transform[w] != T_FP8:
-                raise LayoutError(f"destinations need {self.names[g]!r}, the FP8 block scales of "
-                                  f"{self.names[w]!r}, but no destination holds that tensor in FP8")
+        is_scale_id = np.zeros(nall, bool)
+        if scale_of:
+            sids = np.array(list(scale_of.keys()), np.int64)
+            wids = np.array(list(scale_of.values()), np.int64)
+            is_scale_id[sids] = True
             bm, bn = self.fp8_block  # type: ignore[misc]
-            shp = self.g_shape[w].copy()
-            shp[W - 2] = -(-shp[W - 2] // bm)
-            shp[W - 1] = -(-shp[W - 1] // bn)
-            self.g_shape[g] = shp
-            self.g_ndim[g] = self.g_ndim[w]
-        for c, lay in enumerate(self.dst_classes):
-            for i in range(len(lay.table)):
-                g = int(self.dst_tmap[c][i])
-                if g in scale_of:
-                    dgs = _pad(lay.table.gshape, W, 1)[i]
-                    nd_i = int(lay.table.ndim[i])
-                    if (lay.table.dtype[i] != DTYPE_CODE["float32"] or nd_i != self.g_ndim[g]
-                            or np.any((dgs != UNKNOWN) & (dgs != self.g_shape[g]))):
-                        raise LayoutError(
-                            f"FP8 scales {self.names[g]!r} on destination ranks "
-                            f"{_ranks_text(self.dst_ranks_of[c])} must be float32 of shape "
-                            f"{tuple(int(x) for x in self.g_shape[g][W - nd_i:])}")
+            shp = self.g_shape[wids].copy()
+            shp[:, W - 2] = -(-shp[:, W - 2] // bm)
+            shp[:, W - 1] = -(-shp[:, W - 1] // bn)
+            self.g_shape[sids] = shp
+            self.g_ndim[sids] = np.maximum(self.g_ndim[wids], 2)
+        # dtype / shape agreement of destinations with the sources (vectorized per table)
+        for tb, _cs, ranks, gids in table_groups:
+            g = gids.astype(np.int64)
+            ddt = tb.dtype.astype(np.int64)
+            dnd = tb.ndim.astype(np.int64)
+            dgs = _pad(tb.gshape, W, 1)
+            ns = ~is_scale_id[g]
+            bad = ns & ((dnd != self.g_ndim[g])
+                        | np.any((dgs != UNKNOWN) & (dgs != self.g_shape[g]), axis=1))
+            if bad.any():
+                i = int(np.nonzero(bad)[0][0])
+                gi = int(g[i])
+                w = self.g_shape[gi][W - int(self.g_ndim[gi]):]
+                raise LayoutError(
+                    f"shape mismatch for tensor {self.names[gi]!r}: destination ranks {_ranks_text(ranks)} "
+                    f"say {tuple(int(x) for x in dgs[i][W - int(dnd[i]):])}, the sources hold "
+                    f"{tuple(int(x) for x in w)}")
+            tr = np.zeros(len(g), np.int64)
+            diff = np.nonzero(ns & (ddt != self.g_dtype[g]))[0]
+            if len(diff):
+                pairs = np.unique(np.stack([self.g_dtype[g[diff]], ddt[diff]], axis=1), axis=0)
+                for sdt, dd in pairs:
+                    m = diff[(self.g_dtype[g[diff]] == sdt) & (ddt[diff] == dd)]
+                    tr[m] = self._transform_for(int(sdt), int(dd), self.names[int(g[m[0]])], ranks)
+            nsi = np.nonzero(ns)[0]
+            gn = g[nsi]
+            clash = dst_set[gn] & ((self.g_dst_dtype[gn] != ddt[nsi]) | (self.g_transform[gn] != tr[nsi]))
+            if clash.any():
+                i = int(nsi[np.nonzero(clash)[0][0]])
+                gi = int(g[i])
+                raise LayoutError(f"destinations disagree on the dtype of tensor {self.names[gi]!r} "
+                                  f"(destination ranks {_ranks_text(ranks)} want {DTYPES[int(ddt[i])]}, "
+                                  f"others "
+                                  f"{DTYPES[int(self.g_dst_dtype[gi])]})")
+            dst_set[gn] = True
+            self.g_dst_dtype[gn] = ddt[nsi]
+            self.g_transform[gn] = tr[nsi]
+            sc = np.nonzero(~ns)[0]
+            if len(sc):
+                gs = g[sc]
+                bad = ((ddt[sc] != DTYPE_CODE["float32"]) | (dnd[sc] != self.g_ndim[gs])
+                       | np.any((dgs[sc] != UNKNOWN) & (dgs[sc] != self.g_shape[gs]), axis=1))
+                if bad.any():
+                    i = int(sc[np.nonzero(bad)[0][0]])
+                    gi = int(g[i])
+                    raise LayoutError(
+                        f"FP8 scales {self.names[gi]!r} on destination ranks {_ranks_text(ranks)} must be "
+                        f"float32 of shape "
+                        f"{tuple(int(x) for x in self.g_shape[gi][W - int(self.g_ndim[gi]):])}")
+        for gsc, w in scale_of.items():
+            if self.g_transform[w] != T_FP8:
+                raise LayoutError(f"destinations need {self.names[gsc]!r}, the FP8 block scales of "
+                                  f"{self.names[w]!r}, but no destination holds that tensor in FP8")
 
     def _transform_for(self, src_dt: int, dst_dt: int, name: str, ranks: np.ndarray) -> int:
         if src_dt == dst_dt:
@@ -974,23 +1031,24 @@ class _Planner:
             parts_t, parts_lo, parts_sh, e_hb, e_c, e_r = [h.tensor], [h.lo], [h.shape], [h.ent_hb], \
                 [h.ent_class], [h.ent_row]
             base = len(h.tensor)
+            scale_for = np.full(len(self.names), -1, np.int64)
             for g, w in self.scale_of.items():
-                sel = np.nonzero(h.tensor == w)[0]
-                slo = h.lo[sel].copy()
-                shi = h.lo[sel] + h.shape[sel]
-                for d, b in ((W - 2, bm), (W - 1, bn)):
-                    slo[:, d] = slo[:, d] // b
-                    shi[:, d] = -(-shi[:, d] // b)
-                parts_t.append(np.full(len(sel), g, np.int32))
-                parts_lo.append(slo)
-                parts_sh.append(shi - slo)
-                remap = np.full(len(h.tensor), -1, np.int64)
-                remap[sel] = base + np.arange(len(sel))
-                m = remap[h.ent_hb] >= 0
-                e_hb.append(remap[h.ent_hb[m]])
-                e_c.append(h.ent_class[m])
-                e_r.append(h.ent_row[m])
-                base += len(sel)
+                scale_for[w] = g
+            sel = np.nonzero(scale_for[h.tensor] >= 0)[0]
+            slo = h.lo[sel].copy()
+            shi = h.lo[sel] + h.shape[sel]
+            for d, b in ((W - 2, bm), (W - 1, bn)):
+                slo[:, d] = slo[:, d] // b
+                shi[:, d] = -(-shi[:, d] // b)
+            parts_t.append(scale_for[h.tensor[sel]].astype(np.int32))
+            parts_lo.append(slo)
+            parts_sh.append(shi - slo)
+            remap = np.full(len(h.tensor), -1, np.int64)
+            remap[sel] = base + np.arange(len(sel))
+            m = remap[h.ent_hb] >= 0
+            e_hb.append(remap[h.ent_hb[m]])
+            e_c.append(h.ent_class[m])
+            e_r.append(h.ent_row[m])
             h = _Holders(np.concatenate(parts_t), np.concatenate(parts_lo), np.concatenate(parts_sh),
                          np.concatenate(e_hb), np.concatenate(e_c), np.concatenate(e_r), h.split)
             o = np.lexsort((h.ent_class, h.ent_hb))
@@ -1161,36 +1219,49 @@ class _Planner:
             outer[:, d] = to_outer & ~trivial
             phase = np.where(start_rows, 1, np.where(to_outer, 2, phase)).astype(np.int8)
         del active
+        # per piece first; expand into several blocks only where outer dimensions remain
+        src_key = np.where(is_scale, -1, self.src_key_map[S["key"][sr]])
+        dst_key = self.dst_key_map[D["key"][dr]]
+        src_off = np.where(is_scale, 0, S["boff"][sr] + s_el * s_es)
+        dst_off = D["boff"][dr] + d_el * d_es
+        single = rows == 1
+        src_pitch = np.where(is_scale, 0, np.where(single, run, sp) * s_es)
+        dst_pitch = np.where(single, run, dp) * d_es
+        row_bytes = run * d_es
         nblk = np.prod(np.where(outer, shape, 1), axis=1)
-        k = np.repeat(np.arange(n), nblk)
-        j = np.arange(len(k)) - np.repeat(np.cumsum(nblk) - nblk, nblk)
-        s_add = np.zeros(len(k), np.int64)
-        d_add = np.zeros(len(k), np.int64)
         if (nblk > 1).any():
-            rem = j.copy()
+            k = np.repeat(np.arange(n), nblk)
+            rem = np.arange(len(k)) - np.repeat(np.cumsum(nblk) - nblk, nblk)
+            s_add = np.zeros(len(k), np.int64)
+            d_add = np.zeros(len(k), np.int64)
             for d in range(W - 1, -1, -1):
                 radix = np.where(outer[k, d], shape[k, d], 1)
                 i_d = rem % radix
                 rem //= radix
                 s_add += i_d * ss[k, d]
                 d_add += i_d * ds[k, d]
-        ops = np.zeros(len(k), OP_DTYPE)
-        ops["src_rank"] = P["src"][k]
-        ops["dst_rank"] = P["dst"][k]
-        skey = self.src_key_map[S["key"][sr[k]]]
-        ops["src_key"] = np.where(is_scale[k], -1, skey)
-        ops["dst_key"] = self.dst_key_map[D["key"][dr[k]]]
-        ops["tensor"] = P["tensor"][k]
-        ops["transform"] = tr[k]
-        ops["src_offset"] = np.where(is_scale[k], 0, S["boff"][sr[k]] + (s_el[k] + s_add) * s_es[k])
-        ops["dst_offset"] = D["boff"][dr[k]] + (d_el[k] + d_add) * d_es[k]
-        ops["rows"] = rows[k]
-        ops["row_bytes"] = run[k] * d_es[k]
-        single = rows[k] == 1
-        ops["src_pitch"] = np.where(single, run[k] * s_es[k], sp[k] * s_es[k])
-        ops["dst_pitch"] = np.where(single, run[k] * d_es[k], dp[k] * d_es[k])
-        ops["src_pitch"] = np.where(is_scale[k], 0, ops["src_pitch"])
-        ops["pack"] = (~single).astype(np.uint8)
+            src_off = np.where(is_scale[k], 0, src_off[k] + s_add * s_es[k])
+            dst_off = dst_off[k] + d_add * d_es[k]
+            src_key, dst_key, src_pitch, dst_pitch = src_key[k], dst_key[k], src_pitch[k], dst_pitch[k]
+            row_bytes, rows, single, tr = row_bytes[k], rows[k], single[k], tr[k]
+            src_rank, dst_rank, tensor = P["src"][k], P["dst"][k], P["tensor"][k]
+        else:
+            src_rank, dst_rank, tensor = P["src"], P["dst"], P["tensor"]
+        ops = np.empty(len(src_rank), OP_DTYPE)
+        ops["src_rank"] = src_rank
+        ops["dst_rank"] = dst_rank
+        ops["round"] = 0
+        ops["src_key"] = src_key
+        ops["dst_key"] = dst_key
+        ops["tensor"] = tensor
+        ops["transform"] = tr
+        ops["pack"] = ~single
+        ops["src_offset"] = src_off
+        ops["dst_offset"] = dst_off
+        ops["rows"] = rows
+        ops["row_bytes"] = row_bytes
+        ops["src_pitch"] = src_pitch
+        ops["dst_pitch"] = dst_pitch
         self.stats["blocks"] = len(ops)
         return ops
 
@@ -1202,6 +1273,10 @@ class _Planner:
             return np.zeros(0, GATHER_DTYPE)
         P, S, W = self.P, self.S, self.W
         sel = np.nonzero(self.g_transform[P["tensor"]] == T_FP8)[0]
+        own_lo = S["lo"][P["srow"][sel]]
+        inside = np.all((P["lo"][sel] >= own_lo)
+                        & (P["lo"][sel] + P["shape"][sel] <= own_lo + S["shape"][P["srow"][sel]]), axis=1)
+        sel = sel[~inside]
         if len(sel) == 0:
             return np.zeros(0, GATHER_DTYPE)
         # unique (sender, piece box): a tile sent to several replicas is gathered once per sender
@@ -1286,15 +1361,24 @@ def _coalesce(ops: np.ndarray) -> np.ndarray:
     """Merge writes that continue each other on both sides (same source, destination, local tensors)."""
     if len(ops) < 2:
         return ops
-    # order by destination offset: merges happen where both sides advance together
-    o2 = np.lexsort((ops["dst_offset"], ops["transform"], ops["dst_key"], ops["src_key"], ops["dst_rank"],
-                     ops["src_rank"]))
+    # group by (source, destination, local tensors, transform), then by destination offset: merges
+    # happen where both sides advance together. One composite int64 key keeps the sort cheap.
+    nk = int(max(ops["src_key"].max(), ops["dst_key"].max())) + 2
+    nr = int(ops["dst_rank"].max()) + 1
+    if int(ops["src_rank"].max() + 1) * nr * nk * nk * 4 >= 2**62:
+        raise PlanError("too many ranks and local tensors to coalesce with one sort key")
+    k = ((ops["src_rank"].astype(np.int64) * nr + ops["dst_rank"]) * nk + ops["src_key"] + 1) * nk
+    k = (k + ops["dst_key"]) * 4 + ops["transform"]
+    o2 = np.lexsort((ops["dst_offset"], k))
+    k = k[o2]
     ops = ops[o2]
-    a, b = ops[:-1], ops[1:]
-    same = ((a["src_rank"] == b["src_rank"]) & (a["dst_rank"] == b["dst_rank"])
-            & (a["src_key"] == b["src_key"])
-            & (a["dst_key"] == b["dst_key"]) & (a["transform"] == b["transform"])
-            & ((a["transform"] == T_NONE) | (a["tensor"] == b["tensor"])) & (a["src_key"] >= 0))
+    # only neighbours with equal keys can merge; test the byte arithmetic on those alone
+    cand = np.nonzero((k[1:] == k[:-1]) & (ops["src_key"][:-1] >= 0))[0]
+    kind = np.zeros(len(ops) - 1, np.int64)
+    if len(cand) == 0:
+        return ops
+    a, b = ops[cand], ops[cand + 1]
+    same = (a["transform"] == T_NONE) | (a["tensor"] == b["tensor"])
     contiguous = (same & (a["rows"] == 1) & (b["rows"] == 1)
                   & (a["transform"] == T_NONE)
                   & (b["src_offset"] == a["src_offset"] + a["row_bytes"])
@@ -1303,8 +1387,10 @@ def _coalesce(ops: np.ndarray) -> np.ndarray:
                & (a["src_pitch"] == b["src_pitch"]) & (a["dst_pitch"] == b["dst_pitch"])
                & (b["src_offset"] == a["src_offset"] + a["rows"] * a["src_pitch"])
                & (b["dst_offset"] == a["dst_offset"] + a["rows"] * a["dst_pitch"]))
+    kind[cand] = np.where(contiguous, 1, np.where(stacked, 2, 0))
+    if not kind.any():
+        return ops
     # a chain must be all-contiguous or all-stacked: break where the kind changes
-    kind = np.where(contiguous, 1, np.where(stacked, 2, 0))
     prev_kind = np.concatenate([[0], kind[:-1]])
     join = (kind > 0) & ((prev_kind == 0) | (prev_kind == kind))
     start = np.concatenate([[True], ~join])
@@ -1336,7 +1422,9 @@ def _schedule(ops: np.ndarray, T: int, R: int, round_bytes: int) -> np.ndarray:
     if n == 0:
         return np.zeros(0, np.int32)
     nb = (ops["rows"] * ops["row_bytes"]).astype(np.int64)
-    order = np.lexsort((ops["dst_offset"], ops["dst_key"], ops["dst_rank"], ops["src_rank"]))
+    pair = ops["src_rank"].astype(np.int64) * R + ops["dst_rank"]
+    # ops usually arrive grouped by (source, destination) from coalescing; keep that order
+    order = (np.arange(n) if np.all(pair[1:] >= pair[:-1]) else np.argsort(pair, kind="stable"))
     s_sorted = ops["src_rank"][order].astype(np.int64)
     d_sorted = ops["dst_rank"][order].astype(np.int64)
     pair_start = np.concatenate([[True], (s_sorted[1:] != s_sorted[:-1]) | (d_sorted[1:] != d_sorted[:-1])])
