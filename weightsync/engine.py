@@ -112,6 +112,8 @@ class Region:
             native.len,
             native.kind,
             [[b, k] for b, k in zip(native.bases, native.keys, strict=True)],
+            native.on_fabric,
+            native.cuda_blob,
         ]
         self.descriptor: bytes = msgpack.packb([*fields, _crc(fields)], use_bin_type=True)
 
@@ -146,6 +148,11 @@ class Peer:
     @property
     def label(self) -> str:
         return self._native.label
+
+    @property
+    def transport(self) -> str:
+        """"cuda" when this engine writes into the peer with the copy engines, else "fabric"."""
+        return "cuda" if self._native.cuda else "fabric"
 
     @property
     def failed_paths(self) -> list[bool]:
@@ -221,10 +228,14 @@ class ImmCounter:
 class TransferEngine:
     """One per process (per GPU): registers memory and writes one-sided into peers' memory.
 
-    ``transport``: "auto" or "fabric" (libfabric; "cuda" arrives with the NVLink transport).
+    ``transport``: "fabric" (libfabric NICs only), "cuda" (also a copy-engine lane for GPU peers on this
+    host; an error where CUDA is unusable) or "auto" (the cuda lane where CUDA and a GPU are available).
+    A peer is written through the cuda lane when both engines have one and share a host; otherwise, and
+    for every immediate, through the fabric NICs.
     ``nics``: libfabric domain names to use (every one gets a worker thread); ``None`` picks all of the
     provider's, or loopback for TCP. ``provider``: e.g. "efa", "verbs;ofi_rxm", "tcp;ofi_rxm"; ``None``
-    picks the first of those available (or ``$WEIGHTSYNC_PROVIDER``).
+    picks the first of those available (or ``$WEIGHTSYNC_PROVIDER``). ``cuda_device``: the process-local
+    ordinal of this engine's GPU (default: torch's current device).
     """
 
     def __init__(
@@ -238,11 +249,11 @@ class TransferEngine:
         window_bytes: int = 64 << 20,
         window_ops: int = 256,
         stall_timeout: float = 5.0,
+        cuda_device: int | None = None,
     ) -> None:
-        if transport not in ("auto", "fabric"):
-            raise TransportError(
-                f"transport {transport!r} is not available in this build (have: auto, fabric)"
-            )
+        if transport not in ("auto", "fabric", "cuda"):
+            raise TransportError(f"unknown transport {transport!r} (have: auto, fabric, cuda)")
+        lane = _cuda_lane(transport, cuda_device)
         provider = provider or os.environ.get("WEIGHTSYNC_PROVIDER") or _ext.pick_provider()
         nic_list = list(nics) if nics is not None else _default_nics(provider)
         self._native = _ext.Engine.create(
@@ -254,9 +265,18 @@ class TransferEngine:
             int(window_bytes),
             int(window_ops),
             float(stall_timeout),
+            lane,
         )
-        self.transport = "fabric"
-        fields = [_ADDRESS_VERSION, self.uid, self.provider, list(self._native.nic_addresses)]
+        self.transport = "fabric" if lane < 0 else "fabric+cuda"
+        fields = [
+            _ADDRESS_VERSION,
+            self.uid,
+            self.provider,
+            list(self._native.nic_addresses),
+            self._native.cuda_address,
+            list(self._native.doorbell_bases),
+            list(self._native.doorbell_keys),
+        ]
         self.address: bytes = msgpack.packb([*fields, _crc(fields)], use_bin_type=True)
         log.debug("engine %s on %s NICs %s", self.uid[:8], self.provider, self.nics)
 
@@ -290,26 +310,32 @@ class TransferEngine:
 
     # --- peers ----------------------------------------------------------------------------------------
     def connect(self, address: bytes) -> Peer:
-        version, uid, provider, nic_addresses = _unpack_checked(address, "engine address", 4)
+        fields = _unpack_checked(address, "engine address", 7)
+        version, uid, provider, nic_addresses, cuda_address, bell_bases, bell_keys = fields
         if version != _ADDRESS_VERSION:
             raise TransportError(f"engine address of version {version}, expected {_ADDRESS_VERSION}")
-        return Peer(self._native.connect(uid, provider, nic_addresses))
+        return Peer(self._native.connect(uid, provider, nic_addresses, cuda_address, bell_bases, bell_keys))
 
     def _import(self, peer: Peer, descriptor: bytes) -> _ext.RemoteRegion:
         with peer._lock:
             remote = peer._imported.get(descriptor)
         if remote is not None:
             return remote
-        fields = _unpack_checked(descriptor, "region descriptor", 6)
-        version, engine_uid, region_id, nbytes, _kind, nics = fields
+        fields = _unpack_checked(descriptor, "region descriptor", 8)
+        version, engine_uid, region_id, nbytes, _kind, nics, on_fabric, cuda_blob = fields
         if version != _DESCRIPTOR_VERSION:
             raise TransportError(f"region descriptor of version {version}, expected {_DESCRIPTOR_VERSION}")
         if engine_uid != peer.uid:
             raise TransportError(
                 f"descriptor of region {region_id} belongs to engine {engine_uid[:8]}, not to {peer.label}"
             )
+        if not on_fabric and not (peer._native.cuda and cuda_blob):
+            raise TransportError(
+                f"region {region_id} of {peer.label} is GPU memory its NICs could not register, and this "
+                "engine cannot reach it through CUDA IPC (another host, or no cuda lane here)"
+            )
         remote = self._native.import_region(
-            peer._native, region_id, nbytes, [int(b) for b, _ in nics], [int(k) for _, k in nics]
+            peer._native, region_id, nbytes, [int(b) for b, _ in nics], [int(k) for _, k in nics], cuda_blob
         )
         with peer._lock:
             peer._imported[descriptor] = remote
@@ -391,6 +417,28 @@ class TransferEngine:
 
     def __repr__(self) -> str:
         return f"TransferEngine({self.uid[:8]}, {self.provider}, nics={self.nics})"
+
+
+def _cuda_lane(transport: str, cuda_device: int | None) -> int:
+    """The device ordinal for the engine's cuda lane, or -1 for none."""
+    if transport == "fabric":
+        return -1
+    why = _ext.cuda_unavailable_reason()
+    if not why and cuda_device is None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                cuda_device = torch.cuda.current_device()
+            else:
+                why = "torch sees no CUDA device"
+        except ImportError:
+            cuda_device = 0
+    if why:
+        if transport == "cuda":
+            raise TransportError(f"transport 'cuda' unavailable: {why}")
+        return -1
+    return int(cuda_device)
 
 
 def _imm(imm: int | None) -> int | None:

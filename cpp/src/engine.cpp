@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "weightsync/errors.hpp"
+#include "weightsync/cuda_transport.hpp"
 #include "weightsync/fabric_transport.hpp"
 
 namespace weightsync {
@@ -51,11 +52,41 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg), uid_(random_uid()) {
     cfg_.max_piece = std::min<uint64_t>(cfg_.max_piece, transport->max_write());
     workers_.push_back(std::make_unique<NicWorker>(this, static_cast<int>(i), std::move(transport), cfg_));
   }
+  fabric_nics_ = workers_.size();
   cfg_.stripe_threshold = std::min(cfg_.stripe_threshold, cfg_.max_piece);
+  if (cfg_.cuda_device >= 0) {
+    cuda_lane_ = static_cast<int>(workers_.size());
+    workers_.push_back(std::make_unique<NicWorker>(this, cuda_lane_,
+                                                   std::make_unique<CudaTransport>(cfg_.cuda_device), cfg_));
+  }
 }
 
 void Engine::start() {
   for (auto& w : workers_) w->start();
+  // The doorbell: copy-engine completions reach peers as zero-length writes into it. It must not hold
+  // the engine alive (the engine owns it), and close() deregisters it with everything else.
+  doorbell_ = register_memory(doorbell_mem_.data(), doorbell_mem_.size(), MemKind::kHost, -1);
+  doorbell_->engine.reset();
+}
+
+std::string Engine::cuda_address() const {
+  return cuda_lane_ < 0 ? std::string() : workers_[cuda_lane_]->transport().address();
+}
+
+std::string Engine::cuda_name() const {
+  return cuda_lane_ < 0 ? std::string() : workers_[cuda_lane_]->transport().nic_name();
+}
+
+std::vector<uint64_t> Engine::doorbell_bases() const {
+  std::vector<uint64_t> out;
+  for (size_t i = 0; i < fabric_nics_; ++i) out.push_back(doorbell_->regs[i].remote_base);
+  return out;
+}
+
+std::vector<uint64_t> Engine::doorbell_keys() const {
+  std::vector<uint64_t> out;
+  for (size_t i = 0; i < fabric_nics_; ++i) out.push_back(doorbell_->regs[i].key);
+  return out;
 }
 
 Engine::~Engine() { close(); }
@@ -65,13 +96,13 @@ std::string Engine::transport_kind() const { return cfg_.transport; }
 
 std::vector<std::string> Engine::nic_names() const {
   std::vector<std::string> out;
-  for (const auto& w : workers_) out.push_back(w->transport().nic_name());
+  for (size_t i = 0; i < fabric_nics_ && i < workers_.size(); ++i) out.push_back(workers_[i]->transport().nic_name());
   return out;
 }
 
 std::vector<std::string> Engine::nic_addresses() const {
   std::vector<std::string> out;
-  for (const auto& w : workers_) out.push_back(w->transport().address());
+  for (size_t i = 0; i < fabric_nics_ && i < workers_.size(); ++i) out.push_back(workers_[i]->transport().address());
   return out;
 }
 
@@ -85,12 +116,20 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
   region->kind = kind;
   region->device = device;
   region->regs.resize(workers_.size());
+  region->fabric_nics = fabric_nics_;
   size_t done = 0;
   try {
     for (; done < workers_.size(); ++done) {
       MemRegistration* slot = &region->regs[done];
-      workers_[done]->call([=](Transport& t) { *slot = t.register_memory(ptr, len, kind, device); },
-                           kCommandTimeoutS);
+      try {
+        workers_[done]->call([=](Transport& t) { *slot = t.register_memory(ptr, len, kind, device); },
+                             kCommandTimeoutS);
+      } catch (const TransportError& e) {
+        // GPU memory a fabric NIC cannot register stays usable through the cuda lane.
+        if (kind != MemKind::kCuda || static_cast<int>(done) == cuda_lane_) throw;
+        region->on_fabric = false;
+        region->fabric_error = e.what();
+      }
     }
   } catch (...) {
     // Undo the registrations that succeeded before the failure.
@@ -125,7 +164,9 @@ void Engine::release_region(uint64_t id, std::vector<MemRegistration> regs) {
 }
 
 std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string& provider,
-                                      const std::vector<std::string>& addresses) {
+                                      const std::vector<std::string>& addresses, const std::string& cuda_address,
+                                      const std::vector<uint64_t>& doorbell_base,
+                                      const std::vector<uint64_t>& doorbell_key) {
   if (closed_) throw TransportError("engine is closed");
   if (provider != cfg_.provider) {
     throw TransportError("peer " + uid + " uses provider '" + provider + "' but this engine uses '" +
@@ -139,8 +180,13 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
   peer->paths.resize(workers_.size());
   peer->remote_nic.resize(workers_.size());
   peer->path_failed.reset(new std::atomic<bool>[workers_.size()]);
+  peer->doorbell_base = doorbell_base;
+  peer->doorbell_key = doorbell_key;
+  if (doorbell_base.size() != addresses.size() || doorbell_key.size() != addresses.size()) {
+    throw TransportError("peer " + uid + ": malformed address (doorbell does not match its NICs)");
+  }
   std::string label = "peer " + uid.substr(0, 8) + " (";
-  for (size_t i = 0; i < workers_.size(); ++i) {
+  for (size_t i = 0; i < fabric_nics_; ++i) {
     peer->path_failed[i] = false;
     const int rn = static_cast<int>(i % addresses.size());
     peer->remote_nic[i] = rn;
@@ -151,13 +197,26 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
       label += (i ? ", " : "") + workers_[i]->transport().describe_address(addr);
     }
   }
+  if (cuda_lane_ >= 0) {
+    peer->path_failed[cuda_lane_] = true;
+    if (!cuda_address.empty()) {
+      try {
+        uint64_t* slot = &peer->paths[cuda_lane_];
+        workers_[cuda_lane_]->call([=](Transport& t) { *slot = t.insert_peer(cuda_address); }, kCommandTimeoutS);
+        peer->cuda = true;
+        label += ", " + workers_[cuda_lane_]->transport().describe_address(cuda_address);
+      } catch (const TransportError&) {
+        // Another host: the fabric NICs carry everything.
+      }
+    }
+  }
   peer->label = label + ")";
   return peer;
 }
 
 std::shared_ptr<RemoteRegion> Engine::import_region(const std::shared_ptr<Peer>& peer, uint64_t id,
                                                     uint64_t len, const std::vector<uint64_t>& base,
-                                                    const std::vector<uint64_t>& key) {
+                                                    const std::vector<uint64_t>& key, const std::string& cuda_blob) {
   if (base.size() != peer->remote_nics || key.size() != peer->remote_nics) {
     throw UsageError("descriptor of region " + std::to_string(id) + " lists " + std::to_string(base.size()) +
                      " NICs but " + peer->label + " has " + std::to_string(peer->remote_nics));
@@ -168,6 +227,10 @@ std::shared_ptr<RemoteRegion> Engine::import_region(const std::shared_ptr<Peer>&
   rr->len = len;
   rr->base = base;
   rr->key = key;
+  if (peer->cuda && !cuda_blob.empty()) {
+    uint64_t* slot = &rr->cuda_addr;
+    workers_[cuda_lane_]->call([=](Transport& t) { *slot = t.import_remote(cuda_blob); }, kCommandTimeoutS);
+  }
   return rr;
 }
 
@@ -175,7 +238,7 @@ uint64_t Engine::piece_size(uint64_t nbytes) const {
   if (nbytes <= cfg_.stripe_threshold) return std::max<uint64_t>(nbytes, 1);
   // Above the threshold: a multiple of the NIC count of equal pieces (so every NIC carries the same
   // share), 4 KiB aligned, none larger than max_piece.
-  const uint64_t nics = std::max<size_t>(workers_.size(), 1);
+  const uint64_t nics = std::max<size_t>(fabric_nics_, 1);
   const uint64_t count = nics * ceil_div(nbytes, nics * cfg_.max_piece);
   return std::min(ceil_div(ceil_div(nbytes, count), 4096) * 4096, cfg_.max_piece);
 }
@@ -187,7 +250,7 @@ uint64_t Engine::imm_count(uint64_t nbytes, bool has_imm) const {
 }
 
 int Engine::pick_nic(Peer& peer, uint64_t hint) {
-  const size_t n = workers_.size();
+  const size_t n = fabric_nics_;
   for (size_t k = 0; k < n; ++k) {
     size_t i = (hint + k) % n;
     if (!peer.path_failed[i].load()) return static_cast<int>(i);
@@ -222,11 +285,21 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
                        std::to_string(op.dst_off + op.len) + ") past the end of remote region " +
                        std::to_string(d.id) + " of " + d.peer->label + " (" + std::to_string(d.len) + " bytes)");
     }
-    if (pick_nic(*d.peer, 0) < 0) {
+    const bool by_copy = d.cuda_addr != 0;
+    if (!by_copy && !s.on_fabric) {
+      throw UsageError(where + "source region " + std::to_string(s.id) + " is GPU memory the fabric NICs " +
+                       "could not register, and " + d.peer->label + " is not reachable through CUDA IPC (" +
+                       s.fabric_error + ")");
+    }
+    if (!by_copy && pick_nic(*d.peer, 0) < 0) {
       std::lock_guard<std::mutex> lock(d.peer->mu);
       throw TransportError(where + d.peer->label + " is unreachable on every NIC: " + d.peer->last_error);
     }
-    pieces += op.len == 0 ? (has_imm ? 1 : 0) : ceil_div(op.len, piece_size(op.len));
+    if (by_copy) {
+      pieces += has_imm ? imm_count(op.len, true) : 1;
+    } else {
+      pieces += op.len == 0 ? (has_imm ? 1 : 0) : ceil_div(op.len, piece_size(op.len));
+    }
     imms += imm_count(op.len, has_imm);
     bytes += op.len;
   }
@@ -239,6 +312,21 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
   std::vector<std::vector<Piece*>> per_nic(workers_.size());
   for (size_t i = 0; i < n; ++i) {
     const WriteOp& op = ops[i];
+    if (dsts[op.dst]->cuda_addr != 0) {
+      // One copy-engine copy for the whole write; its immediates follow over a fabric NIC when it is done.
+      Piece* p = new Piece();
+      p->transfer = transfer;
+      p->src = srcs[op.src];
+      p->dst = dsts[op.dst];
+      p->src_off = op.src_off;
+      p->dst_off = op.dst_off;
+      p->len = op.len;
+      p->imm = op.imm;
+      p->signals = has_imm ? imm_count(op.len, true) : 0;
+      p->nic = cuda_lane_;
+      per_nic[cuda_lane_].push_back(p);
+      continue;
+    }
     if (op.len == 0 && !has_imm) continue;
     const uint64_t step = piece_size(op.len);
     const uint64_t count = op.len == 0 ? 1 : ceil_div(op.len, step);
@@ -268,9 +356,40 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
   return transfer;
 }
 
-void Engine::piece_done(Piece* p, int) {
-  p->transfer->piece_done();
+void Engine::piece_done(Piece* p, int nic) {
+  if (nic == cuda_lane_ && p->signals > 0) {
+    send_signals(p);
+  } else {
+    p->transfer->piece_done();
+  }
   delete p;
+}
+
+void Engine::send_signals(Piece* copy) {
+  auto bell = std::make_shared<RemoteRegion>();
+  bell->peer = copy->dst->peer;
+  bell->len = 64;
+  bell->base = copy->dst->peer->doorbell_base;
+  bell->key = copy->dst->peer->doorbell_key;
+  std::vector<std::vector<Piece*>> per_nic(workers_.size());
+  for (uint64_t k = 0; k < copy->signals; ++k) {
+    Piece* s = new Piece();
+    s->transfer = copy->transfer;
+    s->src = doorbell_;
+    s->dst = bell;
+    s->has_imm = true;
+    s->imm = copy->imm;
+    int nic = pick_nic(*bell->peer, rr_++);
+    if (nic < 0) {
+      piece_failed(s, bell->peer->label + " is unreachable on every NIC to deliver a copy's completion");
+      continue;
+    }
+    s->nic = nic;
+    per_nic[nic].push_back(s);
+  }
+  for (size_t i = 0; i < per_nic.size(); ++i) {
+    if (!per_nic[i].empty()) workers_[i]->submit(std::move(per_nic[i]));
+  }
 }
 
 void Engine::piece_failed(Piece* p, const std::string& why) {

@@ -20,7 +20,9 @@ NicWorker::NicWorker(Engine* engine, int index, std::unique_ptr<Transport> trans
       transport_(std::move(transport)),
       window_bytes_(cfg.window_bytes),
       window_ops_(std::max<uint64_t>(1, std::min<uint64_t>(cfg.window_ops, transport_->max_outstanding()))),
-      stall_timeout_(cfg.stall_timeout_s) {}
+      stall_timeout_(cfg.stall_timeout_s) {
+  cuda_lane_ = transport_->kind() == "cuda";
+}
 
 NicWorker::~NicWorker() {
   stop();
@@ -133,7 +135,7 @@ void NicWorker::run() {
     for (const Completion& c : completions) handle(c);
 
     auto now = Clock::now();
-    if (now - last_stall_check_ > kStallCheckEvery) {
+    if (!cuda_lane_ && now - last_stall_check_ > kStallCheckEvery) {
       last_stall_check_ = now;
       check_stalls();
     }
@@ -158,19 +160,23 @@ void NicWorker::post_pending() {
       return;
     }
     const Peer& peer = *p->dst->peer;
-    if (peer.path_failed[index_].load()) {
+    if (!cuda_lane_ && peer.path_failed[index_].load()) {
       pending_.pop_front();
       engine_->reroute(p, index_, "path already failed");
       continue;
     }
-    const int rn = peer.remote_nic[index_];
     WriteRequest req;
     req.src = static_cast<const char*>(p->src->ptr) + p->src_off;
     req.len = p->len;
     req.src_desc = p->src->regs[index_].local_desc;
     req.peer = peer.paths[index_];
-    req.remote_addr = p->dst->base[rn] + p->dst_off;
-    req.key = p->dst->key[rn];
+    if (cuda_lane_) {
+      req.remote_addr = p->dst->cuda_addr + p->dst_off;
+    } else {
+      const int rn = peer.remote_nic[index_];
+      req.remote_addr = p->dst->base[rn] + p->dst_off;
+      req.key = p->dst->key[rn];
+    }
     req.has_imm = p->has_imm;
     req.imm = p->imm;
     req.context = p;
@@ -183,7 +189,12 @@ void NicWorker::post_pending() {
     pending_.pop_front();
     if (rc != 0) {
       errors_++;
-      engine_->reroute(p, index_, "posting failed: " + transport_->error_string(-rc));
+      if (cuda_lane_) {
+        engine_->piece_failed(p, "copy could not start on " + transport_->nic_name() + ": " +
+                                     transport_->error_string(-rc));
+      } else {
+        engine_->reroute(p, index_, "posting failed: " + transport_->error_string(-rc));
+      }
       continue;
     }
     p->nic = index_;
@@ -228,6 +239,11 @@ void NicWorker::handle(const Completion& c) {
     return;
   }
   errors_++;
+  if (cuda_lane_) {
+    // No other lane can copy GPU memory to this peer: the write fails.
+    engine_->piece_failed(p, "copy to " + peer->label + " failed on " + transport_->nic_name() + ": " + c.message);
+    return;
+  }
   // Access errors (a bad key, out of the region's bounds) are the same on every NIC: do not retry them.
   const bool access_error = c.error == EACCES || c.error == EINVAL || c.error == EPERM || c.error == EKEYREJECTED;
   if (access_error) {

@@ -6,8 +6,22 @@ from weightsync._ext._core import (
     Region,
     RemoteRegion,
     Transfer,
+    cuda_device_count,
+    cuda_unavailable_reason,
     discover,
+    host_identity,
     pick_provider,
 )
 
-__all__ = ["Engine", "Peer", "Region", "RemoteRegion", "Transfer", "discover", "pick_provider"]
+__all__ = [
+    "Engine",
+    "Peer",
+    "Region",
+    "RemoteRegion",
+    "Transfer",
+    "cuda_device_count",
+    "cuda_unavailable_reason",
+    "discover",
+    "host_identity",
+    "pick_provider",
+]

@@ -10,6 +10,7 @@
 
 #include <optional>
 
+#include "weightsync/cuda_transport.hpp"
 #include "weightsync/engine.hpp"
 #include "weightsync/errors.hpp"
 #include "weightsync/fabric_transport.hpp"
@@ -45,6 +46,9 @@ NB_MODULE(_core, m) {
   });
 
   m.def("pick_provider", &ws::FabricTransport::pick_provider);
+  m.def("cuda_unavailable_reason", &ws::cuda_unavailable_reason);
+  m.def("cuda_device_count", &ws::cuda_device_count);
+  m.def("host_identity", &ws::host_identity);
   m.def("discover", [](const std::string& provider) {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& nic : ws::FabricTransport::discover(provider)) out.emplace_back(nic.provider, nic.domain, nic.fabric);
@@ -60,13 +64,20 @@ NB_MODULE(_core, m) {
       .def_prop_ro("valid", [](const ws::LocalRegion& r) { return r.valid.load(); })
       .def_prop_ro("keys", [](const ws::LocalRegion& r) {
         std::vector<uint64_t> out;
-        for (const auto& reg : r.regs) out.push_back(reg.key);
+        for (size_t i = 0; i < r.fabric_nics; ++i) out.push_back(r.regs[i].key);
         return out;
       })
       .def_prop_ro("bases", [](const ws::LocalRegion& r) {
         std::vector<uint64_t> out;
-        for (const auto& reg : r.regs) out.push_back(reg.remote_base);
+        for (size_t i = 0; i < r.fabric_nics; ++i) out.push_back(r.regs[i].remote_base);
         return out;
+      })
+      .def_ro("on_fabric", &ws::LocalRegion::on_fabric)
+      .def_prop_ro("cuda_blob", [](const ws::LocalRegion& r) {
+        for (size_t i = r.fabric_nics; i < r.regs.size(); ++i) {
+          if (!r.regs[i].blob.empty()) return to_bytes(r.regs[i].blob);
+        }
+        return to_bytes(std::string());
       });
 
   nb::class_<ws::Peer>(m, "Peer")
@@ -74,6 +85,7 @@ NB_MODULE(_core, m) {
       .def_ro("uid", &ws::Peer::uid)
       .def_ro("label", &ws::Peer::label)
       .def_ro("remote_nics", &ws::Peer::remote_nics)
+      .def_ro("cuda", &ws::Peer::cuda)
       .def_prop_ro("failed_paths", [](ws::Peer& p) {
         std::vector<bool> out;
         for (size_t i = 0; i < p.paths.size(); ++i) out.push_back(p.path_failed[i].load());
@@ -83,7 +95,8 @@ NB_MODULE(_core, m) {
   nb::class_<ws::RemoteRegion>(m, "RemoteRegion")
       .def_ro("id", &ws::RemoteRegion::id)
       .def_ro("len", &ws::RemoteRegion::len)
-      .def_ro("peer", &ws::RemoteRegion::peer);
+      .def_ro("peer", &ws::RemoteRegion::peer)
+      .def_prop_ro("by_copy", [](const ws::RemoteRegion& r) { return r.cuda_addr != 0; });
 
   nb::class_<ws::TransferState>(m, "Transfer")
       .def("wait", &ws::TransferState::wait, "timeout"_a, nb::call_guard<nb::gil_scoped_release>(),
@@ -101,7 +114,7 @@ NB_MODULE(_core, m) {
           "create",
           [](const std::string& transport, const std::string& provider, const std::vector<std::string>& nics,
              uint64_t stripe_threshold, uint64_t max_piece, uint64_t window_bytes, uint64_t window_ops,
-             double stall_timeout_s) {
+             double stall_timeout_s, int cuda_device) {
             ws::EngineConfig cfg;
             cfg.transport = transport;
             cfg.provider = provider;
@@ -111,11 +124,12 @@ NB_MODULE(_core, m) {
             cfg.window_bytes = window_bytes;
             cfg.window_ops = window_ops;
             cfg.stall_timeout_s = stall_timeout_s;
+            cfg.cuda_device = cuda_device;
             nb::gil_scoped_release release;
             return ws::Engine::create(cfg);
           },
           "transport"_a, "provider"_a, "nics"_a, "stripe_threshold"_a, "max_piece"_a, "window_bytes"_a,
-          "window_ops"_a, "stall_timeout_s"_a)
+          "window_ops"_a, "stall_timeout_s"_a, "cuda_device"_a = -1)
       .def_prop_ro("uid", &ws::Engine::uid)
       .def_prop_ro("provider", &ws::Engine::provider)
       .def_prop_ro("transport", &ws::Engine::transport_kind)
@@ -125,6 +139,10 @@ NB_MODULE(_core, m) {
         for (const auto& a : e.nic_addresses()) out.push_back(to_bytes(a));
         return out;
       })
+      .def_prop_ro("cuda_address", [](const ws::Engine& e) { return to_bytes(e.cuda_address()); })
+      .def_prop_ro("cuda_name", &ws::Engine::cuda_name)
+      .def_prop_ro("doorbell_bases", &ws::Engine::doorbell_bases)
+      .def_prop_ro("doorbell_keys", &ws::Engine::doorbell_keys)
       .def_prop_ro("stripe_threshold", [](const ws::Engine& e) { return e.config().stripe_threshold; })
       .def_prop_ro("max_piece", [](const ws::Engine& e) { return e.config().max_piece; })
       .def_prop_ro("closed", &ws::Engine::closed)
@@ -133,13 +151,21 @@ NB_MODULE(_core, m) {
       }, "ptr"_a, "len"_a, "kind"_a, "device"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("deregister", &ws::Engine::deregister)
       .def("connect", [](ws::Engine& e, const std::string& uid, const std::string& provider,
-                         const std::vector<nb::bytes>& addresses) {
+                         const std::vector<nb::bytes>& addresses, nb::bytes cuda_address,
+                         const std::vector<uint64_t>& doorbell_base, const std::vector<uint64_t>& doorbell_key) {
         std::vector<std::string> addrs;
         for (const auto& a : addresses) addrs.emplace_back(a.c_str(), a.size());
+        std::string cuda(cuda_address.c_str(), cuda_address.size());
         nb::gil_scoped_release release;
-        return e.connect(uid, provider, addrs);
+        return e.connect(uid, provider, addrs, cuda, doorbell_base, doorbell_key);
       })
-      .def("import_region", &ws::Engine::import_region)
+      .def("import_region", [](ws::Engine& e, std::shared_ptr<ws::Peer> peer, uint64_t id, uint64_t len,
+                               const std::vector<uint64_t>& base, const std::vector<uint64_t>& key,
+                               nb::bytes cuda_blob) {
+        std::string blob(cuda_blob.c_str(), cuda_blob.size());
+        nb::gil_scoped_release release;
+        return e.import_region(peer, id, len, base, key, blob);
+      })
       .def("imm_count", &ws::Engine::imm_count, "nbytes"_a, "has_imm"_a = true)
       .def("write", [](ws::Engine& e, std::shared_ptr<ws::LocalRegion> src, uint64_t src_off,
                        std::shared_ptr<ws::RemoteRegion> dst, uint64_t dst_off, uint64_t len,

@@ -34,6 +34,7 @@ struct EngineConfig {
   uint64_t window_bytes = 64ull << 20;     // bytes in flight per NIC
   uint64_t window_ops = 256;               // operations in flight per NIC (capped by the provider)
   double stall_timeout_s = 5.0;  // a NIC path with work in flight and no completion for this long failed
+  int cuda_device = -1;          // >= 0: add a cuda lane (copy engines) for same-host GPU peers
 };
 
 // Memory registered on every NIC of the engine.
@@ -43,7 +44,10 @@ struct LocalRegion {
   uint64_t len = 0;
   MemKind kind = MemKind::kHost;
   int device = -1;
-  std::vector<MemRegistration> regs;  // one per NIC
+  std::vector<MemRegistration> regs;  // one per NIC (fabric NICs first, then the cuda lane)
+  size_t fabric_nics = 0;
+  bool on_fabric = true;  // false: GPU memory the fabric NICs could not register (no FI_HMEM)
+  std::string fabric_error;
   std::atomic<bool> valid{true};
   std::shared_ptr<Engine> engine;  // registrations are released through the engine's workers
   ~LocalRegion();
@@ -58,6 +62,8 @@ struct Peer {
   std::vector<int> remote_nic;     // remote NIC paired with local NIC i
   std::unique_ptr<std::atomic<bool>[]> path_failed;
   size_t remote_nics = 0;
+  bool cuda = false;                 // same host, both engines have a cuda lane
+  std::vector<uint64_t> doorbell_base, doorbell_key;  // per remote NIC: where copy completions signal
   std::mutex mu;
   std::string last_error;
 };
@@ -69,6 +75,7 @@ struct RemoteRegion {
   uint64_t len = 0;
   std::vector<uint64_t> base;  // per remote NIC
   std::vector<uint64_t> key;   // per remote NIC
+  uint64_t cuda_addr = 0;      // mapped through CUDA IPC on our cuda lane (0: not reachable that way)
 };
 
 // One posted write (a piece of a transfer). The transport's context must be the first member.
@@ -83,6 +90,7 @@ struct Piece {
   bool has_imm = false;
   uint32_t imm = 0;
   int nic = -1;
+  uint64_t signals = 0;  // cuda lane: immediates to deliver over a fabric NIC once the copy is done
   bool stale = false;  // superseded by a retry on another NIC; its completion is ignored
 };
 
@@ -128,6 +136,7 @@ class NicWorker {
 
   Engine* engine_;
   int index_;
+  bool cuda_lane_ = false;
   std::unique_ptr<Transport> transport_;
   uint64_t window_bytes_;
   uint64_t window_ops_;
@@ -178,17 +187,23 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::string transport_kind() const;
   std::vector<std::string> nic_names() const;
   std::vector<std::string> nic_addresses() const;
-  size_t num_nics() const { return workers_.size(); }
+  size_t num_nics() const { return fabric_nics_; }
+  std::string cuda_address() const;
+  std::string cuda_name() const;
+  std::vector<uint64_t> doorbell_bases() const;
+  std::vector<uint64_t> doorbell_keys() const;
   const EngineConfig& config() const { return cfg_; }
 
   std::shared_ptr<LocalRegion> register_memory(void* ptr, uint64_t len, MemKind kind, int device);
   void deregister(const std::shared_ptr<LocalRegion>& region);
 
   std::shared_ptr<Peer> connect(const std::string& uid, const std::string& provider,
-                                const std::vector<std::string>& addresses);
+                                const std::vector<std::string>& addresses, const std::string& cuda_address,
+                                const std::vector<uint64_t>& doorbell_base,
+                                const std::vector<uint64_t>& doorbell_key);
   std::shared_ptr<RemoteRegion> import_region(const std::shared_ptr<Peer>& peer, uint64_t id, uint64_t len,
                                               const std::vector<uint64_t>& base,
-                                              const std::vector<uint64_t>& key);
+                                              const std::vector<uint64_t>& key, const std::string& cuda_blob);
 
   // Immediates a write of `nbytes` delivers (one per piece; see pieces_for).
   uint64_t imm_count(uint64_t nbytes, bool has_imm) const;
@@ -214,10 +229,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void start();
   uint64_t piece_size(uint64_t nbytes) const;
   int pick_nic(Peer& peer, uint64_t hint);
+  void send_signals(Piece* copy);
 
   EngineConfig cfg_;
   std::string uid_;
-  std::vector<std::unique_ptr<NicWorker>> workers_;
+  std::vector<std::unique_ptr<NicWorker>> workers_;  // fabric NICs, then the cuda lane if any
+  size_t fabric_nics_ = 0;
+  int cuda_lane_ = -1;
+  std::vector<unsigned char> doorbell_mem_ = std::vector<unsigned char>(64);
+  std::shared_ptr<LocalRegion> doorbell_;  // target of zero-length writes that carry copy completions
   ImmCounters counters_;
   std::atomic<bool> closed_{false};
   std::atomic<uint64_t> next_region_{1}, next_peer_{1}, rr_{0};

@@ -19,6 +19,7 @@ struct MemRegistration {
   void* local_desc = nullptr;  // passed back on every post that reads from this buffer
   uint64_t remote_base = 0;    // what a peer adds its offset to: the virtual address or 0 (offset mode)
   uint64_t key = 0;            // what a peer must present to write here
+  std::string blob;            // anything else a peer needs (cuda: the IPC handle and offset)
 };
 
 // Scratch space a transport may use per posted operation (libfabric's FI_CONTEXT2 needs 64 bytes).
@@ -62,6 +63,8 @@ class Transport {
   virtual void deregister(const MemRegistration& reg) = 0;
 
   virtual uint64_t insert_peer(const std::string& address) = 0;
+  // Makes a peer's exported memory (MemRegistration::blob) writable from here; returns its address.
+  virtual uint64_t import_remote(const std::string& blob) { (void)blob; return 0; }
 
   // 0 when posted, -EAGAIN when the queue is full (poll and try again), another negative errno on error.
   virtual int post_write(const WriteRequest& req) = 0;

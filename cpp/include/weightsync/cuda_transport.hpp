@@ -1,0 +1,85 @@
+// Same-host GPU-to-GPU writes over NVLink/PCIe with the copy engines. The destination exports CUDA IPC
+// handles for the memory it registers; the source opens each handle once in the context of the GPU that
+// does the writing (its own), and copies with cuMemcpyAsync on streams of its own: no SMs involved.
+// libcuda is loaded at run time, so one build serves machines with and without GPUs.
+//
+// A copy engine cannot raise an immediate at the destination; the engine above delivers each finished
+// copy's immediates over a fabric NIC (a zero-length write), so the destination's counters see one model.
+#pragma once
+
+#include <cstdint>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "weightsync/transport.hpp"
+
+namespace weightsync {
+
+struct CudaApi;  // the driver entry points, resolved with dlopen/dlsym
+
+// Why CUDA is not usable here (no libcuda, no device), or empty when it is.
+std::string cuda_unavailable_reason();
+// Number of CUDA devices visible to this process (0 without a driver).
+int cuda_device_count();
+// Identity of this host (hostname + boot id): peers with equal ids can use CUDA IPC.
+std::string host_identity();
+
+class CudaTransport final : public Transport {
+ public:
+  explicit CudaTransport(int device);
+  ~CudaTransport() override;
+
+  std::string kind() const override { return "cuda"; }
+  std::string provider() const override { return "cuda"; }
+  std::string nic_name() const override { return name_; }
+  std::string address() const override { return address_; }
+  std::string describe_address(const std::string& address) const override;
+
+  MemRegistration register_memory(void* ptr, size_t len, MemKind kind, int device) override;
+  void deregister(const MemRegistration& reg) override;
+  uint64_t insert_peer(const std::string& address) override;
+  uint64_t import_remote(const std::string& blob) override;
+
+  int post_write(const WriteRequest& req) override;
+  size_t poll(std::vector<Completion>& out, size_t max) override;
+  void wait(int timeout_ms) override;
+  void signal() override;
+
+  uint64_t max_write() const override { return ~0ull >> 1; }
+  size_t max_outstanding() const override { return 4096; }
+  std::string error_string(int err) const override;
+
+  const std::string& uuid() const { return uuid_; }
+
+ private:
+  void check(int rc, const char* what) const;
+  void make_current() const;
+
+  const CudaApi* api_;
+  int device_;
+  void* ctx_ = nullptr;
+  std::vector<void*> streams_;
+  size_t next_stream_ = 0;
+  std::string uuid_;
+  std::string name_;
+  std::string address_;
+  std::string host_;
+  struct Inflight {
+    void* event;
+    void* context;
+  };
+  std::deque<Inflight> inflight_;
+  std::vector<void*> free_events_;
+  std::mutex wake_mu_;
+  std::condition_variable wake_cv_;
+  bool woken_ = false;
+  // Opened peer allocations, by IPC handle bytes: opening one twice in a context fails.
+  std::unordered_map<std::string, uint64_t> opened_;
+};
+
+}  // namespace weightsync

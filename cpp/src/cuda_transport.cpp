@@ -1,0 +1,338 @@
+#include "weightsync/cuda_transport.hpp"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+#include "weightsync/errors.hpp"
+
+namespace weightsync {
+
+namespace {
+
+// The few driver types we need, declared here so the build needs no CUDA headers.
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;
+struct CUipcMemHandle {
+  char reserved[64];
+};
+struct CUuuid {
+  char bytes[16];
+};
+constexpr CUresult CUDA_SUCCESS = 0;
+constexpr CUresult CUDA_ERROR_NOT_READY = 600;
+constexpr unsigned CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1;
+constexpr unsigned CU_EVENT_DISABLE_TIMING = 2;
+constexpr unsigned CU_STREAM_NON_BLOCKING = 1;
+constexpr int kStreams = 2;
+
+}  // namespace
+
+struct CudaApi {
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuDeviceGetCount)(int*);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDeviceGetUuid)(CUuuid*, CUdevice);
+  CUresult (*cuDevicePrimaryCtxRetain)(void**, CUdevice);
+  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
+  CUresult (*cuCtxSetCurrent)(void*);
+  CUresult (*cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
+  CUresult (*cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
+  CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned);
+  CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
+  CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, void*);
+  CUresult (*cuStreamCreate)(void**, unsigned);
+  CUresult (*cuStreamDestroy)(void*);
+  CUresult (*cuEventCreate)(void**, unsigned);
+  CUresult (*cuEventRecord)(void*, void*);
+  CUresult (*cuEventQuery)(void*);
+  CUresult (*cuEventDestroy)(void*);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  std::string error;  // why loading failed
+};
+
+namespace {
+
+const CudaApi* load_api() {
+  static CudaApi api{};
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      api.error = std::string("libcuda.so.1 not found (") + dlerror() + ")";
+      return;
+    }
+    bool ok = true;
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (fn == nullptr) {
+        ok = false;
+        api.error += std::string(api.error.empty() ? "" : ", ") + "missing " + name;
+      }
+    };
+    sym(api.cuInit, "cuInit");
+    sym(api.cuDeviceGetCount, "cuDeviceGetCount");
+    sym(api.cuDeviceGet, "cuDeviceGet");
+    sym(api.cuDeviceGetUuid, "cuDeviceGetUuid_v2");
+    sym(api.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    sym(api.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+    sym(api.cuCtxSetCurrent, "cuCtxSetCurrent");
+    sym(api.cuMemGetAddressRange, "cuMemGetAddressRange_v2");
+    sym(api.cuIpcGetMemHandle, "cuIpcGetMemHandle");
+    sym(api.cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
+    sym(api.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
+    sym(api.cuMemcpyAsync, "cuMemcpyAsync");
+    sym(api.cuStreamCreate, "cuStreamCreate");
+    sym(api.cuStreamDestroy, "cuStreamDestroy_v2");
+    sym(api.cuEventCreate, "cuEventCreate");
+    sym(api.cuEventRecord, "cuEventRecord");
+    sym(api.cuEventQuery, "cuEventQuery");
+    sym(api.cuEventDestroy, "cuEventDestroy_v2");
+    sym(api.cuGetErrorString, "cuGetErrorString");
+    if (!ok) return;
+    CUresult rc = api.cuInit(0);
+    if (rc != CUDA_SUCCESS) api.error = "cuInit failed with CUDA error " + std::to_string(rc);
+  });
+  return &api;
+}
+
+std::string cu_error(const CudaApi* api, CUresult rc) {
+  const char* s = nullptr;
+  if (api && api->cuGetErrorString && api->cuGetErrorString(rc, &s) == CUDA_SUCCESS && s) return s;
+  return "CUDA error " + std::to_string(rc);
+}
+
+std::string hex(const char* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < n; ++i) {
+    s += d[(static_cast<unsigned char>(p[i]) >> 4) & 15];
+    s += d[static_cast<unsigned char>(p[i]) & 15];
+  }
+  return s;
+}
+
+// address = host '\n' uuid '\n' pid
+std::vector<std::string> split_address(const std::string& a) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  for (size_t i = 0; i <= a.size(); ++i) {
+    if (i == a.size() || a[i] == '\n') {
+      parts.push_back(a.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  return parts;
+}
+
+}  // namespace
+
+std::string cuda_unavailable_reason() {
+  const CudaApi* api = load_api();
+  if (!api->error.empty()) return api->error;
+  int n = 0;
+  if (api->cuDeviceGetCount(&n) != CUDA_SUCCESS || n == 0) return "no CUDA device visible";
+  return "";
+}
+
+int cuda_device_count() {
+  const CudaApi* api = load_api();
+  int n = 0;
+  if (!api->error.empty() || api->cuDeviceGetCount(&n) != CUDA_SUCCESS) return 0;
+  return n;
+}
+
+std::string host_identity() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  return std::string(host) + "/" + boot;
+}
+
+CudaTransport::CudaTransport(int device) : api_(load_api()), device_(device) {
+  if (!api_->error.empty()) throw TransportError("cuda transport unavailable: " + api_->error);
+  CUdevice dev = 0;
+  check(api_->cuDeviceGet(&dev, device), "cuDeviceGet");
+  CUuuid uuid{};
+  check(api_->cuDeviceGetUuid(&uuid, dev), "cuDeviceGetUuid");
+  uuid_ = "GPU-" + hex(uuid.bytes, 16);
+  name_ = "cuda:" + std::to_string(device) + " (" + uuid_ + ")";
+  check(api_->cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
+  make_current();
+  for (int i = 0; i < kStreams; ++i) {
+    void* s = nullptr;
+    check(api_->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    streams_.push_back(s);
+  }
+  host_ = host_identity();
+  address_ = host_ + "\n" + uuid_ + "\n" + std::to_string(getpid());
+}
+
+CudaTransport::~CudaTransport() {
+  if (ctx_ == nullptr) return;
+  make_current();
+  for (auto& f : inflight_) api_->cuEventDestroy(f.event);
+  for (void* e : free_events_) api_->cuEventDestroy(e);
+  for (auto& [handle, base] : opened_) api_->cuIpcCloseMemHandle(base);
+  for (void* s : streams_) api_->cuStreamDestroy(s);
+  CUdevice dev = 0;
+  if (api_->cuDeviceGet(&dev, device_) == CUDA_SUCCESS) api_->cuDevicePrimaryCtxRelease(dev);
+}
+
+void CudaTransport::check(int rc, const char* what) const {
+  if (rc != CUDA_SUCCESS) {
+    throw TransportError(std::string(what) + " failed on cuda:" + std::to_string(device_) + ": " +
+                         cu_error(api_, rc));
+  }
+}
+
+void CudaTransport::make_current() const {
+  // Every call runs on the worker thread; the context is set once per call site to stay correct
+  // if the thread also served another device.
+  api_->cuCtxSetCurrent(ctx_);
+}
+
+std::string CudaTransport::describe_address(const std::string& address) const {
+  auto p = split_address(address);
+  return p.size() == 3 ? p[1] + " pid " + p[2] : "cuda peer";
+}
+
+MemRegistration CudaTransport::register_memory(void* ptr, size_t len, MemKind kind, int) {
+  MemRegistration reg;
+  if (kind != MemKind::kCuda || len == 0) return reg;  // host memory: a copy source, nothing to export
+  make_current();
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  check(api_->cuMemGetAddressRange(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)), "cuMemGetAddressRange");
+  CUipcMemHandle handle{};
+  int rc = api_->cuIpcGetMemHandle(&handle, base);
+  if (rc != CUDA_SUCCESS) {
+    throw TransportError("cannot export GPU memory for CUDA IPC (" + cu_error(api_, rc) +
+                         "); memory from PyTorch's expandable segments cannot be exported this way: "
+                         "unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for registered tensors");
+  }
+  // blob: the allocation's handle (64 bytes), then the region's offset in it and the allocation size.
+  const uint64_t offset = reinterpret_cast<CUdeviceptr>(ptr) - base;
+  const uint64_t alloc = size;
+  reg.blob.assign(handle.reserved, sizeof(handle.reserved));
+  reg.blob.append(reinterpret_cast<const char*>(&offset), 8);
+  reg.blob.append(reinterpret_cast<const char*>(&alloc), 8);
+  reg.blob.append(uuid_);
+  return reg;
+}
+
+void CudaTransport::deregister(const MemRegistration&) {}
+
+uint64_t CudaTransport::insert_peer(const std::string& address) {
+  auto p = split_address(address);
+  if (p.size() != 3) throw TransportError("malformed cuda peer address");
+  if (p[0] != host_) throw TransportError("cuda peer " + p[1] + " is on another host");
+  return static_cast<uint64_t>(std::stoull(p[2]));
+}
+
+uint64_t CudaTransport::import_remote(const std::string& blob) {
+  if (blob.size() < 80) throw UsageError("region descriptor has no CUDA IPC handle (is it GPU memory?)");
+  std::string handle_bytes = blob.substr(0, 64);
+  uint64_t offset = 0;
+  std::memcpy(&offset, blob.data() + 64, 8);
+  auto it = opened_.find(handle_bytes);
+  if (it == opened_.end()) {
+    make_current();
+    CUipcMemHandle handle{};
+    std::memcpy(handle.reserved, handle_bytes.data(), 64);
+    CUdeviceptr base = 0;
+    // Opened with the writing GPU current: the mapping lives in our context, so copies run at NVLink speed.
+    int rc = api_->cuIpcOpenMemHandle(&base, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    if (rc != CUDA_SUCCESS) {
+      throw TransportError("cannot open the CUDA IPC handle of " + blob.substr(80) + " on " + name_ + ": " +
+                           cu_error(api_, rc) +
+                           " (the owner must be alive on this host, and the GPUs must be able to reach "
+                           "each other: check `nvidia-smi topo -m`)");
+    }
+    it = opened_.emplace(handle_bytes, base).first;
+  }
+  return it->second + offset;
+}
+
+int CudaTransport::post_write(const WriteRequest& req) {
+  make_current();
+  void* ev = nullptr;
+  if (!free_events_.empty()) {
+    ev = free_events_.back();
+    free_events_.pop_back();
+  } else if (api_->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
+    return -ENOMEM;
+  }
+  void* stream = streams_[next_stream_++ % streams_.size()];
+  if (req.len > 0) {
+    int rc = api_->cuMemcpyAsync(static_cast<CUdeviceptr>(req.remote_addr),
+                                 reinterpret_cast<CUdeviceptr>(req.src), req.len, stream);
+    if (rc != CUDA_SUCCESS) {
+      free_events_.push_back(ev);
+      return -(1000 + rc);  // distinguishable from errno values in error_string
+    }
+  }
+  if (api_->cuEventRecord(ev, stream) != CUDA_SUCCESS) {
+    free_events_.push_back(ev);
+    return -EIO;
+  }
+  inflight_.push_back({ev, req.context});
+  return 0;
+}
+
+size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
+  size_t got = 0;
+  // Streams complete in order; across two streams a later copy may finish first, which only delays
+  // its report until the ones before it are done.
+  while (!inflight_.empty() && got < max) {
+    Inflight f = inflight_.front();
+    CUresult rc = api_->cuEventQuery(f.event);
+    if (rc == CUDA_ERROR_NOT_READY) break;
+    inflight_.pop_front();
+    free_events_.push_back(f.event);
+    Completion c;
+    c.context = f.context;
+    if (rc == CUDA_SUCCESS) {
+      c.kind = Completion::kLocalDone;
+    } else {
+      c.kind = Completion::kLocalError;
+      c.error = EIO;
+      c.message = "copy failed: " + cu_error(api_, rc);
+    }
+    out.push_back(std::move(c));
+    ++got;
+  }
+  return got;
+}
+
+void CudaTransport::wait(int timeout_ms) {
+  // Copies in flight finish in microseconds to milliseconds: poll again soon. Idle: sleep until the
+  // worker is signalled (new work) or the timeout passes.
+  auto span = inflight_.empty() ? std::chrono::microseconds(timeout_ms * 1000) : std::chrono::microseconds(20);
+  std::unique_lock<std::mutex> lock(wake_mu_);
+  wake_cv_.wait_for(lock, span, [&] { return woken_; });
+  woken_ = false;
+}
+
+void CudaTransport::signal() {
+  {
+    std::lock_guard<std::mutex> lock(wake_mu_);
+    woken_ = true;
+  }
+  wake_cv_.notify_one();
+}
+
+std::string CudaTransport::error_string(int err) const {
+  if (err >= 1000) return cu_error(api_, err - 1000);
+  return std::strerror(err);
+}
+
+}  // namespace weightsync
