@@ -1,0 +1,77 @@
+"""The cuda lane between Ray GPU actors (each sees only its GPU as cuda:0). Skips without two GPUs."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import pytest
+
+torch = pytest.importorskip("torch")
+if torch.cuda.device_count() < 2:
+    pytest.skip(f"needs 2 CUDA GPUs (this machine has {torch.cuda.device_count()})", allow_module_level=True)
+
+import ray  # noqa: E402
+
+from tests.cuda_actors import GpuEnd  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def pair():
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    end = ray.remote(num_gpus=1)(GpuEnd)
+    src, dst = end.remote(), end.remote()
+    info = ray.get([src.info.remote(), dst.info.remote()])
+    yield src, dst, info
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 64 << 20, GiB + 3, 8 * GiB])
+def test_copy_engine_writes_between_ray_gpu_actors(pair, nbytes: int) -> None:
+    src, dst, (_src_info, dst_info) = pair
+    assert ray.get(src.transport_to.remote(dst_info["address"])) == "cuda"
+    src_off, dst_off, pad = 5, 4097, 513
+    s_id, _ = ray.get(src.alloc.remote(nbytes + src_off, seed=nbytes))
+    d_id, d_desc = ray.get(dst.alloc.remote(nbytes + dst_off + pad))
+    out = ray.get(src.write.remote(s_id, src_off, dst_info["address"], d_desc, dst_off, nbytes, imm=3))
+    ray.get(dst.counter_wait.remote(3, out["imm_count"]))
+    result = ray.get(dst.check.remote(d_id, dst_off, nbytes, nbytes, src_off))
+    assert result == {"data": True, "before": True, "after": True}, result
+    ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
+
+
+def test_handle_that_cannot_be_opened(pair) -> None:
+    src, dst, (_s, dst_info) = pair
+    s_id, _ = ray.get(src.alloc.remote(4096, seed=1))
+    d_id, d_desc = ray.get(dst.alloc.remote(4096))
+    fields = msgpack.unpackb(d_desc)
+    body = fields[:-1]
+    body[7] = bytes(64) + body[7][64:]  # a zeroed IPC handle, with a valid checksum
+    import zlib
+
+    forged = msgpack.packb([*body, zlib.crc32(msgpack.packb(body, use_bin_type=True))], use_bin_type=True)
+    with pytest.raises(ray.exceptions.RayTaskError, match="CUDA IPC handle"):
+        ray.get(src.write.remote(s_id, 0, dst_info["address"], forged, 0, 4096))
+    # The engine keeps working for the genuine descriptor.
+    out = ray.get(src.write.remote(s_id, 0, dst_info["address"], d_desc, 0, 4096, imm=4))
+    ray.get(dst.counter_wait.remote(4, out["imm_count"]))
+    assert ray.get(dst.check.remote(d_id, 0, 4096, 1, 0))["data"]
+
+
+def test_destination_actor_that_died(pair) -> None:
+    src, _dst, _info = pair
+    end = ray.remote(num_gpus=1)(GpuEnd)
+    doomed = end.remote()
+    info = ray.get(doomed.info.remote())
+    s_id, _ = ray.get(src.alloc.remote(1 << 20, seed=2))
+    _d_id, d_desc = ray.get(doomed.alloc.remote(1 << 20))
+    ray.get(src.write.remote(s_id, 0, info["address"], d_desc, 0, 1 << 20, imm=5))
+    ray.kill(doomed)
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"unreachable|failed|closed"):
+        for _ in range(3):
+            ray.get(src.write.remote(s_id, 0, info["address"], d_desc, 0, 1 << 20, imm=5, timeout=20.0))
