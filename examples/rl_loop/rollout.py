@@ -1,0 +1,215 @@
+"""Rollout ranks: Ray actors that generate continuously from their own fused weights.
+
+Each rollout is a full replica in the inference layout (``qkv_proj``/``gate_up_proj`` fused, see
+``model.py``), a layout different from the trainers' dim-0 shards of unfused tensors; weightsync's plan
+maps one onto the other. A generation thread loops:
+
+1. *safe point*: ``dst.apply()`` (staged mode) makes the newest complete version live between two
+   generations; the weights a generation reads never change under it. After a new version is applied,
+   the live weights are snapshotted for the trainers' check (``verify``).
+2. generate ``gen_groups`` prompts x ``group_size`` answers with version v and tag every sample with v;
+3. put the groups into a buffer that serves the driver's ``take`` requests in order.
+
+Generation is demand-driven: the thread generates only while queued requests that the live version may
+serve (``min_version <= live version``) want more groups than are buffered. Samples nobody can train on
+are never made (on 2 CPU cores they would only slow the trainers down), and the thread keeps visiting
+safe points while it idles. How far generation runs ahead of training is set by how many requests the
+driver keeps queued, which it derives from ``--max-staleness``.
+
+``inplace`` mode receives straight into the live tensors. The rollout then generates optimistically and
+throws a generation away if an update was landing or a new version completed while it ran.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+import weightsync as ws
+
+from .model import ModelConfig, fuse, fused_parts, generate
+from .task import DigitSumTask
+
+
+def compare(live: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> list[str]:
+    """Names of tensors that are not bit-identical to the reference (missing ones included)."""
+    bad = [k for k in reference if k not in live]
+    for key, want in reference.items():
+        got = live.get(key)
+        if got is not None and (got.shape != want.shape or not torch.equal(got.cpu(), want.cpu())):
+            same_shape = got.shape == want.shape
+            diff = (got.cpu().float() - want.cpu().float()).abs().max().item() if same_shape else "shape"
+            bad.append(f"{key} (max abs diff {diff})")
+    return bad
+
+
+class Rollout:
+    def __init__(self, group: str, rank: int, cfg: ModelConfig, task: DigitSumTask, seed: int,
+                 gen_groups: int, group_size: int, mode: str, device: str) -> None:
+        torch.set_num_threads(1)
+        self.cfg, self.task, self.rank, self.mode = cfg, task, rank, mode
+        self.gen_groups, self.group_size = gen_groups, group_size
+        self.device = torch.device("cuda" if device == "cuda" else "cpu")
+        self.generator = torch.Generator().manual_seed(seed * 1000 + rank)
+        # The receive buffers weightsync writes into. On CUDA they are host copies, because the engine
+        # cannot register GPU memory yet (no FI_HMEM, no cuda transport); apply then copies to the GPU.
+        shapes = {k: v.shape for k, v in fuse(cfg, _trainer_shapes(cfg)).items()}
+        self.host = {k: torch.zeros(shape) for k, shape in shapes.items()}
+        on_gpu = self.device.type != "cpu"
+        self.weights = {k: v.to(self.device) for k, v in self.host.items()} if on_gpu else self.host
+        named: dict[str, Any] = dict(self.host)
+        for layer in range(cfg.layers):
+            for key, parts in fused_parts(cfg, layer).items():
+                named[key] = ws.Fused(self.host[key], 0, [(name, (0, 0), (rows, self.host[key].shape[1]))
+                                                         for name, rows in parts])
+        self.dst = ws.Destination(group, rank=rank, tensors=named, mode=mode)
+        self.live_version = -1
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self.buffer: deque[dict[str, Any]] = deque()
+        # Queued take() requests, served strictly in the order the driver issued them (by ticket).
+        self.requests: deque[tuple[int, int, int]] = deque()  # (ticket, groups, min_version)
+        self.cond = threading.Condition()
+        self.stats = {"generated_groups": 0, "dropped_stale": 0, "discarded_torn": 0, "generations": 0}
+        self.stop = threading.Event()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"rollout-{rank}", daemon=True)
+        self.thread.start()
+
+    # -- the generation thread -----------------------------------------------------------------------
+    def _safe_point(self) -> None:
+        version = self.dst.apply() if self.mode == "staged" else self.dst.version
+        if version == self.live_version or version < 0:
+            return
+        if self.weights is not self.host:
+            for key, t in self.weights.items():
+                t.copy_(self.host[key], non_blocking=False)
+        with self.cond:
+            self.live_version = version
+            # What generation reads from now on, kept until the trainers' reference has been compared.
+            self.snapshots[version] = {k: t.detach().to("cpu", copy=True) for k, t in self.weights.items()}
+            self.cond.notify_all()
+
+    def _wanted(self) -> int:
+        """Groups the live version should still generate for the queued requests (lock held)."""
+        if not self.requests:
+            return 0
+        self._drop_older_than(self.requests[0][2])
+        servable = sum(n for _, n, min_version in self.requests if min_version <= self.live_version)
+        return servable - len(self.buffer)
+
+    def _drop_older_than(self, min_version: int) -> None:
+        kept = [g for g in self.buffer if g["version"] >= min_version]
+        self.stats["dropped_stale"] += len(self.buffer) - len(kept)
+        self.buffer = deque(kept)
+
+    def _loop(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self._safe_point()
+                with self.cond:
+                    wanted = self._wanted() if self.live_version >= 0 else 0
+                    if wanted <= 0:
+                        self.cond.wait(0.02)
+                        continue
+                version = self.live_version
+                groups = min(wanted, self.gen_groups)
+                if self.mode == "inplace" and self.dst.updating:
+                    continue
+                targets = self.task.sample_targets(groups, self.generator)
+                targets = targets.repeat_interleave(self.group_size).to(self.device)
+                tokens, logprobs = generate(self.cfg, self.weights, self.task.prompts(targets),
+                                            self.task.num_digits, self.generator)
+                if self.mode == "inplace" and (self.dst.updating or self.dst.version != version):
+                    self.stats["discarded_torn"] += 1  # the weights may have changed while it ran
+                    continue
+                rewards = self.task.reward(targets, tokens[:, self.task.prompt_len:])
+                with self.cond:
+                    for g in range(groups):
+                        rows = slice(g * self.group_size, (g + 1) * self.group_size)
+                        self.buffer.append({"tokens": tokens[rows].cpu(), "logprobs": logprobs[rows].cpu(),
+                                            "rewards": rewards[rows].cpu(), "version": version})
+                    self.stats["generated_groups"] += groups
+                    self.stats["generations"] += 1
+                    self.cond.notify_all()
+        except Exception as exc:  # surfaced to the driver by take()/verify()
+            self.error = f"rollout {self.rank}: {type(exc).__name__}: {exc}"
+            with self.cond:
+                self.cond.notify_all()
+
+    # -- called by the driver --------------------------------------------------------------------------
+    def take(self, ticket: int, groups: int, min_version: int, timeout: float = 120.0) -> dict[str, Any]:
+        """Blocks until it is request ``ticket``'s turn and ``groups`` groups of version >= ``min_version``
+        are buffered; returns them. Tickets count 0, 1, 2, ... in the order the driver needs batches."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            self.requests.append((ticket, groups, min_version))
+            self.requests = deque(sorted(self.requests))
+            self.cond.notify_all()
+            while True:
+                if self.error:
+                    raise RuntimeError(self.error)
+                if self.requests[0][0] == ticket:
+                    self._drop_older_than(min_version)
+                    if len(self.buffer) >= groups:
+                        break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.requests = deque(r for r in self.requests if r[0] != ticket)
+                    raise TimeoutError(f"rollout {self.rank}: request {ticket}: {len(self.buffer)}/{groups} "
+                                       f"groups of version >= {min_version} after {timeout} s "
+                                       f"(live {self.live_version})")
+                self.cond.wait(min(left, 0.5))
+            batch = [self.buffer.popleft() for _ in range(groups)]
+            self.requests.popleft()
+            self.cond.notify_all()
+        return {
+            "tokens": torch.cat([g["tokens"] for g in batch]),
+            "logprobs": torch.cat([g["logprobs"] for g in batch]),
+            "rewards": torch.cat([g["rewards"] for g in batch]),
+            "versions": torch.tensor([g["version"] for g in batch for _ in range(self.group_size)]),
+        }
+
+    def verify(self, version: int, reference: dict[str, torch.Tensor], timeout: float = 60.0) -> list[str]:
+        """Compares the weights this rollout generated with at ``version`` to the trainers' full tensors.
+
+        Returns the mismatching tensor names (empty: bit-identical). Waits for the generation thread to
+        reach the safe point that applies ``version``; the driver pushes nothing newer before this returns,
+        so no version is skipped.
+        """
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while version not in self.snapshots:
+                if self.error:
+                    raise RuntimeError(self.error)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return [f"version {version} never applied (live {self.live_version}, received "
+                            f"{self.dst.version}) within {timeout} s"]
+                self.cond.wait(min(left, 0.5))
+            live = self.snapshots.pop(version)
+            for old in [v for v in self.snapshots if v < version]:
+                del self.snapshots[old]
+        return compare(live, fuse(self.cfg, reference))
+
+    def info(self) -> dict[str, Any]:
+        with self.cond:
+            return {**self.stats, "live_version": self.live_version, "buffered": len(self.buffer)}
+
+    def close(self) -> dict[str, Any]:
+        self.stop.set()
+        self.thread.join(10)
+        self.dst.close()
+        return self.info()
+
+
+def _trainer_shapes(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Placeholder full tensors with the trainer's names and shapes (only their shapes are used)."""
+    from .model import Policy
+
+    with torch.device("meta"):
+        policy = Policy(cfg)
+    return {k: torch.empty(v.shape) for k, v in policy.state_dict().items()}
