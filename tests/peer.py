@@ -12,7 +12,9 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -50,6 +52,8 @@ class _Server:
         self.regions: dict[int, Any] = {}
         self.peers: dict[int, Any] = {}
         self.transfers: dict[int, Any] = {}
+        # Work that must run while the parent keeps driving this process (benchmarks): key -> thread, box.
+        self.background: dict[str, tuple[threading.Thread, list[Any]]] = {}
 
     def engine_(self, **kwargs: Any) -> bytes:
         from weightsync.engine import TransferEngine
@@ -66,6 +70,10 @@ class _Server:
 
     def digest(self, region: int, off: int, size: int) -> str:
         return digest(self.buffers[region][off : off + size])
+
+    def poison(self, region: int, off: int, size: int) -> None:
+        """Refills a range with the poison byte: a later digest then proves that new writes landed there."""
+        self.buffers[region][off : off + size] = POISON
 
     def poisoned_outside(self, region: int, off: int, size: int) -> bool:
         buf = self.buffers[region]
@@ -98,11 +106,71 @@ class _Server:
     def counter_wait(self, imm: int, n: int, timeout: float = 60.0) -> None:
         self.engine.counter(imm).wait(n, timeout)
 
+    def imm_count(self, nbytes: int) -> int:
+        return self.engine.imm_count(nbytes)
+
     def counter_value(self, imm: int) -> int:
         return self.engine.counter(imm).value
 
     def stats(self) -> list[dict[str, Any]]:
         return self.engine.stats()
+
+    def _spawn(self, key: str, fn: Callable[[], Any]) -> str:
+        if key in self.background:
+            raise ValueError(f"background task {key} is already running")
+        box: list[Any] = []
+
+        def run() -> None:
+            try:
+                box.append(("ok", fn()))
+            except Exception as exc:  # handed to the parent by joined()
+                box.append(("error", exc))
+
+        thread = threading.Thread(target=run, name=key, daemon=True)
+        thread.start()
+        self.background[key] = (thread, box)
+        return key
+
+    def joined(self, key: str, timeout: float = 60.0) -> Any:
+        """Waits for a background task (``counter_watch``, ``pong``) and returns its result."""
+        thread, box = self.background.pop(key)
+        thread.join(timeout)
+        if thread.is_alive():
+            self.background[key] = (thread, box)  # still running: the parent may join again
+            raise TimeoutError(f"background task {key} still running after {timeout} s")
+        status, value = box[0]
+        if status == "error":
+            raise value
+        return value
+
+    def counter_watch(self, imm: int, n: int, timeout: float = 60.0) -> str:
+        """Waits for ``n`` immediates on a thread; ``joined`` returns when (``time.monotonic``) they were in.
+
+        CLOCK_MONOTONIC is one clock for every process of a host, so the parent can time submit-to-landed
+        across processes. Immediates that beat the thread into ``wait`` only make the time later, never
+        earlier: the figure is an upper bound on when the bytes landed.
+        """
+
+        def watch() -> float:
+            self.engine.counter(imm).wait(n, timeout)
+            return time.monotonic()
+
+        return self._spawn(f"watch{imm}", watch)
+
+    def pong(self, region: int, peer: int, descriptor: bytes, size: int, n: int, imm_in: int, imm_out: int,
+             timeout: float = 60.0) -> str:
+        """Answers each of the next ``n`` immediates ``imm_in`` with a write of ``size`` bytes carrying
+        ``imm_out``, on a thread: the far end of a round-trip latency measurement."""
+
+        def serve_pongs() -> int:
+            counter = self.engine.counter(imm_in)
+            for _ in range(n):
+                counter.wait(1, timeout)
+                self.engine.write(self.regions[region], 0, self.peers[peer], descriptor, 0, size,
+                                  imm_out).wait(timeout)
+            return n
+
+        return self._spawn("pong", serve_pongs)
 
     def failed_paths(self, peer: int) -> list[bool]:
         return self.peers[peer].failed_paths
