@@ -295,11 +295,7 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
       std::lock_guard<std::mutex> lock(d.peer->mu);
       throw TransportError(where + d.peer->label + " is unreachable on every NIC: " + d.peer->last_error);
     }
-    if (by_copy) {
-      pieces += has_imm ? imm_count(op.len, true) : 1;
-    } else {
-      pieces += op.len == 0 ? (has_imm ? 1 : 0) : ceil_div(op.len, piece_size(op.len));
-    }
+    pieces += op.len == 0 ? (has_imm ? 1 : 0) : ceil_div(op.len, piece_size(op.len));
     imms += imm_count(op.len, has_imm);
     bytes += op.len;
   }
@@ -312,26 +308,28 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
   std::vector<std::vector<Piece*>> per_nic(workers_.size());
   for (size_t i = 0; i < n; ++i) {
     const WriteOp& op = ops[i];
-    if (dsts[op.dst]->cuda_addr != 0) {
-      // One copy-engine copy for the whole write; its immediates follow over a fabric NIC when it is done.
-      Piece* p = new Piece();
-      p->transfer = transfer;
-      p->src = srcs[op.src];
-      p->dst = dsts[op.dst];
-      p->src_off = op.src_off;
-      p->dst_off = op.dst_off;
-      p->len = op.len;
-      p->imm = op.imm;
-      p->signals = has_imm ? imm_count(op.len, true) : 0;
-      p->nic = cuda_lane_;
-      per_nic[cuda_lane_].push_back(p);
-      continue;
-    }
     if (op.len == 0 && !has_imm) continue;
     const uint64_t step = piece_size(op.len);
     const uint64_t count = op.len == 0 ? 1 : ceil_div(op.len, step);
-    const uint64_t start = rr_.fetch_add(count);
+    const bool by_copy = dsts[op.dst]->cuda_addr != 0;
+    const uint64_t start = by_copy ? 0 : rr_.fetch_add(count);
     for (uint64_t k = 0; k < count; ++k) {
+      if (by_copy) {
+        // The same pieces as over the NICs, each a copy-engine copy whose immediate follows over a fabric
+        // NIC as soon as that copy is done: the signals overlap with the copies still running.
+        Piece* p = new Piece();
+        p->transfer = transfer;
+        p->src = srcs[op.src];
+        p->dst = dsts[op.dst];
+        p->src_off = op.src_off + k * step;
+        p->dst_off = op.dst_off + k * step;
+        p->len = op.len == 0 ? 0 : std::min(step, op.len - k * step);
+        p->imm = op.imm;
+        p->signals = has_imm ? 1 : 0;
+        p->nic = cuda_lane_;
+        per_nic[cuda_lane_].push_back(p);
+        continue;
+      }
       Piece* p = new Piece();
       p->transfer = transfer;
       p->src = srcs[op.src];

@@ -22,6 +22,11 @@ NicWorker::NicWorker(Engine* engine, int index, std::unique_ptr<Transport> trans
       window_ops_(std::max<uint64_t>(1, std::min<uint64_t>(cfg.window_ops, transport_->max_outstanding()))),
       stall_timeout_(cfg.stall_timeout_s) {
   cuda_lane_ = transport_->kind() == "cuda";
+  if (cuda_lane_) {
+    // Copies queue on the GPU's own streams; the byte window that paces a NIC would only starve them.
+    window_bytes_ = ~0ull >> 1;
+    window_ops_ = transport_->max_outstanding();
+  }
 }
 
 NicWorker::~NicWorker() {
