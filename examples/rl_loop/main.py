@@ -30,13 +30,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.rl_loop", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=100, help="PPO steps, one weight push each")
+    p.add_argument("--steps", type=int, default=150, help="PPO steps, one weight push each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-staleness", type=int, default=1,
                    help="train only on samples at most this many versions older than the trainers' weights")
     p.add_argument("--trainers", type=int, default=2, help="trainer ranks (FSDP2 shards)")
     p.add_argument("--rollouts", type=int, default=2, help="rollout ranks (fused full replicas)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--gpus", type=int, default=0,
+                   help="with --device cuda: GPUs to use (default one per actor; with fewer, trainer i and "
+                        "rollout j share GPUs i %% gpus and j %% gpus; needs gpus >= trainers)")
     p.add_argument("--mode", choices=["staged", "inplace"], default="staged",
                    help="weightsync destination mode")
     p.add_argument("--prompts", type=int, default=32, help="prompts (groups) per step")
@@ -51,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.prompts % args.rollouts:
         p.error("--prompts must be a multiple of --rollouts")
+    if args.device == "cuda":
+        args.gpus = args.gpus or args.trainers + args.rollouts
+        if args.gpus < args.trainers:
+            p.error("--gpus must be at least --trainers (NCCL wants one GPU per trainer rank)")
     return args
 
 
@@ -74,8 +81,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     chance = task.chance_reward()
     t_start = time.perf_counter()
     # A Ray instance of our own (address="local"): never join one that other jobs on this machine use.
-    gpus = args.trainers + args.rollouts if args.device == "cuda" else 0
-    ray.init(address="local", num_cpus=args.trainers + args.rollouts, num_gpus=gpus, include_dashboard=False,
+    actors_n = args.trainers + args.rollouts
+    gpus = args.gpus if args.device == "cuda" else 0
+    ray.init(address="local", num_cpus=actors_n, num_gpus=gpus, include_dashboard=False,
              log_to_driver=not args.quiet, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}})
     name = f"rl_loop-{os.getpid()}"
@@ -83,17 +91,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     group = None
     try:
         group = ws.Group.create(name, num_sources=args.trainers, num_destinations=args.rollouts)
-        per_gpu = 1 if args.device == "cuda" else 0
-        trainer_cls = ray.remote(num_cpus=1, num_gpus=per_gpu)(Trainer)
+        placement = _gpu_placement(ray, args) if args.device == "cuda" else None
+        trainer_cls = ray.remote(num_cpus=1)(Trainer)
         # Threaded actor: take() and verify() block while the generation thread runs.
-        rollout_cls = ray.remote(num_cpus=1, num_gpus=per_gpu, max_concurrency=4)(Rollout)
+        rollout_cls = ray.remote(num_cpus=1, max_concurrency=4)(Rollout)
+        if placement is not None:
+            trainer_cls = [trainer_cls.options(**placement(i)) for i in range(args.trainers)]
+            rollout_cls = [rollout_cls.options(**placement(j)) for j in range(args.rollouts)]
+        else:
+            trainer_cls = [trainer_cls] * args.trainers
+            rollout_cls = [rollout_cls] * args.rollouts
         groups_per_rollout = args.prompts // args.rollouts
         gen_groups = max(1, groups_per_rollout // 2)
-        rollouts = [rollout_cls.remote(name, j, cfg, task, args.seed, gen_groups, args.group_size, args.mode,
-                                       args.device) for j in range(args.rollouts)]
+        rollouts = [rollout_cls[j].remote(name, j, cfg, task, args.seed, gen_groups, args.group_size,
+                                          args.mode, args.device) for j in range(args.rollouts)]
         port = _free_port()
-        trainers = [trainer_cls.remote(name, i, args.trainers, port, cfg, task, args.seed, args.lr, args.clip,
-                                       args.epochs, args.group_size, args.device)
+        trainers = [trainer_cls[i].remote(name, i, args.trainers, port, cfg, task, args.seed, args.lr,
+                                          args.clip, args.epochs, args.group_size, args.device)
                     for i in range(args.trainers)]
         actors = trainers + rollouts
         ray.get([a.__ray_ready__.remote() for a in actors], timeout=300)
@@ -168,9 +182,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "staleness_mean": round(statistics.fmean(h["staleness_mean"] for h in history), 3),
             "staleness_max": max(h["staleness_max"] for h in history),
             "dropped_stale_groups": sum(i["dropped_stale"] for i in infos),
+            "discarded_generations": sum(i["discarded_torn"] for i in infos),
             "trainers": args.trainers,
             "rollouts": args.rollouts,
             "device": args.device,
+            "gpus": args.gpus,
             "mode": args.mode,
             "max_staleness": args.max_staleness,
             "seed": args.seed,
@@ -188,6 +204,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if group is not None:
             group.shutdown()
         ray.shutdown()
+
+
+def _gpu_placement(ray: Any, args: argparse.Namespace) -> Any:
+    """Ray options per actor index: one whole GPU each, or, with fewer GPUs than actors, a share of GPU
+    ``index % gpus`` (a placement group bundle per GPU keeps trainer ranks on distinct GPUs)."""
+    actors = args.trainers + args.rollouts
+    if args.gpus >= actors:
+        return lambda index: {"num_gpus": 1}
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    per_gpu = -(-actors // args.gpus)
+    pg = placement_group([{"GPU": 1, "CPU": per_gpu}] * args.gpus, strategy="PACK")
+    ray.get(pg.ready(), timeout=120)
+    return lambda index: {"num_gpus": 1 / per_gpu, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=index % args.gpus)}
 
 
 def _verify(ray: Any, rollouts: list[Any], version: int, reference: dict[str, torch.Tensor]) -> list[str]:

@@ -55,18 +55,19 @@ class Rollout:
         self.gen_groups, self.group_size = gen_groups, group_size
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         self.generator = torch.Generator().manual_seed(seed * 1000 + rank)
-        # The receive buffers weightsync writes into. On CUDA they are host copies, because the engine
-        # cannot register GPU memory yet (no FI_HMEM, no cuda transport); apply then copies to the GPU.
         shapes = {k: v.shape for k, v in fuse(cfg, _trainer_shapes(cfg)).items()}
-        self.host = {k: torch.zeros(shape) for k, shape in shapes.items()}
-        on_gpu = self.device.type != "cpu"
-        self.weights = {k: v.to(self.device) for k, v in self.host.items()} if on_gpu else self.host
-        named: dict[str, Any] = dict(self.host)
-        for layer in range(cfg.layers):
-            for key, parts in fused_parts(cfg, layer).items():
-                named[key] = ws.Fused(self.host[key], 0, [(name, (0, 0), (rows, self.host[key].shape[1]))
-                                                         for name, rows in parts])
-        self.dst = ws.Destination(group, rank=rank, tensors=named, mode=mode)
+        # The weights generation reads. weightsync writes straight into them (or into their staged shadows)
+        # where the engine can register their memory; on a GPU without the engine's cuda lane it writes
+        # into host copies instead, which the safe point copies to the GPU.
+        self.weights = {k: torch.zeros(shape, device=self.device) for k, shape in shapes.items()}
+        self.host = self.weights
+        try:
+            self.dst = ws.Destination(group, rank=rank, tensors=self._named(self.weights), mode=mode)
+        except ws.TransportError:
+            if self.device.type == "cpu":
+                raise
+            self.host = {k: torch.zeros(shape) for k, shape in shapes.items()}
+            self.dst = ws.Destination(group, rank=rank, tensors=self._named(self.host), mode=mode)
         self.live_version = -1
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.buffer: deque[dict[str, Any]] = deque()
@@ -78,6 +79,16 @@ class Rollout:
         self.error: str | None = None
         self.thread = threading.Thread(target=self._loop, name=f"rollout-{rank}", daemon=True)
         self.thread.start()
+
+    def _named(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """What this rollout tells weightsync it holds: fused tensors as ``ws.Fused`` of full-row boxes of
+        the trainers' logical tensors, the rest as whole tensors under the trainers' names."""
+        named: dict[str, Any] = dict(tensors)
+        for layer in range(self.cfg.layers):
+            for key, parts in fused_parts(self.cfg, layer).items():
+                cols = tensors[key].shape[1]
+                named[key] = ws.Fused(tensors[key], 0, [(name, (0, 0), (rows, cols)) for name, rows in parts])
+        return named
 
     # -- the generation thread -----------------------------------------------------------------------
     def _safe_point(self) -> None:

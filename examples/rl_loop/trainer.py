@@ -6,8 +6,8 @@ The parameters FSDP2 exposes are DTensors with ``Shard(0)`` placements, and thos
 ``ws.Source`` is given: the optimizer updates the shards in place, so after every step ``ws.push`` sends
 the current bytes of exactly the memory the optimizer wrote, with no gather and no copy (on CPU).
 
-On CUDA the source registers host mirrors of the shards (copied after each step) because the engine
-cannot register GPU memory yet.
+On CUDA the shards are registered on the GPU (the engine's cuda lane writes with the copy engines); an
+engine without that lane makes the source fall back to host mirrors of the shards, copied every step.
 """
 
 from __future__ import annotations
@@ -46,18 +46,23 @@ class Trainer:
         fully_shard(self.policy, mesh=mesh)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=lr)
         self.params: dict[str, Any] = dict(self.policy.named_parameters())
-        if self.device.type == "cpu":
-            tensors: dict[str, Any] = self.params  # DTensor shards, registered where they live
-            self.mirrors: dict[str, torch.Tensor] = {}
-        else:
+        self.mirrors: dict[str, torch.Tensor] = {}
+        try:
+            self.src = ws.Source(group, rank=rank, tensors=self.params)  # the DTensor shards, where they live
+        except ws.TransportError:
+            if self.device.type == "cpu":
+                raise
+            # A GPU the engine cannot register (no cuda lane): push from host mirrors of the shards.
             self.mirrors = {k: p.to_local().detach().to("cpu").pin_memory() for k, p in self.params.items()}
             tensors = {k: ws.Sharded(self.mirrors[k], tuple(p.shape), _shard_offsets(p, rank, world))
                        for k, p in self.params.items()}
-        self.src = ws.Source(group, rank=rank, tensors=tensors)
+            self.src = ws.Source(group, rank=rank, tensors=tensors)
 
     def _push(self, version: int) -> dict[str, Any]:
         for key, mirror in self.mirrors.items():
             mirror.copy_(self.params[key].to_local().detach())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the copy engines read the shards: the optimizer must be done
         stats = ws.push(self.src, version=version, timeout=60.0)
         if stats.failed_destinations:
             raise RuntimeError(f"trainer {self.rank}: push {version} failed for {stats.failed_destinations}")
