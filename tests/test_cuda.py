@@ -66,20 +66,43 @@ def test_handle_that_cannot_be_opened(pair) -> None:
 
 
 def test_destination_actor_that_died(pair) -> None:
-    src, _dst, _info = pair
-    end = ray.remote(num_gpus=1)(GpuEnd)
-    doomed = end.remote()
-    info = ray.get(doomed.info.remote())
+    """Runs last in the module: it kills the shared destination, then checks the source still works."""
+    src, dst, (_s, dst_info) = pair
     s_id, _ = ray.get(src.alloc.remote(1 << 20, seed=2))
-    _d_id, d_desc = ray.get(doomed.alloc.remote(1 << 20))
-    ray.get(src.write.remote(s_id, 0, info["address"], d_desc, 0, 1 << 20, imm=5))
-    ray.kill(doomed, no_restart=True)
+    _d_id, d_desc = ray.get(dst.alloc.remote(1 << 20))
+    ray.get(src.write.remote(s_id, 0, dst_info["address"], d_desc, 0, 1 << 20, imm=5))
+    ray.kill(dst, no_restart=True)
     time.sleep(2)  # let the process go
     start = time.monotonic()
     with pytest.raises(ray.exceptions.RayTaskError) as info_exc:
         for _ in range(3):
-            ray.get(src.write.remote(s_id, 0, info["address"], d_desc, 0, 1 << 20, imm=5, timeout=20.0),
+            ray.get(src.write.remote(s_id, 0, dst_info["address"], d_desc, 0, 1 << 20, imm=5, timeout=20.0),
                     timeout=60)
     print("error for the dead destination:", str(info_exc.value.cause)[:300])
     assert isinstance(info_exc.value.cause, ws.WeightSyncError)
     assert time.monotonic() - start < 70
+
+    # The engine keeps working for other peers: a new destination on the freed GPU.
+    fresh = ray.remote(num_gpus=1)(GpuEnd).remote()
+    info = ray.get(fresh.info.remote(), timeout=120)
+    d_id, d_desc = ray.get(fresh.alloc.remote(1 << 20))
+    out = ray.get(src.write.remote(s_id, 0, info["address"], d_desc, 0, 1 << 20, imm=6))
+    ray.get(fresh.counter_wait.remote(6, out["imm_count"]))
+    assert ray.get(fresh.check.remote(d_id, 0, 1 << 20, 2, 0))["data"]
+    ray.kill(fresh)
+
+
+def test_two_processes_on_one_gpu(pair) -> None:
+    src, _dst, _info = pair
+    ray.kill(src)  # frees a whole GPU for two half-GPU actors
+    half = ray.remote(num_gpus=0.5)(GpuEnd)
+    a, b = half.remote(), half.remote()
+    ia, ib = ray.get([a.info.remote(), b.info.remote()], timeout=120)
+    assert ia["uuid"] == ib["uuid"], "Ray placed the two half-GPU actors on different GPUs"
+    n = (64 << 20) + 7
+    s_id, _ = ray.get(a.alloc.remote(n + 3, seed=11))
+    d_id, d_desc = ray.get(b.alloc.remote(n + 100))
+    assert ray.get(a.transport_to.remote(ib["address"])) == "cuda"
+    out = ray.get(a.write.remote(s_id, 3, ib["address"], d_desc, 50, n, imm=8))
+    ray.get(b.counter_wait.remote(8, out["imm_count"]))
+    assert ray.get(b.check.remote(d_id, 50, n, 11, 3)) == {"data": True, "before": True, "after": True}
