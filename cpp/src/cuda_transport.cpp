@@ -173,7 +173,8 @@ CudaTransport::CudaTransport(int device) : api_(load_api()), device_(device) {
     streams_.push_back(s);
   }
   host_ = host_identity();
-  address_ = host_ + "\n" + uuid_ + "\n" + std::to_string(getpid());
+  ring_ = ImmRing::create();
+  address_ = host_ + "\n" + uuid_ + "\n" + std::to_string(getpid()) + "\n" + std::to_string(ring_.fd());
 }
 
 CudaTransport::~CudaTransport() {
@@ -202,7 +203,7 @@ void CudaTransport::make_current() const {
 
 std::string CudaTransport::describe_address(const std::string& address) const {
   auto p = split_address(address);
-  return p.size() == 3 ? p[1] + " pid " + p[2] : "cuda peer";
+  return p.size() == 4 ? p[1] + " pid " + p[2] : "cuda peer";
 }
 
 MemRegistration CudaTransport::register_memory(void* ptr, size_t len, MemKind kind, int) {
@@ -233,10 +234,18 @@ void CudaTransport::deregister(const MemRegistration&) {}
 
 uint64_t CudaTransport::insert_peer(const std::string& address) {
   auto p = split_address(address);
-  if (p.size() != 3) throw TransportError("malformed cuda peer address");
+  if (p.size() != 4) throw TransportError("malformed cuda peer address");
   if (p[0] != host_) throw TransportError("cuda peer " + p[1] + " is on another host");
-  return static_cast<uint64_t>(std::stoull(p[2]));
+  const uint64_t handle = next_peer_++;
+  try {
+    peer_rings_.emplace(handle, ImmRing::open(std::stoi(p[2]), std::stoi(p[3])));
+  } catch (const TransportError&) {
+    // No shared memory with that process (another container?): the engine signals over a NIC instead.
+  }
+  return handle;
 }
+
+bool CudaTransport::delivers_imm(uint64_t peer) const { return peer_rings_.count(peer) != 0; }
 
 uint64_t CudaTransport::import_remote(const std::string& blob) {
   if (blob.size() < 80) throw UsageError("region descriptor has no CUDA IPC handle (is it GPU memory?)");
@@ -284,12 +293,20 @@ int CudaTransport::post_write(const WriteRequest& req) {
     free_events_.push_back(ev);
     return -EIO;
   }
-  inflight_.push_back({ev, req.context});
+  inflight_.push_back({ev, req.context, req.peer, req.has_imm, req.imm});
   return 0;
 }
 
 size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
   size_t got = 0;
+  uint32_t imm = 0;
+  while (got < max && ring_.pop(imm)) {
+    Completion c;
+    c.kind = Completion::kRemoteImm;
+    c.imm = imm;
+    out.push_back(c);
+    ++got;
+  }
   // Streams complete in order; across two streams a later copy may finish first, which only delays
   // its report until the ones before it are done.
   while (!inflight_.empty() && got < max) {
@@ -302,6 +319,12 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
     c.context = f.context;
     if (rc == CUDA_SUCCESS) {
       c.kind = Completion::kLocalDone;
+      auto ring = f.has_imm ? peer_rings_.find(f.peer) : peer_rings_.end();
+      if (ring != peer_rings_.end()) {
+        // The bytes are in place: now the immediate. A full ring means the consumer is a whole ring
+        // behind; it drains in microseconds.
+        while (!ring->second.push(f.imm)) std::this_thread::sleep_for(std::chrono::microseconds(5));
+      }
     } else {
       c.kind = Completion::kLocalError;
       c.error = EIO;
@@ -314,21 +337,12 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
 }
 
 void CudaTransport::wait(int timeout_ms) {
-  // Copies in flight finish in microseconds to milliseconds: poll again soon. Idle: sleep until the
-  // worker is signalled (new work) or the timeout passes.
-  auto span = inflight_.empty() ? std::chrono::microseconds(timeout_ms * 1000) : std::chrono::microseconds(20);
-  std::unique_lock<std::mutex> lock(wake_mu_);
-  wake_cv_.wait_for(lock, span, [&] { return woken_; });
-  woken_ = false;
+  // Copies in flight finish in microseconds to milliseconds: look again soon. Idle: sleep until a peer
+  // pushes an immediate, the worker is signalled (new work), or the timeout passes.
+  ring_.sleep(inflight_.empty() ? int64_t(timeout_ms) * 1000 : 20);
 }
 
-void CudaTransport::signal() {
-  {
-    std::lock_guard<std::mutex> lock(wake_mu_);
-    woken_ = true;
-  }
-  wake_cv_.notify_one();
-}
+void CudaTransport::signal() { ring_.wake(); }
 
 std::string CudaTransport::error_string(int err) const {
   if (err >= 1000) return cu_error(api_, err - 1000);

@@ -202,7 +202,11 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
     if (!cuda_address.empty()) {
       try {
         uint64_t* slot = &peer->paths[cuda_lane_];
-        workers_[cuda_lane_]->call([=](Transport& t) { *slot = t.insert_peer(cuda_address); }, kCommandTimeoutS);
+        bool* imm = &peer->cuda_imm;
+        workers_[cuda_lane_]->call([=](Transport& t) {
+          *slot = t.insert_peer(cuda_address);
+          *imm = t.delivers_imm(*slot);
+        }, kCommandTimeoutS);
         peer->cuda = true;
         label += ", " + workers_[cuda_lane_]->transport().describe_address(cuda_address);
       } catch (const TransportError&) {
@@ -325,7 +329,8 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
         p->dst_off = op.dst_off + k * step;
         p->len = op.len == 0 ? 0 : std::min(step, op.len - k * step);
         p->imm = op.imm;
-        p->signals = has_imm ? 1 : 0;
+        p->has_imm = has_imm && p->dst->peer->cuda_imm;
+        p->signals = has_imm && !p->dst->peer->cuda_imm ? 1 : 0;
         p->nic = cuda_lane_;
         per_nic[cuda_lane_].push_back(p);
         continue;

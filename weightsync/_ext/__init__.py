@@ -2,6 +2,7 @@
 
 from weightsync._ext._core import (
     Engine,
+    ImmRing,
     Peer,
     Region,
     RemoteRegion,
@@ -15,6 +16,7 @@ from weightsync._ext._core import (
 
 __all__ = [
     "Engine",
+    "ImmRing",
     "Peer",
     "Region",
     "RemoteRegion",

@@ -12,6 +12,7 @@
 
 #include "weightsync/cuda_transport.hpp"
 #include "weightsync/engine.hpp"
+#include "weightsync/imm_ring.hpp"
 #include "weightsync/errors.hpp"
 #include "weightsync/fabric_transport.hpp"
 
@@ -54,6 +55,21 @@ NB_MODULE(_core, m) {
     for (const auto& nic : ws::FabricTransport::discover(provider)) out.emplace_back(nic.provider, nic.domain, nic.fabric);
     return out;
   }, "provider"_a = "");
+
+  // The shared-memory immediate ring of the cuda lane, bound on its own so that CPU-only tests can check
+  // it between processes.
+  nb::class_<ws::ImmRing>(m, "ImmRing")
+      .def_static("create", &ws::ImmRing::create)
+      .def_static("open", &ws::ImmRing::open, "pid"_a, "fd"_a)
+      .def_prop_ro("fd", &ws::ImmRing::fd)
+      .def("push", &ws::ImmRing::push, "imm"_a)
+      .def("pop", [](ws::ImmRing& r) -> std::optional<uint32_t> {
+        uint32_t imm = 0;
+        if (r.pop(imm)) return imm;
+        return std::nullopt;
+      })
+      .def("sleep", &ws::ImmRing::sleep, "timeout_us"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("wake", &ws::ImmRing::wake);
 
   nb::class_<ws::LocalRegion>(m, "Region")
       .def_ro("id", &ws::LocalRegion::id)

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "weightsync/imm_ring.hpp"
 #include "weightsync/transport.hpp"
 
 namespace weightsync {
@@ -44,6 +45,7 @@ class CudaTransport final : public Transport {
   void deregister(const MemRegistration& reg) override;
   uint64_t insert_peer(const std::string& address) override;
   uint64_t import_remote(const std::string& blob) override;
+  bool delivers_imm(uint64_t peer) const override;
 
   int post_write(const WriteRequest& req) override;
   size_t poll(std::vector<Completion>& out, size_t max) override;
@@ -72,12 +74,15 @@ class CudaTransport final : public Transport {
   struct Inflight {
     void* event;
     void* context;
+    uint64_t peer;
+    bool has_imm;
+    uint32_t imm;
   };
+  ImmRing ring_;                                  // immediates other processes push to us
+  std::unordered_map<uint64_t, ImmRing> peer_rings_;  // by peer handle: where we push theirs
+  uint64_t next_peer_ = 1;
   std::deque<Inflight> inflight_;
   std::vector<void*> free_events_;
-  std::mutex wake_mu_;
-  std::condition_variable wake_cv_;
-  bool woken_ = false;
   // Opened peer allocations, by IPC handle bytes: opening one twice in a context fails.
   std::unordered_map<std::string, uint64_t> opened_;
 };

@@ -63,6 +63,7 @@ struct Peer {
   std::unique_ptr<std::atomic<bool>[]> path_failed;
   size_t remote_nics = 0;
   bool cuda = false;                 // same host, both engines have a cuda lane
+  bool cuda_imm = false;             // the cuda lane delivers immediates itself (shared-memory ring)
   std::vector<uint64_t> doorbell_base, doorbell_key;  // per remote NIC: where copy completions signal
   std::mutex mu;
   std::string last_error;

@@ -65,6 +65,8 @@ class Transport {
   virtual uint64_t insert_peer(const std::string& address) = 0;
   // Makes a peer's exported memory (MemRegistration::blob) writable from here; returns its address.
   virtual uint64_t import_remote(const std::string& blob) { (void)blob; return 0; }
+  // Whether writes to this peer deliver their immediates themselves (else the engine signals them).
+  virtual bool delivers_imm(uint64_t peer) const { (void)peer; return true; }
 
   // 0 when posted, -EAGAIN when the queue is full (poll and try again), another negative errno on error.
   virtual int post_write(const WriteRequest& req) = 0;
