@@ -187,6 +187,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rollouts": args.rollouts,
             "device": args.device,
             "gpus": args.gpus,
+            # Where weightsync reads and writes: the training/inference tensors themselves, or host mirrors.
+            "sync_memory": {"trainers": [i["sync_memory"] for i in init],
+                            "rollouts": [i["sync_memory"] for i in infos]},
             "mode": args.mode,
             "max_staleness": args.max_staleness,
             "seed": args.seed,

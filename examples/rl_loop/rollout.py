@@ -35,16 +35,37 @@ from .model import ModelConfig, fuse, fused_parts, generate
 from .task import DigitSumTask
 
 
-def compare(live: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> list[str]:
-    """Names of tensors that are not bit-identical to the reference (missing ones included)."""
+def compare(live: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+            previous: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """Names of tensors that are not bit-identical to the reference (missing ones included), with the
+    rows that differ and whether those rows hold the previous version instead (a stale or torn update)."""
     bad = [k for k in reference if k not in live]
     for key, want in reference.items():
         got = live.get(key)
-        if got is not None and (got.shape != want.shape or not torch.equal(got.cpu(), want.cpu())):
-            same_shape = got.shape == want.shape
-            diff = (got.cpu().float() - want.cpu().float()).abs().max().item() if same_shape else "shape"
-            bad.append(f"{key} (max abs diff {diff})")
+        if got is None or (got.shape == want.shape and torch.equal(got.cpu(), want.cpu())):
+            continue
+        if got.shape != want.shape:
+            bad.append(f"{key} (shape {tuple(got.shape)}, want {tuple(want.shape)})")
+            continue
+        got, want = got.cpu(), want.cpu()
+        rows = (got != want).reshape(got.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+        what = f"{key}: rows {_spans(rows)} of {got.shape[0]} differ, max abs diff " \
+               f"{(got - want).abs().max().item():.3g}"
+        if previous is not None and key in previous:
+            stale = torch.equal(got[rows], previous[key].cpu()[rows])
+            what += f"; those rows equal the previous version: {stale}"
+        bad.append(what)
     return bad
+
+
+def _spans(rows: list[int]) -> str:
+    spans: list[list[int]] = []
+    for r in rows:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
 
 
 class Rollout:
@@ -70,6 +91,7 @@ class Rollout:
             self.dst = ws.Destination(group, rank=rank, tensors=self._named(self.host), mode=mode)
         self.live_version = -1
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self.previous: dict[str, torch.Tensor] | None = None  # the last reference, to diagnose mismatches
         self.buffer: deque[dict[str, Any]] = deque()
         # Queued take() requests, served strictly in the order the driver issued them (by ticket).
         self.requests: deque[tuple[int, int, int]] = deque()  # (ticket, groups, min_version)
@@ -204,11 +226,15 @@ class Rollout:
             live = self.snapshots.pop(version)
             for old in [v for v in self.snapshots if v < version]:
                 del self.snapshots[old]
-        return compare(live, fuse(self.cfg, reference))
+        want = fuse(self.cfg, reference)
+        bad = compare(live, want, self.previous)
+        self.previous = want
+        return bad
 
     def info(self) -> dict[str, Any]:
         with self.cond:
-            return {**self.stats, "live_version": self.live_version, "buffered": len(self.buffer)}
+            return {**self.stats, "live_version": self.live_version, "buffered": len(self.buffer),
+                    "sync_memory": "host mirror" if self.host is not self.weights else self.device.type}
 
     def close(self) -> dict[str, Any]:
         self.stop.set()

@@ -36,6 +36,8 @@ class Trainer:
         self.rank, self.world, self.cfg, self.task = rank, world, cfg, task
         self.clip, self.epochs, self.group_size = clip, epochs, group_size
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)  # Ray shows each actor only its own GPU
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world)
         mesh = init_device_mesh(self.device.type, (world,))
@@ -57,6 +59,7 @@ class Trainer:
             tensors = {k: ws.Sharded(self.mirrors[k], tuple(p.shape), _shard_offsets(p, rank, world))
                        for k, p in self.params.items()}
             self.src = ws.Source(group, rank=rank, tensors=tensors)
+        self.sync_memory = "host mirror" if self.mirrors else self.device.type
 
     def _push(self, version: int) -> dict[str, Any]:
         for key, mirror in self.mirrors.items():
@@ -76,7 +79,7 @@ class Trainer:
 
     def initial(self) -> dict[str, Any]:
         """Pushes version 0 (the initial weights) so the rollouts can start generating."""
-        return {"push": self._push(0), "reference": self._reference()}
+        return {"push": self._push(0), "reference": self._reference(), "sync_memory": self.sync_memory}
 
     def step(self, version: int, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """One PPO step on this rank's share of ``batch``, then push the result as ``version``."""
