@@ -1,6 +1,7 @@
 #include "weightsync/cuda_transport.hpp"
 
 #include <dlfcn.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -237,6 +238,7 @@ uint64_t CudaTransport::insert_peer(const std::string& address) {
   if (p.size() != 4) throw TransportError("malformed cuda peer address");
   if (p[0] != host_) throw TransportError("cuda peer " + p[1] + " is on another host");
   const uint64_t handle = next_peer_++;
+  peer_pids_[handle] = std::stoi(p[2]);
   try {
     peer_rings_.emplace(handle, ImmRing::open(std::stoi(p[2]), std::stoi(p[3])));
   } catch (const TransportError&) {
@@ -272,6 +274,10 @@ uint64_t CudaTransport::import_remote(const std::string& blob) {
 }
 
 int CudaTransport::post_write(const WriteRequest& req) {
+  // A copy into a peer that exited still "succeeds" (our mapping keeps its memory alive), and so does
+  // pushing into its ring: check that the process is there, so the writer learns it is gone.
+  auto pid = peer_pids_.find(req.peer);
+  if (pid != peer_pids_.end() && kill(pid->second, 0) != 0 && errno == ESRCH) return -EPIPE;
   make_current();
   void* ev = nullptr;
   if (!free_events_.empty()) {
@@ -339,13 +345,20 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
 void CudaTransport::wait(int timeout_ms) {
   // Copies in flight finish in microseconds to milliseconds: look again soon. Idle: sleep until a peer
   // pushes an immediate, the worker is signalled (new work), or the timeout passes.
-  ring_.sleep(inflight_.empty() ? int64_t(timeout_ms) * 1000 : 20);
+  if (inflight_.empty()) {
+    ring_.sleep(int64_t(timeout_ms) * 1000);
+  } else {
+    // Copies finish within microseconds of each other: a timed sleep would cost the timer slack
+    // (50 us by default) on every completion, so yield instead while any copy is in flight.
+    std::this_thread::yield();
+  }
 }
 
 void CudaTransport::signal() { ring_.wake(); }
 
 std::string CudaTransport::error_string(int err) const {
   if (err >= 1000) return cu_error(api_, err - 1000);
+  if (err == EPIPE) return "the peer process exited";
   return std::strerror(err);
 }
 

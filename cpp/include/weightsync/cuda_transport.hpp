@@ -80,6 +80,7 @@ class CudaTransport final : public Transport {
   };
   ImmRing ring_;                                  // immediates other processes push to us
   std::unordered_map<uint64_t, ImmRing> peer_rings_;  // by peer handle: where we push theirs
+  std::unordered_map<uint64_t, int> peer_pids_;       // by peer handle: to notice a peer that exited
   uint64_t next_peer_ = 1;
   std::deque<Inflight> inflight_;
   std::vector<void*> free_events_;
