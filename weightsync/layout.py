@@ -412,6 +412,8 @@ def local_info(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], str, int]:
     The byte span runs from the tensor's first element to one past its last one; it is what the
     control plane registers with the engine for that key.
     """
+    if not isinstance(t, np.ndarray) and not _is_torch_tensor(t):
+        raise LayoutError(f"expected a torch tensor, a numpy array, Sharded or Fused, got {type(t).__name__}")
     shape = _shape_of(t)
     if isinstance(t, np.ndarray):
         dt = dtype_name(t.dtype)
@@ -516,7 +518,7 @@ def describe_tensors(named: Mapping[str, Any]) -> Layout:
             local, pieces = _dtensor_regions(key, value)
         else:
             local = value
-            shape = _shape_of(value)
+            shape = local_info(value)[0]
             pieces = [(key, shape, tuple([0] * len(shape)), shape, 0)]
         shape, strides, dt, span = local_info(local)
         spans[key] = span

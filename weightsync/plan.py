@@ -38,6 +38,11 @@ Ops (one row of :data:`OP_DTYPE` per write):
     it quantizes the same tiles.
 ``tensor``
     index into ``Plan.tensors`` of the (first) logical tensor the write carries, for diagnostics.
+``not_before``
+    pacing: the round should not start before this fraction of the push has elapsed (the push takes
+    about ``Plan.stats['dest_bytes_max']`` over a destination's bandwidth). Sources that run ahead of
+    their schedule bunch up on destinations like buses on a line; holding each round until its time
+    keeps the writers spread out.
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ from __future__ import annotations
 import difflib
 import heapq
 import itertools
-import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -62,7 +66,7 @@ OP_DTYPE = np.dtype([
     ("src_offset", "<i8"), ("dst_offset", "<i8"), ("rows", "<i8"), ("row_bytes", "<i8"),
     ("src_pitch", "<i8"), ("dst_pitch", "<i8"),
     ("src_rank", "<i4"), ("dst_rank", "<i4"), ("round", "<i4"), ("src_key", "<i4"), ("dst_key", "<i4"),
-    ("tensor", "<i4"), ("transform", "u1"), ("pack", "u1"),
+    ("tensor", "<i4"), ("transform", "u1"), ("pack", "u1"), ("not_before", "<f4"),
 ], align=True)  # aligned fields: numpy is several times slower on unaligned int64 columns
 GATHER_DTYPE = np.dtype([("provider", "<i4"), ("gatherer", "<i4"), ("tensor", "<i4"), ("nbytes", "<i8")])
 
@@ -689,11 +693,12 @@ class _Planner:
         if self.coalesce:
             ops = _coalesce(ops)
         lap("coalesce")
-        ops["round"] = _schedule(ops, self.T, self.R, self.round_bytes)
+        ops["round"] = self._rounds(ops)
         lap("rounds")
         gathers = self._gathers()
         lap("gathers")
         self.stats["writes"] = len(ops)
+        self.stats["dest_bytes_max"] = int(self.needed_bytes.max(initial=0))
         self.stats["seconds"] = times
         p = Plan(ops, self.T, self.R, self.keys, self.names,
                  [DTYPES[int(c)] for c in self.g_dtype], [DTYPES[int(c)] for c in self.g_dst_dtype],
@@ -1016,8 +1021,14 @@ class _Planner:
                 e = a + sh[is8, d]
                 g = G[:, d]
 
-                def snap(x: np.ndarray, g: np.ndarray = g, b: int = b) -> np.ndarray:
-                    s = np.minimum(((x + b // 2) // b) * b, g)
+                t8 = S["tensor"][is8].astype(np.int64)
+
+                def snap(x: np.ndarray, g: np.ndarray = g, b: int = b, t8: np.ndarray = t8) -> np.ndarray:
+                    # nearest tile edge; a boundary in the middle of a tile goes up or down by the
+                    # parity of tile and tensor, so that over many tensors no shard owns more tiles
+                    k, r = np.divmod(x, b)
+                    up = (r > b // 2) | ((r * 2 == b) & ((k + t8) % 2 == 0))
+                    s = np.minimum((k + up) * b, g)
                     return np.where((x == 0) | (x == g), x, s)
 
                 na, ne = snap(a), snap(e)
@@ -1141,26 +1152,36 @@ class _Planner:
             rem = idx[~local]
             if len(rem):
                 work.append((float(P["nbytes"][rem].sum()), rem, ranks))
+        src = np.full(n, -1, np.int64)
+        drow_span = int(P["drow"].max()) + 1 if n else 1
         work.sort(key=lambda x: -x[0] / max(len(x[2]), 1))
         for _, idx, ranks in work:
-            # keep each source's share contiguous by destination so that it talks to few destinations
-            o = np.lexsort((P["drow"][idx], P["dst"][idx]))
-            idx = idx[o]
+            # Every destination's bytes from this group are cut into one contiguous share per rank (by
+            # bytes, proportional to the rank's water-filled capacity per NIC): every source of the
+            # group then writes about the same to every destination, which is what lets the rounds
+            # (see _rounds) keep two writers on every destination at all times. The cut is rotated
+            # per destination so that rounding does not always favour the same rank.
+            dst_i = P["dst"][idx]
+            o = np.argsort(dst_i * drow_span + P["drow"][idx], kind="stable")
+            idx, dst_i = idx[o], dst_i[o]
             nb = P["nbytes"][idx].astype(np.float64)
             total = nb.sum()
-            nics = self.src_nic[ranks]
-            un, inv = np.unique(nics, return_inverse=True)
+            un, inv = np.unique(self.src_nic[ranks], return_inverse=True)
             nl = nic_load[un]
-            per_nic = np.bincount(inv, minlength=len(un))
             level = _water_level(nl, total)
-            cap_nic = np.maximum(level - nl, 0.0)
-            cap = cap_nic[inv] / per_nic[inv]
+            cap = np.maximum(level - nl, 0.0)[inv] / np.bincount(inv, minlength=len(un))[inv]
             if cap.sum() <= 0:
                 cap = np.ones(len(ranks))
-            cap = cap * (total / cap.sum())
-            edges = np.cumsum(cap)
-            mid = np.cumsum(nb) - nb / 2
-            which = np.minimum(np.searchsorted(edges, mid, side="right"), len(ranks) - 1)
+            edges = np.cumsum(cap) / cap.sum()
+            cum = np.cumsum(nb)
+            first = np.ones(len(idx), bool)
+            first[1:] = dst_i[1:] != dst_i[:-1]
+            base = np.maximum.accumulate(np.where(first, cum - nb, 0.0))
+            gid = np.cumsum(first) - 1
+            dtot = np.bincount(gid, weights=nb)[gid]
+            frac = (cum - nb / 2 - base) / np.maximum(dtot, 1e-300)
+            frac = (frac + dst_i * 0.6180339887498949) % 1.0
+            which = np.minimum(np.searchsorted(edges, frac, side="right"), len(ranks) - 1)
             chosen = ranks[which]
             src[idx] = chosen
             np.add.at(load, chosen, nb)
@@ -1172,6 +1193,85 @@ class _Planner:
         pos = np.searchsorted(ekey, P["hb"] * nsc + cls)
         P["srow"] = h.ent_row[pos]
         self.stats["pieces"] = int(n)
+
+    def _rounds(self, ops: np.ndarray) -> np.ndarray:
+        """Rounds: every source visits every destination it serves once per cycle, in one cyclic order
+        shared by all sources (destination d owns the arc [d/R, (d+1)/R) of the cycle), each source
+        starting at its own phase: rank n of the m ranks of a class of equal layouts starts n/m of
+        the way round, and class c of C adds c/(C m). So at any moment the sources sit at evenly spaced
+        points of the cycle: with T sources and R destinations every destination has T/R writers at
+        all times (one when they are as many), none is left without one, and no two sources start on
+        the same destination.
+
+        A pair's bytes are spread over ``cycles`` cycles (about ``round_bytes`` per visit), which keeps
+        an uneven pair (one class holding most of a destination's slice) from overrunning its arc.
+        Each round carries ``not_before``, the planned start as a fraction of the push: a source
+        that runs ahead of its plan would catch up with the next one and share its destination, and
+        the two then travel together, leaving other destinations idle (bus bunching).
+        """
+        n = len(ops)
+        if n == 0:
+            return np.zeros(0, np.int32)
+        R = max(self.R, 1)
+        nb = (ops["rows"] * ops["row_bytes"]).astype(np.float64)
+        pair = ops["src_rank"].astype(np.int64) * R + ops["dst_rank"]
+        o = np.argsort(pair, kind="stable")
+        ps_o = pair[o]
+        first = np.ones(n, bool)
+        first[1:] = ps_o[1:] != ps_o[:-1]
+        cum = np.cumsum(nb[o])
+        base = np.maximum.accumulate(np.where(first, cum - nb[o], 0.0))
+        gid = np.cumsum(first) - 1
+        pb = np.bincount(gid, weights=nb[o])
+        cycles = max(1, round(float(pb.mean()) / max(self.round_bytes, 1)))
+        self.stats["cycles"] = cycles
+        visit = np.minimum(((cum - nb[o] / 2 - base) / np.maximum(pb[gid], 1e-300) * cycles).astype(np.int64),
+                           cycles - 1)
+        src = ops["src_rank"][o].astype(np.int64)
+        dst = ops["dst_rank"][o].astype(np.int64)
+        ncls = len(self.src_classes)
+        phase = np.zeros(self.T)
+        for c, ranks in enumerate(self.src_ranks_of):
+            m = len(ranks)
+            phase[ranks] = (np.arange(m) + c / ncls) / m
+        arc = (dst / R - phase[src]) % 1.0
+        arc = np.where(arc > 1.0 - 1.0 / R + 1e-12, arc - 1.0, arc)  # the arc the source starts inside
+        begin = np.maximum((arc + visit) / cycles, 0.0)
+        # Units (one source's visit to one destination) get planned start times from a list schedule
+        # in bytes-as-time: whenever a destination and a source are both free, the free destination
+        # takes the unit of a free source with the earliest arc. One writer per destination and one
+        # destination per source at a time, as the arcs intend, but a source held up by a large unit
+        # does not leave its next destination idle: another source's unit goes first.
+        ukey = (src * cycles + visit) * R + dst
+        uk_sorted, uinv = np.unique(ukey, return_inverse=True)
+        uinv = uinv.reshape(-1)
+        nu = len(uk_sorted)
+        u_bytes = np.bincount(uinv, weights=nb[o], minlength=nu)
+        u_begin = np.full(nu, np.inf)
+        np.minimum.at(u_begin, uinv, begin)
+        u_dst = uk_sorted % R
+        u_src = uk_sorted // (R * cycles)
+        share = max(1, round(self.T / R))  # writers per destination at a time
+        u_start = _list_schedule(u_src, u_dst, u_bytes, u_begin, self.T, R, share)
+        horizon = max(float(self.needed_bytes.max(initial=0)), 1.0)
+        self.stats["planned_makespan"] = round(float((u_start + u_bytes * share).max()) / horizon, 4)
+        begin = u_start[uinv] / horizon
+        # rounds: each source's (visit, destination) units in order of planned start
+        unit = ukey
+        uo = np.lexsort((unit, begin, src))
+        us = unit[uo]
+        new_unit = np.ones(n, bool)
+        new_unit[1:] = us[1:] != us[:-1]
+        new_src = np.ones(n, bool)
+        new_src[1:] = src[uo][1:] != src[uo][:-1]
+        cnt = np.cumsum(new_unit)
+        rnd_o = cnt - np.maximum.accumulate(np.where(new_src, cnt, 0))
+        out = np.empty(n, np.int32)
+        out[o[uo]] = rnd_o
+        nb4 = np.empty(n, np.float32)
+        nb4[o] = begin
+        ops["not_before"] = nb4
+        return out
 
     # ----------------------------------------------------------------------------------------------
     def _blocks(self) -> np.ndarray:
@@ -1341,13 +1441,83 @@ class _Planner:
         return g
 
 
+def _list_schedule(u_src: np.ndarray, u_dst: np.ndarray, u_bytes: np.ndarray, prio: np.ndarray,
+                   T: int, R: int, k: int = 1) -> np.ndarray:
+    """Start times of units (bytes as time, every link of speed 1, a destination shared by up to ``k``
+    writers at 1/k each): a destination with a free place takes, among its pending units whose source
+    is free, the one of lowest ``prio``; a freed source offers its pending units, lowest ``prio``
+    first, to destinations with a free place."""
+    nu = len(u_src)
+    order = np.lexsort((np.arange(nu), prio))
+    by_dst: list[list[int]] = [[] for _ in range(R)]
+    by_src: list[list[int]] = [[] for _ in range(T)]
+    for u in order.tolist():
+        by_dst[int(u_dst[u])].append(u)
+        by_src[int(u_src[u])].append(u)
+    done = np.zeros(nu, bool)
+    d_busy = np.zeros(R, bool)
+    d_active = np.zeros(R, np.int64)
+    s_busy = np.zeros(T, bool)
+    d_ptr = [0] * R
+    s_ptr = [0] * T
+    start = np.zeros(nu)
+    heap: list[tuple[float, int]] = []
+    us, ud, ub = u_src.tolist(), u_dst.tolist(), u_bytes.tolist()
+
+    def launch(u: int, now: float) -> None:
+        done[u] = True
+        d_active[ud[u]] += 1
+        d_busy[ud[u]] = d_active[ud[u]] >= k
+        s_busy[us[u]] = True
+        start[u] = now
+        heapq.heappush(heap, (now + ub[u] * k, u))
+
+    def try_dst(d: int, now: float) -> None:
+        lst = by_dst[d]
+        while d_ptr[d] < len(lst) and done[lst[d_ptr[d]]]:
+            d_ptr[d] += 1
+        for i in range(d_ptr[d], min(len(lst), d_ptr[d] + 64)):
+            u = lst[i]
+            if not done[u] and not s_busy[us[u]]:
+                launch(u, now)
+                return
+
+    def try_src(s: int, now: float) -> None:
+        lst = by_src[s]
+        while s_ptr[s] < len(lst) and done[lst[s_ptr[s]]]:
+            s_ptr[s] += 1
+        for i in range(s_ptr[s], min(len(lst), s_ptr[s] + 64)):
+            u = lst[i]
+            if not done[u] and not d_busy[ud[u]]:
+                launch(u, now)
+                return
+
+    for u in order.tolist():
+        if not d_busy[ud[u]] and not s_busy[us[u]]:
+            launch(u, 0.0)
+    while heap:
+        now, u = heapq.heappop(heap)
+        d, s = ud[u], us[u]
+        d_active[d] -= 1
+        d_busy[d] = False
+        s_busy[s] = False
+        try_dst(d, now)
+        if not s_busy[s]:
+            try_src(s, now)
+    if not done.all():  # units never reachable within the scan window: run them after the rest
+        t = float((start + u_bytes).max(initial=0.0))
+        for u in np.nonzero(~done)[0]:
+            start[u] = t
+            t += ub[u]
+    return start
+
+
 def _water_level(loads: np.ndarray, total: float) -> float:
     """Level L with sum(max(0, L - loads)) == total."""
     s = np.sort(loads)
     csum = np.cumsum(s)
     m = np.arange(1, len(s) + 1)
-    # level if the lowest m bins are filled: (total + sum of lowest m) / m, valid while <= next load
-    lv = (total + csum) / m
+    lv = (total + csum) / m  # level if the lowest m bins are filled
     nxt = np.append(s[1:], np.inf)
     ok = np.nonzero(lv <= nxt)[0]
     return float(lv[ok[0]]) if len(ok) else float(lv[-1])
@@ -1408,75 +1578,4 @@ def _coalesce(ops: np.ndarray) -> np.ndarray:
     out["dst_pitch"] = np.where(c, out["row_bytes"], out["dst_pitch"])
     s = merged & (seg_kind == 2)
     out["rows"] = np.where(s, rows, out["rows"])
-    return out
-
-
-def _schedule(ops: np.ndarray, T: int, R: int, round_bytes: int) -> np.ndarray:
-    """Order each source's writes in rounds so that every destination has one writer at a time as far
-    as the bytes allow: a list scheduler in simulated time (every link of equal speed, bytes as time)
-    that gives a free source the destination that is free soonest, the busiest one first on ties.
-
-    A round is a run of one source's writes to one destination of at most ``round_bytes`` (a single
-    larger write is a round of its own)."""
-    n = len(ops)
-    if n == 0:
-        return np.zeros(0, np.int32)
-    nb = (ops["rows"] * ops["row_bytes"]).astype(np.int64)
-    pair = ops["src_rank"].astype(np.int64) * R + ops["dst_rank"]
-    # ops usually arrive grouped by (source, destination) from coalescing; keep that order
-    order = (np.arange(n) if np.all(pair[1:] >= pair[:-1]) else np.argsort(pair, kind="stable"))
-    s_sorted = ops["src_rank"][order].astype(np.int64)
-    d_sorted = ops["dst_rank"][order].astype(np.int64)
-    pair_start = np.concatenate([[True], (s_sorted[1:] != s_sorted[:-1]) | (d_sorted[1:] != d_sorted[:-1])])
-    pair_id = np.cumsum(pair_start) - 1
-    b_sorted = nb[order]
-    # chunk each pair into units of <= round_bytes
-    cum = np.cumsum(b_sorted)
-    pair_first = np.nonzero(pair_start)[0]
-    base = (cum - b_sorted)[pair_first][pair_id]
-    within = cum - b_sorted - base
-    chunk = within // max(round_bytes, 1)
-    unit_start = pair_start | np.concatenate([[True], chunk[1:] != chunk[:-1]])
-    unit_id = np.cumsum(unit_start) - 1
-    nunits = int(unit_id[-1]) + 1
-    u_bytes = np.bincount(unit_id, weights=b_sorted, minlength=nunits)
-    u_first = np.nonzero(unit_start)[0]
-    u_src = s_sorted[u_first]
-    u_dst = d_sorted[u_first]
-    # per source: per destination a queue of units (in order)
-    queues: list[dict[int, list[int]]] = [dict() for _ in range(T)]
-    for u in range(nunits):
-        queues[int(u_src[u])].setdefault(int(u_dst[u]), []).append(u)
-    for q in queues:
-        for lst in q.values():
-            lst.reverse()  # pop() from the end = next in order
-    dst_left = np.bincount(u_dst, weights=u_bytes, minlength=R)
-    dst_free = np.zeros(R)
-    u_round = np.zeros(nunits, np.int32)
-    heap = [(0.0, s) for s in range(T) if queues[s]]
-    heapq.heapify(heap)
-    nround = np.zeros(T, np.int32)
-    while heap:
-        t, s = heapq.heappop(heap)
-        q = queues[s]
-        best = None
-        best_key = (math.inf, 0.0, 0)
-        for d in q:
-            key = (max(t, float(dst_free[d])), -float(dst_left[d]), d)
-            if key < best_key:
-                best_key, best = key, d
-        assert best is not None
-        u = q[best].pop()
-        if not q[best]:
-            del q[best]
-        start = best_key[0]
-        end = start + float(u_bytes[u])
-        dst_free[best] = end
-        dst_left[best] -= u_bytes[u]
-        u_round[u] = nround[s]
-        nround[s] += 1
-        if q:
-            heapq.heappush(heap, (end, s))
-    out = np.empty(n, np.int32)
-    out[order] = u_round[unit_id]
     return out
