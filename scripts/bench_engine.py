@@ -211,6 +211,7 @@ class Loopback:
             "gbps": count * size / landed / GB,
             "writes_per_s": count / landed,
             "src_complete_gbps": count * size / posted / GB,
+            "gbps_rounds": [count * size / r["landed_s"] / GB for r in results],  # spread behind the median
             "verified": True,
         }
 
@@ -298,6 +299,7 @@ class StripedPair:
             "landed_s": landed,
             "gbps": self.size / landed / GB,
             "src_complete_gbps": self.size / statistics.median(r[1] for r in runs) / GB,
+            "gbps_reps": [self.size / r[0] / GB for r in runs],
             "per_nic_bytes": per_nic,
             "link_bound_gbps": RATE_MBIT * 1e6 / 8 * len(self.nics) / GB,
             "verified": True,
@@ -439,11 +441,12 @@ def report(r: dict[str, Any]) -> None:
     print(f"bound: TCP socket copy, one stream, {human(sock['bytes'])} x {sock['reps']}: median "
           f"{sock['gbps']:.2f} GB/s (before the engine runs {sock['gbps_before']:.2f}, after "
           f"{sock['gbps_after']:.2f})\n")
-    print(f"{'size':>8} {'writes/round':>12} {'rounds':>6} {'landed s':>9} {'GB/s':>7} {'writes/s':>10} "
-          f"{'vs socket':>9} {'src-complete GB/s':>17}")
+    print(f"{'size':>8} {'writes/round':>12} {'rounds':>6} {'landed s':>9} {'GB/s':>7} {'min-max':>11} "
+          f"{'writes/s':>10} {'vs socket':>9} {'src-complete GB/s':>17}")
     for row in r["sizes"]:
         print(f"{human(row['size']):>8} {row['writes_per_round']:>12} {row['rounds']:>6} "
-              f"{row['landed_s']:>9.3f} {row['gbps']:>7.3f} {row['writes_per_s']:>10.0f} "
+              f"{row['landed_s']:>9.3f} {row['gbps']:>7.3f} "
+              f"{min(row['gbps_rounds']):>5.2f}-{max(row['gbps_rounds']):<5.2f} {row['writes_per_s']:>10.0f} "
               f"{row['vs_socket']:>9.2f} {row['src_complete_gbps']:>17.3f}")
     lat = r["latency_4k"]
     print(f"\n4 KiB + counter, ping-pong over {lat['samples']} samples: round trip median "
