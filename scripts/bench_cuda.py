@@ -57,8 +57,7 @@ def main() -> None:
     ap.add_argument("--sizes-mib", default="64,256,1024,4096,8192")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(sys.argv[1:] if "--transport" not in sys.argv else
-                         [a for a in sys.argv[1:] if a not in ("--transport", "cuda")])
+    args = ap.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     gpus = torch.cuda.device_count()
     if gpus < 2:

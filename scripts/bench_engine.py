@@ -380,7 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (smoke test)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures to this file")
     ap.add_argument("--socket-sink", help=argparse.SUPPRESS)  # internal: the socket copy's child
-    args = ap.parse_args(argv)
+    ap.add_argument("--transport", choices=["fabric", "cuda"], default="fabric",
+                    help="cuda: the copy-engine lane between Ray GPU actors (scripts/bench_cuda.py)")
+    args, rest = ap.parse_known_args(argv)
+    if args.transport == "cuda":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_cuda
+
+        sys.argv = [sys.argv[0], *rest] + (["--json", args.json] if args.json else [])
+        bench_cuda.main()
+        return 0
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.socket_sink:
         port, nbytes, reps = (int(x) for x in args.socket_sink.split(","))
         socket_sink(port, nbytes, reps)

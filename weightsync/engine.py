@@ -164,7 +164,12 @@ class Peer:
 
 
 class Transfer:
-    """A write (or a batch of writes) in flight. ``wait`` returns once every byte has been written."""
+    """A write (or a batch of writes) in flight.
+
+    ``wait`` returns once the engine has finished with every piece locally: the source memory may be
+    reused. It does not mean the bytes have landed (a NIC may still hold some in flight); only the
+    destination's counter (``imm_count`` immediates) says that.
+    """
 
     def __init__(self, native: _ext.Transfer, keep_alive: Sequence[Region]) -> None:
         self._native = native
