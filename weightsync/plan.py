@@ -118,9 +118,8 @@ class Plan:
                              else np.asarray(needed_bytes, np.int64))
         self.stats = dict(stats or {})
         self._src_bounds = np.searchsorted(self.ops["src_rank"], np.arange(self.num_sources + 1))
-        self._by_dst = np.argsort(self.ops["dst_rank"], kind="stable")
-        self._dst_bounds = np.searchsorted(self.ops["dst_rank"][self._by_dst],
-                                           np.arange(self.num_destinations + 1))
+        self._by_dst: np.ndarray | None = None  # built on first use: the coordinator may never need it
+        self._dst_bounds = np.zeros(0, np.int64)
 
     # -- views ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -137,6 +136,10 @@ class Plan:
         if not 0 <= rank < self.num_destinations:
             raise PlanError(f"destination rank {rank} out of range (the plan has "
                             f"{self.num_destinations} destinations)")
+        if self._by_dst is None:
+            self._by_dst = np.argsort(self.ops["dst_rank"], kind="stable")
+            self._dst_bounds = np.searchsorted(self.ops["dst_rank"][self._by_dst],
+                                               np.arange(self.num_destinations + 1))
         ops = self.ops[self._by_dst[self._dst_bounds[rank]:self._dst_bounds[rank + 1]]]
         return Expected(ops=ops, count=len(ops), nbytes=int((ops["rows"] * ops["row_bytes"]).sum()))
 
@@ -368,6 +371,24 @@ def _first_overlap(tensor: np.ndarray, lo: np.ndarray, shape: np.ndarray,
     idx = np.nonzero((tensor == bad[0]) & np.all(shape > 0, axis=1))[0]
     pairs = _pairwise(lo[idx], shape[idx])
     return (int(idx[pairs[0][0]]), int(idx[pairs[0][1]])) if pairs else None
+
+
+def _unique_rows(a: np.ndarray) -> np.ndarray:
+    """Distinct rows of an int64 matrix (sorted by a 64-bit hash of the row; much faster than
+    ``np.unique(axis=0)``; rows that collide stay distinct only if they differ, so the result is exact
+    up to duplicates surviving a collision, which is harmless where it is used)."""
+    if len(a) == 0:
+        return a
+    h = np.zeros(len(a), np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(a.shape[1]):
+            h = (h ^ a[:, j].astype(np.uint64)) * np.uint64(0x100000001B3)
+            h ^= h >> np.uint64(29)
+    o = np.argsort(h, kind="stable")
+    b = a[o]
+    keep = np.ones(len(b), bool)
+    keep[1:] = np.any(b[1:] != b[:-1], axis=1)
+    return b[keep]
 
 
 def _box_minus(alo: np.ndarray, ahi: np.ndarray, blo: np.ndarray, bhi: np.ndarray
@@ -1195,19 +1216,21 @@ class _Planner:
         self.stats["pieces"] = int(n)
 
     def _rounds(self, ops: np.ndarray) -> np.ndarray:
-        """Rounds: every source visits every destination it serves once per cycle, in one cyclic order
-        shared by all sources (destination d owns the arc [d/R, (d+1)/R) of the cycle), each source
-        starting at its own phase: rank n of the m ranks of a class of equal layouts starts n/m of
-        the way round, and class c of C adds c/(C m). So at any moment the sources sit at evenly spaced
-        points of the cycle: with T sources and R destinations every destination has T/R writers at
-        all times (one when they are as many), none is left without one, and no two sources start on
-        the same destination.
+        """Rounds: a round is one source's visit to one destination; a source visits each destination it
+        serves ``cycles`` times (about ``round_bytes`` per visit, at least once).
 
-        A pair's bytes are spread over ``cycles`` cycles (about ``round_bytes`` per visit), which keeps
-        an uneven pair (one class holding most of a destination's slice) from overrunning its arc.
-        Each round carries ``not_before``, the planned start as a fraction of the push: a source
-        that runs ahead of its plan would catch up with the next one and share its destination, and
-        the two then travel together, leaving other destinations idle (bus bunching).
+        Priority comes from one cyclic order shared by all sources (destination d owns the arc
+        [d/R, (d+1)/R) of the cycle), each source starting at its own phase: rank n of the m ranks of
+        a class of equal layouts starts n/m of the way round, and class c of C adds c/(C m). So the
+        sources start on different destinations, T/R of them on each, and move on in step.
+
+        Start times come from a list schedule in bytes-as-time on that priority: a destination takes
+        up to T/R writers at a time (one where sources and destinations are as many), each at 1/(T/R)
+        of its link; whenever a destination has room and a source is free, the destination takes the
+        free source's unit with the earliest arc. A source delayed by a large unit does not leave its
+        next destination idle: another source's unit goes first. Rounds are numbered per source in
+        order of planned start, which is also stored (as a fraction of the push) in ``not_before``
+        for engines that pace their rounds.
         """
         n = len(ops)
         if n == 0:
@@ -1215,63 +1238,56 @@ class _Planner:
         R = max(self.R, 1)
         nb = (ops["rows"] * ops["row_bytes"]).astype(np.float64)
         pair = ops["src_rank"].astype(np.int64) * R + ops["dst_rank"]
-        o = np.argsort(pair, kind="stable")
-        ps_o = pair[o]
-        first = np.ones(n, bool)
-        first[1:] = ps_o[1:] != ps_o[:-1]
-        cum = np.cumsum(nb[o])
-        base = np.maximum.accumulate(np.where(first, cum - nb[o], 0.0))
-        gid = np.cumsum(first) - 1
-        pb = np.bincount(gid, weights=nb[o])
+        pu, pinv = np.unique(pair, return_inverse=True)
+        pinv = pinv.reshape(-1)
+        pb = np.bincount(pinv, weights=nb, minlength=len(pu))
         cycles = max(1, round(float(pb.mean()) / max(self.round_bytes, 1)))
         self.stats["cycles"] = cycles
-        visit = np.minimum(((cum - nb[o] / 2 - base) / np.maximum(pb[gid], 1e-300) * cycles).astype(np.int64),
-                           cycles - 1)
-        src = ops["src_rank"][o].astype(np.int64)
-        dst = ops["dst_rank"][o].astype(np.int64)
+        if cycles == 1:
+            unit_of_op = pinv
+            u_pair = np.arange(len(pu))
+            u_visit = np.zeros(len(pu), np.int64)
+            u_bytes = pb
+        else:
+            # split each pair's ops (in their order) into `cycles` visits by bytes
+            o = np.argsort(pinv, kind="stable")
+            cum = np.cumsum(nb[o])
+            first = np.ones(n, bool)
+            first[1:] = pinv[o][1:] != pinv[o][:-1]
+            base = np.maximum.accumulate(np.where(first, cum - nb[o], 0.0))
+            frac = (cum - nb[o] / 2 - base) / np.maximum(pb[pinv[o]], 1e-300)
+            visit = np.empty(n, np.int64)
+            visit[o] = np.minimum((frac * cycles).astype(np.int64), cycles - 1)
+            dense = pinv * cycles + visit
+            ub = np.bincount(dense, weights=nb, minlength=len(pu) * cycles)
+            used = np.nonzero(ub > 0)[0]
+            remap = np.full(len(pu) * cycles, -1, np.int64)
+            remap[used] = np.arange(len(used))
+            unit_of_op = remap[dense]
+            u_pair, u_visit, u_bytes = used // cycles, used % cycles, ub[used]
+        u_src = pu[u_pair] // R
+        u_dst = pu[u_pair] % R
         ncls = len(self.src_classes)
         phase = np.zeros(self.T)
         for c, ranks in enumerate(self.src_ranks_of):
             m = len(ranks)
             phase[ranks] = (np.arange(m) + c / ncls) / m
-        arc = (dst / R - phase[src]) % 1.0
+        arc = (u_dst / R - phase[u_src]) % 1.0
         arc = np.where(arc > 1.0 - 1.0 / R + 1e-12, arc - 1.0, arc)  # the arc the source starts inside
-        begin = np.maximum((arc + visit) / cycles, 0.0)
-        # Units (one source's visit to one destination) get planned start times from a list schedule
-        # in bytes-as-time: whenever a destination and a source are both free, the free destination
-        # takes the unit of a free source with the earliest arc. One writer per destination and one
-        # destination per source at a time, as the arcs intend, but a source held up by a large unit
-        # does not leave its next destination idle: another source's unit goes first.
-        ukey = (src * cycles + visit) * R + dst
-        uk_sorted, uinv = np.unique(ukey, return_inverse=True)
-        uinv = uinv.reshape(-1)
-        nu = len(uk_sorted)
-        u_bytes = np.bincount(uinv, weights=nb[o], minlength=nu)
-        u_begin = np.full(nu, np.inf)
-        np.minimum.at(u_begin, uinv, begin)
-        u_dst = uk_sorted % R
-        u_src = uk_sorted // (R * cycles)
+        u_begin = (arc + u_visit) / cycles
         share = max(1, round(self.T / R))  # writers per destination at a time
         u_start = _list_schedule(u_src, u_dst, u_bytes, u_begin, self.T, R, share)
         horizon = max(float(self.needed_bytes.max(initial=0)), 1.0)
         self.stats["planned_makespan"] = round(float((u_start + u_bytes * share).max()) / horizon, 4)
-        begin = u_start[uinv] / horizon
-        # rounds: each source's (visit, destination) units in order of planned start
-        unit = ukey
-        uo = np.lexsort((unit, begin, src))
-        us = unit[uo]
-        new_unit = np.ones(n, bool)
-        new_unit[1:] = us[1:] != us[:-1]
-        new_src = np.ones(n, bool)
-        new_src[1:] = src[uo][1:] != src[uo][:-1]
-        cnt = np.cumsum(new_unit)
-        rnd_o = cnt - np.maximum.accumulate(np.where(new_src, cnt, 0))
-        out = np.empty(n, np.int32)
-        out[o[uo]] = rnd_o
-        nb4 = np.empty(n, np.float32)
-        nb4[o] = begin
-        ops["not_before"] = nb4
-        return out
+        # rounds: each source's units in order of planned start
+        uo = np.lexsort((np.arange(len(u_src)), u_start, u_src))
+        new_src = np.ones(len(uo), bool)
+        new_src[1:] = u_src[uo][1:] != u_src[uo][:-1]
+        k = np.arange(len(uo))
+        u_round = np.empty(len(uo), np.int64)
+        u_round[uo] = k - np.maximum.accumulate(np.where(new_src, k, 0))
+        ops["not_before"] = (u_start / horizon).astype(np.float32)[unit_of_op]
+        return u_round[unit_of_op].astype(np.int32)
 
     # ----------------------------------------------------------------------------------------------
     def _blocks(self) -> np.ndarray:
@@ -1382,7 +1398,7 @@ class _Planner:
         # unique (sender, piece box): a tile sent to several replicas is gathered once per sender
         key = np.concatenate([P["src"][sel, None], P["tensor"][sel, None], P["lo"][sel], P["shape"][sel],
                               P["srow"][sel, None]], axis=1)
-        key = np.unique(key, axis=0)
+        key = _unique_rows(key)
         src, t, plo, psh, srow = key[:, 0], key[:, 1], key[:, 2:2 + W], key[:, 2 + W:2 + 2 * W], key[:, -1]
         phi = plo + psh
         olo = S["lo"][srow]
@@ -1539,15 +1555,17 @@ def _coalesce(ops: np.ndarray) -> np.ndarray:
         raise PlanError("too many ranks and local tensors to coalesce with one sort key")
     k = ((ops["src_rank"].astype(np.int64) * nr + ops["dst_rank"]) * nk + ops["src_key"] + 1) * nk
     k = (k + ops["dst_key"]) * 4 + ops["transform"]
-    o2 = np.lexsort((ops["dst_offset"], k))
-    k = k[o2]
-    ops = ops[o2]
-    # only neighbours with equal keys can merge; test the byte arithmetic on those alone
-    cand = np.nonzero((k[1:] == k[:-1]) & (ops["src_key"][:-1] >= 0))[0]
-    kind = np.zeros(len(ops) - 1, np.int64)
+    o2 = np.argsort(k, kind="stable")
+    ks, offs = k[o2], ops["dst_offset"][o2]
+    if np.any((ks[1:] == ks[:-1]) & (offs[1:] < offs[:-1])):  # pieces came out of offset order
+        o2 = np.lexsort((ops["dst_offset"], k))
+        ks = k[o2]
+    # only neighbours with equal keys can merge; test the byte arithmetic on those alone, and leave
+    # the ops where they are (no copy of millions of records) when nothing merges
+    cand = np.nonzero((ks[1:] == ks[:-1]) & (ops["src_key"][o2[:-1]] >= 0))[0]
     if len(cand) == 0:
         return ops
-    a, b = ops[cand], ops[cand + 1]
+    a, b = ops[o2[cand]], ops[o2[cand + 1]]
     same = (a["transform"] == T_NONE) | (a["tensor"] == b["tensor"])
     contiguous = (same & (a["rows"] == 1) & (b["rows"] == 1)
                   & (a["transform"] == T_NONE)
@@ -1557,9 +1575,11 @@ def _coalesce(ops: np.ndarray) -> np.ndarray:
                & (a["src_pitch"] == b["src_pitch"]) & (a["dst_pitch"] == b["dst_pitch"])
                & (b["src_offset"] == a["src_offset"] + a["rows"] * a["src_pitch"])
                & (b["dst_offset"] == a["dst_offset"] + a["rows"] * a["dst_pitch"]))
+    kind = np.zeros(len(ops) - 1, np.int64)
     kind[cand] = np.where(contiguous, 1, np.where(stacked, 2, 0))
     if not kind.any():
         return ops
+    ops = ops[o2]
     # a chain must be all-contiguous or all-stacked: break where the kind changes
     prev_kind = np.concatenate([[0], kind[:-1]])
     join = (kind > 0) & ((prev_kind == 0) | (prev_kind == kind))
