@@ -73,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     pub = PUBLISHED.get(out["model"])
     if pub and a.trainers == 256 and a.inference_gpus == 128:
         print(f"published: {pub[0]} s ({pub[1]}); simulated {out['sim_s']:.3f} s")
-    print(f"planning took {out['plan_s']:.1f} s (layouts {out['layouts_s']:.1f} s, simulation "
-          f"{out['simulate_s']:.1f} s), peak RSS {out['peak_rss_gib']:.2f} GiB")
+    print(f"planning took {out['plan_s']:.1f} s wall, {out['plan_cpu_s']:.1f} s CPU (layouts "
+          f"{out['layouts_s']:.1f} s, simulation {out['simulate_s']:.1f} s), peak RSS "
+          f"{out['peak_rss_gib']:.2f} GiB; load average {out['load_avg_1m'][0]} before planning, "
+          f"{out['load_avg_1m'][1]} after")
     if pub:
         out["published_s"] = pub[0]
     del out["detail"]

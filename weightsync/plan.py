@@ -16,10 +16,11 @@ Ops (one row of :data:`OP_DTYPE` per write):
 ``src_rank``, ``dst_rank``
     source (trainer) and destination (rollout) rank, i.e. index in the lists given to :func:`plan`.
 ``round``
-    position of the write's group in its source's schedule. A source runs its rounds in order; within
-    a round it writes to a single destination. Rounds of different sources with equal index are meant to
-    run at about the same time, and the scheduler pairs them so that each destination has one writer
-    at a time wherever the byte counts allow.
+    position of the write's round in its source's schedule: a round is the source's writes to one
+    destination (a visit); the source runs its rounds in this order. The schedule starts every source
+    on a different destination (T/R sources per destination) and orders visits with a list schedule so
+    that each destination has T/R writers at a time (one when sources and destinations are as many),
+    never none while work for it is left. ``not_before`` holds each round's planned start.
 ``src_key``, ``dst_key``
     indices into ``Plan.keys``: the user's dict keys of the local tensors (one registered region each).
 ``src_offset``, ``dst_offset``
@@ -39,10 +40,10 @@ Ops (one row of :data:`OP_DTYPE` per write):
 ``tensor``
     index into ``Plan.tensors`` of the (first) logical tensor the write carries, for diagnostics.
 ``not_before``
-    pacing: the round should not start before this fraction of the push has elapsed (the push takes
-    about ``Plan.stats['dest_bytes_max']`` over a destination's bandwidth). Sources that run ahead of
-    their schedule bunch up on destinations like buses on a line; holding each round until its time
-    keeps the writers spread out.
+    the round's planned start, as a fraction of the planned push (the largest destination's bytes at
+    link speed, ``Plan.stats['dest_bytes_max']``). For engines that pace rounds; the simulator does not
+    need it by default (see weightsync/simulate.py: a sender keeping a few rounds in flight absorbs
+    timing noise better than pacing).
 """
 
 from __future__ import annotations

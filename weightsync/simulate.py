@@ -24,6 +24,7 @@ No torch needed.
 from __future__ import annotations
 
 import heapq
+import os
 import resource
 import time
 from collections.abc import Sequence
@@ -265,6 +266,8 @@ def run_model(model: str | Path, trainers: int = 256, trainer_layout: str = "hsd
     src = trainer_layouts(cfg, trainers, trainer_layout)
     dst = inference_layouts(cfg, inference_gpus, replica_gpus, inference_dtype)
     t1 = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    cpu0 = time.process_time()
     s_hosts = [r // gpus_per_host for r in range(trainers)]
     first_inf_host = (trainers + gpus_per_host - 1) // gpus_per_host
     d_hosts = [first_inf_host + r // gpus_per_host for r in range(inference_gpus)]
@@ -272,6 +275,7 @@ def run_model(model: str | Path, trainers: int = 256, trainer_layout: str = "hsd
              fp8_block=(128, 128) if inference_dtype == "fp8" else None, round_bytes=round_bytes,
              validate=False)
     t2 = time.perf_counter()
+    plan_cpu = time.process_time() - cpu0
     say(f"layouts built in {t1 - t0:.2f} s, planned in {t2 - t1:.2f} s: {len(p):,} writes "
         f"({p.stats.get('seconds')})")
     res = simulate(p, s_hosts, d_hosts, cost)
@@ -283,7 +287,8 @@ def run_model(model: str | Path, trainers: int = 256, trainer_layout: str = "hsd
         "inference_gpus": inference_gpus, "replica_gpus": replica_gpus, "inference_dtype": inference_dtype,
         "tensors": len(src[0].table.names) if src else 0, "checkpoint_tensors": c["tensors"],
         "bytes_total": res.bytes_total, "bound_s": round(res.bound_s, 4), "sim_s": round(res.sim_s, 4),
-        "ratio": round(res.ratio, 4), "plan_s": round(t2 - t1, 2), "layouts_s": round(t1 - t0, 2),
+        "ratio": round(res.ratio, 4), "plan_s": round(t2 - t1, 2), "plan_cpu_s": round(plan_cpu, 2),
+        "layouts_s": round(t1 - t0, 2), "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "simulate_s": round(t3 - t2, 2), "peak_rss_gib": round(rss, 2), "writes": len(p),
         "writes_per_trainer_gpu": {k: round(v, 1) for k, v in
                                    res.summary()["writes_per_trainer"].items() if k != "imbalance"},
