@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 70
+STEPS = 60
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,9 @@ def test_weights_match_after_every_push(summary: dict) -> None:
 
 
 def test_reward_rises_well_above_chance(summary: dict) -> None:
-    # Seed 0 reaches about 0.6-0.7 over the last 10 of 70 steps, from chance (0.036) over the first 10:
-    # these margins leave room for the run-to-run variation of the asynchronous schedule.
+    # Seed 0 goes from 0.035 over the first 10 steps (chance: 0.036) to 0.59 over steps 51-60 (0.75 over
+    # 61-70; seeds 1 and 2 reach 0.71 and 0.79 there). With staleness pinned at 1 by the demand-driven
+    # rollouts the seeded run repeats almost exactly; the margin leaves room for a different schedule.
     assert summary["reward_first"] < 0.1
     assert summary["reward_last"] > summary["reward_first"] + 0.25
     assert summary["reward_last"] > 5 * summary["chance_reward"]
