@@ -17,7 +17,10 @@ safe points while it idles. How far generation runs ahead of training is set by 
 driver keeps queued, which it derives from ``--max-staleness``.
 
 ``inplace`` mode receives straight into the live tensors. The rollout then generates optimistically and
-throws a generation away if an update was landing or a new version completed while it ran.
+throws a generation away if an update was landing or a new version completed while it ran. That check
+is best effort: ``dst.updating`` turns true only once the destination's thread has seen an announce, and
+bytes of the next version may land before that (writes are unordered), so a generation that ends while
+a push is half-landed can keep samples read from mixed weights. Hence ``staged`` is the default.
 """
 
 from __future__ import annotations
