@@ -165,7 +165,8 @@ class _Participant:
         self.layout = describe_tensors(self.tensors)
         self.epoch = 0
         # Mailbox: peers of the other role write 16-byte slots here (announces or acks).
-        self._mailbox = np.zeros(_MAX_SLOTS, dtype=_SLOT)
+        # -1: nothing received. Zeros would read as an announce or ack of version 0.
+        self._mailbox = np.full(_MAX_SLOTS, -1, dtype=_SLOT)
         self._mailbox_region = self.engine.register(self._mailbox, name=f"{self.role} {rank} mailbox")
         self._outbox = np.zeros(_MAX_SLOTS, dtype=_SLOT)
         self._outbox_region = self.engine.register(self._outbox, name=f"{self.role} {rank} outbox")
@@ -353,6 +354,10 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
     t = time.perf_counter()
     imm = data_imm(src.epoch, version)
     acks = src.engine.counter(ACK)
+    # Forget the previous push's acks before this one can be acked: an ack is recognised by its version,
+    # and a stale slot must not pass for this push's (it did for version 0 when slots started as zeros).
+    for rank in src._batches:
+        src._mailbox[rank] = (-1, -1, -1)
     transfers: dict[int, Any] = {}
     failed: dict[int, str] = {}
     for rank, b in src._batches.items():
