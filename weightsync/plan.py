@@ -241,9 +241,12 @@ def _sorted_ops(ops: np.ndarray) -> np.ndarray:
     """Ops in execution order: by source, then round (stable: the planner's order inside a round)."""
     if len(ops) == 0:
         return ops
-    k = (ops["src_rank"].astype(np.int64) << 32) + ops["round"]
+    span = int(ops["round"].max()) + 1
+    k = ops["src_rank"].astype(np.int64) * span + ops["round"]
     if np.all(k[1:] >= k[:-1]):
         return ops
+    if int(k.max()) < 1 << 16:
+        k = k.astype(np.uint16)  # numpy sorts 16-bit keys stably by radix sort, in linear time
     return ops[np.argsort(k, kind="stable")]
 
 
@@ -1122,7 +1125,7 @@ class _Planner:
         p = np.repeat(np.arange(len(qi)), nr)
         within = np.arange(len(p)) - np.repeat(np.cumsum(nr) - nr, nr)
         self.P = {
-            "drow": qi[p], "hb": hb[p], "lo": ilo[p], "shape": ish[p],
+            "drow": qi[p], "hb": hb[p], "lo": ilo[p], "shape": ish[p], "base": p,
             "dst": all_ranks[rank_base[cls[p]] + within].astype(np.int64),
         }
         t = D["tensor"][qi[p]]
@@ -1239,8 +1242,11 @@ class _Planner:
         R = max(self.R, 1)
         nb = (ops["rows"] * ops["row_bytes"]).astype(np.float64)
         pair = ops["src_rank"].astype(np.int64) * R + ops["dst_rank"]
-        pu, pinv = np.unique(pair, return_inverse=True)
-        pinv = pinv.reshape(-1)
+        # dense relabelling of the (source, destination) pairs without sorting millions of ops
+        seen = np.bincount(pair, minlength=self.T * R) > 0
+        pu = np.nonzero(seen)[0]
+        relabel = np.cumsum(seen) - 1
+        pinv = relabel[pair]
         pb = np.bincount(pinv, weights=nb, minlength=len(pu))
         cycles = max(1, round(float(pb.mean()) / max(self.round_bytes, 1)))
         self.stats["cycles"] = cycles
@@ -1291,14 +1297,18 @@ class _Planner:
         return u_round[unit_of_op].astype(np.int32)
 
     # ----------------------------------------------------------------------------------------------
-    def _blocks(self) -> np.ndarray:
-        """Pieces to 2-D byte blocks: merge trailing dimensions contiguous on both sides into a run,
-        the next dimension(s) into rows with a pitch, and enumerate what is left as separate blocks."""
+    def _geometry(self, sel: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Byte blocks of the pieces ``sel`` (indices into the piece arrays): merge trailing dimensions
+        contiguous on both sides into a run, the next dimension(s) into rows with a pitch, and
+        enumerate what is left as separate blocks. Returns the block columns (blocks of one piece
+        consecutive) and the number of blocks per piece."""
         P, S, D, W = self.P, self.S, self.D, self.W
-        n = len(P["src"])
-        tr = self.g_transform[P["tensor"]]
-        sr, dr = P["srow"], P["drow"]
-        shape = P["shape"]
+        n = len(sel)
+        tensor = P["tensor"][sel]
+        tr = self.g_transform[tensor]
+        sr, dr = P["srow"][sel], P["drow"][sel]
+        shape = P["shape"][sel]
+        lo = P["lo"][sel]
         ss, ds = S["strides"][sr], D["strides"][dr]
         is_scale = tr == T_SCALE
         # source strides mean nothing for scales (the sender produces them); make them "contiguous"
@@ -1309,11 +1319,11 @@ class _Planner:
                 dense[:, d] = dense[:, d + 1] * sc[:, d + 1]
             ss = ss.copy()
             ss[is_scale] = dense
-        s_es = _ITEMSIZE[self.g_dtype[P["tensor"]]]
+        s_es = _ITEMSIZE[self.g_dtype[tensor]]
         d_es = D["esize"][dr]
         # element offsets of the piece's first element
-        s_el = np.sum((P["lo"] - S["lo"][sr]) * S["strides"][sr], axis=1)
-        d_el = np.sum((P["lo"] - D["lo"][dr]) * ds, axis=1)
+        s_el = np.sum((lo - S["lo"][sr]) * S["strides"][sr], axis=1)
+        d_el = np.sum((lo - D["lo"][dr]) * ds, axis=1)
         run = np.ones(n, np.int64)
         active = np.ones(n, bool)
         phase = np.zeros(n, np.int8)  # 0 run, 1 rows, 2 outer
@@ -1360,25 +1370,41 @@ class _Planner:
             src_off = np.where(is_scale[k], 0, src_off[k] + s_add * s_es[k])
             dst_off = dst_off[k] + d_add * d_es[k]
             src_key, dst_key, src_pitch, dst_pitch = src_key[k], dst_key[k], src_pitch[k], dst_pitch[k]
-            row_bytes, rows, single, tr = row_bytes[k], rows[k], single[k], tr[k]
-            src_rank, dst_rank, tensor = P["src"][k], P["dst"][k], P["tensor"][k]
+            row_bytes, rows, single, tr, tensor = row_bytes[k], rows[k], single[k], tr[k], tensor[k]
+        geo = {"src_key": src_key, "dst_key": dst_key, "tensor": tensor, "transform": tr,
+               "pack": (~single).astype(np.uint8), "src_offset": src_off, "dst_offset": dst_off, "rows": rows,
+               "row_bytes": row_bytes, "src_pitch": src_pitch, "dst_pitch": dst_pitch}
+        return geo, nblk
+
+    def _blocks(self) -> np.ndarray:
+        """Pieces to 2-D byte blocks (see :meth:`_geometry`). The replicas of a destination class need
+        the same blocks from the same holder rows, so the geometry is computed once per class-level
+        piece and holder row and then handed to every (source, destination) pair that uses it."""
+        P = self.P
+        base = P["base"]
+        n = len(base)
+        nbase = int(base.max()) + 1 if n else 0
+        first = np.searchsorted(base, np.arange(nbase))
+        srow0 = P["srow"][first]
+        odd = np.nonzero(P["srow"] != srow0[base])[0]  # replicas served by another class's layout
+        g_of_op = base.copy()
+        g_of_op[odd] = nbase + np.arange(len(odd))
+        geo, nblk = self._geometry(np.concatenate([first, odd]))
+        if (nblk > 1).any():
+            gstart = np.cumsum(nblk) - nblk
+            cnt = nblk[g_of_op]
+            k = np.repeat(np.arange(n), cnt)
+            bidx = gstart[g_of_op][k] + (np.arange(len(k)) - np.repeat(np.cumsum(cnt) - cnt, cnt))
         else:
-            src_rank, dst_rank, tensor = P["src"], P["dst"], P["tensor"]
-        ops = np.empty(len(src_rank), OP_DTYPE)
-        ops["src_rank"] = src_rank
-        ops["dst_rank"] = dst_rank
+            k = None
+            bidx = g_of_op
+        ops = np.empty(len(bidx), OP_DTYPE)
+        ops["src_rank"] = P["src"] if k is None else P["src"][k]
+        ops["dst_rank"] = P["dst"] if k is None else P["dst"][k]
         ops["round"] = 0
-        ops["src_key"] = src_key
-        ops["dst_key"] = dst_key
-        ops["tensor"] = tensor
-        ops["transform"] = tr
-        ops["pack"] = ~single
-        ops["src_offset"] = src_off
-        ops["dst_offset"] = dst_off
-        ops["rows"] = rows
-        ops["row_bytes"] = row_bytes
-        ops["src_pitch"] = src_pitch
-        ops["dst_pitch"] = dst_pitch
+        for name in ("src_key", "dst_key", "tensor", "transform", "pack", "src_offset", "dst_offset", "rows",
+                     "row_bytes", "src_pitch", "dst_pitch"):
+            ops[name] = geo[name][bidx]
         self.stats["blocks"] = len(ops)
         return ops
 
