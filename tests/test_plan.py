@@ -389,3 +389,14 @@ def Layout_from(specs: list, nbytes: dict | None = None):
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
         regs.append(Region(name, tuple(gshape), "float32", tuple(offs), tuple(shape), key, boff, strides))
     return Layout.from_regions(regs, nbytes)
+
+
+def test_expected_immediates_follow_the_engine_rule() -> None:
+    g = np.zeros((1024, 1024), np.float32)  # one 4 MiB write
+    p = plan([describe_tensors({"w": g})], [describe_tensors({"w": np.zeros_like(g)})])
+    e = p.expected_for_destination(0)
+    assert (e.count, e.nbytes) == (1, 4 << 20)
+    assert e.immediates() == 1
+    assert e.immediates(nics=2) == 2
+    assert e.immediates(nics=2, max_piece=1 << 20) == 4
+    assert e.immediates(imm_count=lambda n: 3) == 3

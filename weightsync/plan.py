@@ -53,7 +53,7 @@ import heapq
 import itertools
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,13 +90,21 @@ class Expected:
     count: int
     nbytes: int
 
-    def immediates(self, shard_bytes: int | None = None, nics: int = 1) -> int:
-        """Immediates to wait for when the engine splits writes above ``shard_bytes`` over ``nics``."""
-        if shard_bytes is None or nics <= 1:
-            return self.count
-        b = self.ops["rows"] * self.ops["row_bytes"]
-        shards = np.where(b > shard_bytes, np.minimum(nics, -(-b // shard_bytes)), 1)
-        return int(shards.sum())
+    def immediates(self, nics: int = 1, stripe_threshold: int = 1 << 20, max_piece: int = 16 << 20,
+                   imm_count: Callable[[int], int] | None = None) -> int:
+        """Immediates this destination's counter will see when every op is one engine write (packed
+        blocks are written as one contiguous piece of rows*row_bytes). ``imm_count`` (for example a
+        ``TransferEngine.imm_count``) is used when given; otherwise the engine's documented rule: one
+        piece up to ``stripe_threshold``, else pieces of min(max_piece, ceil(n/nics) rounded up to
+        4 KiB)."""
+        b = (self.ops["rows"] * self.ops["row_bytes"]).astype(np.int64)
+        if imm_count is not None:
+            sizes, counts = np.unique(b, return_counts=True)
+            return int(sum(int(imm_count(int(n))) * int(c) for n, c in zip(sizes, counts, strict=True)))
+        per_nic = (b + max(nics, 1) - 1) // max(nics, 1)
+        piece = np.minimum(max_piece, (per_nic + 4095) // 4096 * 4096)
+        pieces = np.where(b <= stripe_threshold, 1, -(-b // np.maximum(piece, 1)))
+        return int(pieces.sum())
 
 
 class Plan:
