@@ -318,23 +318,6 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
     const bool by_copy = dsts[op.dst]->cuda_addr != 0;
     const uint64_t start = by_copy ? 0 : rr_.fetch_add(count);
     for (uint64_t k = 0; k < count; ++k) {
-      if (by_copy) {
-        // The same pieces as over the NICs, each a copy-engine copy whose immediate follows over a fabric
-        // NIC as soon as that copy is done: the signals overlap with the copies still running.
-        Piece* p = new Piece();
-        p->transfer = transfer;
-        p->src = srcs[op.src];
-        p->dst = dsts[op.dst];
-        p->src_off = op.src_off + k * step;
-        p->dst_off = op.dst_off + k * step;
-        p->len = op.len == 0 ? 0 : std::min(step, op.len - k * step);
-        p->imm = op.imm;
-        p->has_imm = has_imm && p->dst->peer->cuda_imm;
-        p->signals = has_imm && !p->dst->peer->cuda_imm ? 1 : 0;
-        p->nic = cuda_lane_;
-        per_nic[cuda_lane_].push_back(p);
-        continue;
-      }
       Piece* p = new Piece();
       p->transfer = transfer;
       p->src = srcs[op.src];
@@ -342,8 +325,18 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
       p->src_off = op.src_off + k * step;
       p->dst_off = op.dst_off + k * step;
       p->len = op.len == 0 ? 0 : std::min(step, op.len - k * step);
-      p->has_imm = has_imm;
       p->imm = op.imm;
+      p->has_imm = has_imm;
+      if (by_copy) {
+        // The same pieces as over the NICs, each a copy-engine copy. Its immediate goes into the peer's
+        // shared-memory ring when that copy is done, or (no ring) follows over a fabric NIC.
+        const bool ring = p->dst->peer->cuda_imm;
+        p->has_imm = has_imm && ring;
+        p->signals = has_imm && !ring ? 1 : 0;
+        p->nic = cuda_lane_;
+        per_nic[cuda_lane_].push_back(p);
+        continue;
+      }
       int nic = pick_nic(*p->dst->peer, start + k);
       if (nic < 0) {
         piece_failed(p, p->dst->peer->label + " became unreachable on every NIC");

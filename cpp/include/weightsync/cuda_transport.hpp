@@ -3,8 +3,10 @@
 // does the writing (its own), and copies with cuMemcpyAsync on streams of its own: no SMs involved.
 // libcuda is loaded at run time, so one build serves machines with and without GPUs.
 //
-// A copy engine cannot raise an immediate at the destination; the engine above delivers each finished
-// copy's immediates over a fabric NIC (a zero-length write), so the destination's counters see one model.
+// A copy engine cannot raise an immediate at the destination: once a copy is done, this transport pushes
+// its immediate into the destination's shared-memory ring (ImmRing), which the destination's own cuda
+// lane drains into its counters. Where the ring cannot be opened, the engine signals over a fabric NIC
+// (a zero-length write) instead. Either way the destination's counters see one model.
 #pragma once
 
 #include <cstdint>
