@@ -400,3 +400,21 @@ def test_expected_immediates_follow_the_engine_rule() -> None:
     assert e.immediates(nics=2) == 2
     assert e.immediates(nics=2, max_piece=1 << 20) == 4
     assert e.immediates(imm_count=lambda n: 3) == 3
+
+
+def test_validate_catches_overlapping_writes() -> None:
+    g = _global((8, 4), np.float32, 5)
+    srcs = [describe_tensors(s) for s in _fsdp(g, 2, "w")]
+    p = plan(srcs, [describe_tensors({"w": np.zeros_like(g)})])
+    p.validate()
+    ops = p.ops.copy()
+    ops["dst_offset"][1] = ops["dst_offset"][0]  # same bytes twice, the other half never written
+    bad = Plan(ops, p.num_sources, p.num_destinations, p.keys, p.tensors, p.src_dtype, p.dst_dtype,
+               needed_bytes=p.needed_bytes)
+    with pytest.raises(PlanError, match="overlap in destination rank 0"):
+        bad.validate()
+    # interleaved 2-D blocks (column halves of one destination tensor) pass the exact check
+    d = [describe_tensors({"w": np.zeros_like(g)})]
+    halves = [describe_tensors({"w": Sharded(g[:, :2].copy(), g.shape, (0, 0))}),
+              describe_tensors({"w": Sharded(g[:, 2:].copy(), g.shape, (0, 2))})]
+    plan(halves, d).validate()

@@ -192,27 +192,38 @@ class Plan:
         ops = self.ops
         if len(ops) == 0:
             return
-        # Destination byte intervals of each write's rows must not overlap. Expand blocks into rows
-        # (bounded: rows of packed blocks only), then sort and compare neighbours.
-        rows = ops["rows"]
-        total_rows = int(rows.sum())
-        if total_rows > 50_000_000:
-            return  # too large to expand here; the construction path already proved disjointness
-        idx = np.repeat(np.arange(len(ops)), rows)
-        first = np.cumsum(rows) - rows
-        i = np.arange(total_rows) - np.repeat(first, rows)
-        start = ops["dst_offset"][idx] + i * ops["dst_pitch"][idx]
-        end = start + ops["row_bytes"][idx]
-        dk = ops["dst_rank"][idx].astype(np.int64) * (1 << 20) + ops["dst_key"][idx]
+        # No two writes may touch the same destination byte. Compare byte spans first (one interval per
+        # write); only writes whose spans overlap another's (interleaved 2-D blocks) are expanded row by
+        # row and compared exactly.
+        rows = ops["rows"].astype(np.int64)
+        start = ops["dst_offset"]
+        end = start + (rows - 1) * ops["dst_pitch"] + ops["row_bytes"]
+        dk = ops["dst_rank"].astype(np.int64) * (int(ops["dst_key"].max()) + 2) + ops["dst_key"]
         order = np.lexsort((start, dk))
-        s, e, k = start[order], end[order], dk[order]
-        clash = np.nonzero((k[1:] == k[:-1]) & (s[1:] < e[:-1]))[0]
+        s_, e_, k_ = start[order], end[order], dk[order]
+        run_end = np.maximum.accumulate(e_ + k_ * _BIG)
+        hit = np.nonzero((k_[1:] == k_[:-1]) & (s_[1:] + k_[1:] * _BIG < run_end[:-1]))[0]
+        if len(hit) == 0:
+            return
+        # every write of a (destination, tensor) group that has a span clash is checked row by row
+        groups = np.unique(k_[hit + 1])
+        sel = np.nonzero(np.isin(dk, groups))[0]
+        if int(rows[sel].sum()) > 50_000_000:
+            return  # too many interleaved rows to expand here; construction keeps pieces disjoint
+        idx = np.repeat(sel, rows[sel])
+        first = np.cumsum(rows[sel]) - rows[sel]
+        i = np.arange(len(idx)) - np.repeat(first, rows[sel])
+        rs = start[idx] + i * ops["dst_pitch"][idx]
+        re = rs + ops["row_bytes"][idx]
+        o2 = np.lexsort((rs, dk[idx]))
+        rs, re, rk = rs[o2], re[o2], dk[idx][o2]
+        clash = np.nonzero((rk[1:] == rk[:-1]) & (rs[1:] < re[:-1]))[0]
         if len(clash):
             j = int(clash[0])
-            a, b = ops[idx[order][j]], ops[idx[order][j + 1]]
+            a, b = ops[idx[o2][j]], ops[idx[o2][j + 1]]
             raise PlanError(
                 f"two writes overlap in destination rank {int(a['dst_rank'])} tensor "
-                f"{self.keys[int(a['dst_key'])]!r} at byte {int(s[j + 1])}: from source ranks "
+                f"{self.keys[int(a['dst_key'])]!r} at byte {int(rs[j + 1])}: from source ranks "
                 f"{int(a['src_rank'])} and {int(b['src_rank'])}")
 
     # -- wire format ------------------------------------------------------------------------------
