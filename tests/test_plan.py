@@ -418,3 +418,36 @@ def test_validate_catches_overlapping_writes() -> None:
     halves = [describe_tensors({"w": Sharded(g[:, :2].copy(), g.shape, (0, 0))}),
               describe_tensors({"w": Sharded(g[:, 2:].copy(), g.shape, (0, 2))})]
     plan(halves, d).validate()
+
+
+def test_placed_moe_destination_from_per_expert_sources() -> None:
+    """vLLM's w13_weight [E_local, 2I, H] from Hugging Face's per-expert gate/up tensors, FSDP-sharded."""
+    from weightsync.layout import Placed
+
+    E, Ie, H = 4, 6, 5
+    exp = {f"experts.{e}.{w}_proj.weight": _global((Ie, H), np.float32, 10 * e + k)
+           for e in range(E) for k, w in enumerate(("gate", "up"))}
+    srcs = [{} for _ in range(2)]
+    for name, g in exp.items():
+        for r, s in enumerate(_fsdp(g, 2, name)):
+            srcs[r].update(s)
+    dsts, locs = [], []
+    for ep in range(2):  # two EP ranks, two experts each
+        w13 = np.zeros((2, 2 * Ie, H), np.float32)
+        pieces = []
+        for j in range(2):
+            e = 2 * ep + j
+            pieces.append((f"experts.{e}.gate_proj.weight", (Ie, H), (0, 0), (Ie, H), (j, 0, 0)))
+            pieces.append((f"experts.{e}.up_proj.weight", (Ie, H), (0, 0), (Ie, H), (j, Ie, 0)))
+        dsts.append(describe_tensors({"w13_weight": Placed(w13, pieces)}))
+        locs.append({"w13_weight": w13})
+    p = plan([describe_tensors(s) for s in srcs], dsts)
+    execute(p, [_source_locals(s) for s in srcs], locs)
+    for ep in range(2):
+        for j in range(2):
+            e = 2 * ep + j
+            w13 = locs[ep]["w13_weight"]
+            np.testing.assert_array_equal(w13[j, :Ie], exp[f"experts.{e}.gate_proj.weight"])
+            np.testing.assert_array_equal(w13[j, Ie:], exp[f"experts.{e}.up_proj.weight"])
+    with pytest.raises(LayoutError, match="leaves the local tensor"):
+        Placed(np.zeros((2, 2 * Ie, H), np.float32), [("x", (Ie, H), (0, 0), (Ie, H), (2, 0, 0))])

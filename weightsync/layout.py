@@ -184,6 +184,47 @@ class Fused:
                f"parts={[p[0] for p in self.parts]})"
 
 
+class Placed:
+    """Boxes of logical tensors placed anywhere in one local tensor, for layouts ``Fused`` cannot say.
+
+    ``pieces`` is a list of ``(name, global_shape, offsets, shape, at)``: the box
+    ``name[offsets : offsets + shape]`` sits in the local tensor with its first element at local index
+    ``at`` (one entry per local dimension); the box's dimensions are the local tensor's last
+    ``len(shape)`` dimensions. Example, vLLM's fused MoE weight ``w13_weight[e_local, 2*I, H]`` holding
+    ``[gate; up]`` of Hugging Face's per-expert ``experts.{e}.gate_proj.weight [I, H]``::
+
+        Placed(w13, [(f"experts.{e}.gate_proj.weight", (I, H), (0, 0), (I, H), (j, 0, 0)),
+                     (f"experts.{e}.up_proj.weight", (I, H), (0, 0), (I, H), (j, I, 0)), ...])
+    """
+
+    def __init__(self, local_tensor: Any, pieces: Sequence[tuple[Any, ...]]) -> None:
+        self.local_tensor = local_tensor
+        lshape = _shape_of(local_tensor)
+        self.pieces: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+        for p in pieces:
+            if len(p) != 5:
+                raise LayoutError(f"Placed: a piece is (name, global_shape, offsets, shape, at), got {p!r}")
+            name = str(p[0])
+            g, o, sh, at = (tuple(int(x) for x in v) for v in p[1:])
+            if not (len(g) == len(o) == len(sh)) or len(sh) > len(lshape) or len(at) != len(lshape):
+                raise LayoutError(f"Placed piece {name!r}: global_shape {g}, offsets {o}, shape {sh} must "
+                                  f"have one rank, at most the local tensor's {len(lshape)}, and at {at} one "
+                                  f"index per local dimension")
+            for d, (oo, n, gg) in enumerate(zip(o, sh, g, strict=True)):
+                if oo < 0 or oo + n > gg:
+                    raise LayoutError(f"Placed piece {name!r}: box {o}+{sh} leaves global shape {g} in "
+                                      f"dimension {d}")
+            k = len(lshape) - len(sh)
+            ext = tuple(a + (sh[d - k] if d >= k else 1) for d, a in enumerate(at))
+            if any(a < 0 for a in at) or any(e > n for e, n in zip(ext, lshape, strict=True)):
+                raise LayoutError(f"Placed piece {name!r}: a box of shape {sh} at {at} leaves the local "
+                                  f"tensor of shape {lshape}")
+            self.pieces.append((name, g, o, sh, at))
+
+    def __repr__(self) -> str:
+        return f"Placed(shape={_shape_of(self.local_tensor)}, {len(self.pieces)} pieces)"
+
+
 # --------------------------------------------------------------------------------------------------
 # Columnar layout
 
@@ -514,6 +555,21 @@ def describe_tensors(named: Mapping[str, Any]) -> Layout:
                 g = gshape if gshape is not None else tuple([UNKNOWN] * len(pshape))
                 pieces.append((name, g, offs, pshape, along * strides[value.dim]))
                 along += pshape[value.dim]
+        elif isinstance(value, Placed):
+            local = value.local_tensor
+            _, lstrides, _, _ = local_info(local)
+            plist: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int,
+                              tuple[int, ...]]] = []
+            for name, g, o, sh, at in value.pieces:
+                k = len(lstrides) - len(sh)
+                plist.append((name, g, o, sh, sum(a * st for a, st in zip(at, lstrides, strict=True)),
+                              tuple(lstrides[k:])))
+            shape, strides, dt, span = local_info(local)
+            spans[key] = span
+            for name, g, o, sh, elem_off, st in plist:
+                regions.append(Region(name=name, global_shape=g, dtype=dt, offsets=o, shape=sh, key=key,
+                                      byte_offset=elem_off * DTYPE_SIZES[dt], strides=st))
+            continue
         elif _is_dtensor(value):
             local, pieces = _dtensor_regions(key, value)
         else:
