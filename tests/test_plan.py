@@ -451,3 +451,15 @@ def test_placed_moe_destination_from_per_expert_sources() -> None:
             np.testing.assert_array_equal(w13[j, Ie:], exp[f"experts.{e}.up_proj.weight"])
     with pytest.raises(LayoutError, match="leaves the local tensor"):
         Placed(np.zeros((2, 2 * Ie, H), np.float32), [("x", (Ie, H), (0, 0), (Ie, H), (2, 0, 0))])
+
+
+def test_part_for_one_participant_round_trips() -> None:
+    g = _global((64, 16), np.float32, 9)
+    srcs = [describe_tensors(s) for s in _fsdp(g, 4, "w")]
+    dsts = [describe_tensors({"w": np.zeros_like(g)}) for _ in range(3)]
+    p = plan(srcs, dsts)
+    part = Plan.from_msgpack(p.part(sources=[2]).to_msgpack())
+    assert np.array_equal(part.for_source(2), p.for_source(2))
+    assert len(part.for_source(1)) == 0
+    d = Plan.from_msgpack(p.part(destinations=[1]).to_msgpack())
+    assert d.expected_for_destination(1).nbytes == p.expected_for_destination(1).nbytes == g.nbytes

@@ -152,6 +152,24 @@ class Plan:
         ops = self.ops[self._by_dst[self._dst_bounds[rank]:self._dst_bounds[rank + 1]]]
         return Expected(ops=ops, count=len(ops), nbytes=int((ops["rows"] * ops["row_bytes"]).sum()))
 
+    def part(self, sources: Sequence[int] = (), destinations: Sequence[int] = ()) -> Plan:
+        """The plan restricted to the writes of ``sources`` and into ``destinations`` (same ranks, keys and
+        tables): what the coordinator sends one participant, small enough for the wire at any scale
+        (``part(sources=[i]).to_msgpack()``)."""
+        keep = np.zeros(len(self.ops), bool)
+        if len(sources):
+            keep |= np.isin(self.ops["src_rank"], np.asarray(sources, np.int64))
+        if len(destinations):
+            keep |= np.isin(self.ops["dst_rank"], np.asarray(destinations, np.int64))
+        g = self.gathers
+        if len(sources) and len(g):
+            gk = np.isin(g["gatherer"], np.asarray(sources)) | np.isin(g["provider"], np.asarray(sources))
+            g = g[gk]
+        else:
+            g = g[:0]
+        return Plan(self.ops[keep], self.num_sources, self.num_destinations, self.keys, self.tensors,
+                    self.src_dtype, self.dst_dtype, g, self.needed_bytes, self.stats)
+
     def op_bytes(self) -> np.ndarray:
         return self.ops["rows"] * self.ops["row_bytes"]
 
