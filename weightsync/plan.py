@@ -29,8 +29,11 @@ Ops (one row of :data:`OP_DTYPE` per write):
     a 2-D block: ``rows`` rows of ``row_bytes`` bytes; row ``i`` starts at ``offset + i * pitch``.
     ``rows == 1`` for a contiguous write (pitches then equal ``row_bytes``).
 ``pack``
-    1 when the block is not contiguous on either side, so the sender packs it (``cuMemcpy2DAsync``
-    into staging) rather than posting one write per row.
+    1 when the block is not contiguous (``rows > 1``). Where ``src_pitch != row_bytes`` the sender packs
+    the rows (``cuMemcpy2DAsync`` into staging) and writes them as one; where ``dst_pitch != row_bytes``
+    the rows land apart, which the cuda lane does with one 2-D copy and a NIC with one write per row (or
+    the destination unpacks from staging). The planner merges rows wherever both sides allow, so these
+    are slices of row-parallel tensors and fused columns, not the bulk of the bytes.
 ``transform``
     0 none, 1 dtype cast, 2 FP8 block quantization, 3 FP8 block scales (see :data:`TRANSFORMS`). For
     transformed ops ``row_bytes``/``dst_pitch`` count destination bytes and ``src_offset``/``src_pitch``
