@@ -135,7 +135,10 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         np.add.at(g_nv_out, g["provider"][same], gb[same])
         np.add.at(g_in, g["gatherer"][~same], gb[~same])
         np.add.at(g_out, g["provider"][~same], gb[~same])
-    gather_s = np.maximum(np.maximum(g_nv_in, g_nv_out) / bw_nv, np.maximum(g_in, g_out) / bw_nic)
+    # NVLink gathers run beside the NIC writes (pipelined per flow below); gathers across hosts need the
+    # NIC itself, so they are a phase before the source's first write (and hold up their provider too)
+    gather_s = np.maximum(g_nv_in, g_nv_out) / bw_nv
+    gather_nic_s = (g_in + g_out) / bw_nic
     # Preparation pipeline per source: before flow k is written its tiles are gathered (NVLink) and
     # quantized; both run while flow k-1 is on the wire. A source's gathers are spread over its
     # transformed flows in proportion to their work.
@@ -147,7 +150,7 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         first_of_src[1:] = f_src[1:] != f_src[:-1]
         csum = np.cumsum(prep)
         base = np.maximum.accumulate(np.where(first_of_src, csum - prep, 0.0))
-        ready = csum - base
+        ready = csum - base + gather_nic_s[f_src]
     # Rounds are paced: a round starts no earlier than its not_before fraction of the planned push
     # duration (the largest destination's bytes at its link speed).
     if cost.pace and len(ops):
@@ -174,7 +177,8 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         bound_s=bound, sim_s=sim_s, ratio=sim_s / bound if bound else 0.0, bytes_total=int(nbytes.sum()),
         bytes_out=(out_nic + out_nv).astype(np.int64), bytes_in=(in_nic + in_nv).astype(np.int64),
         writes_out=np.bincount(src, minlength=T), gather_bytes=int(g["nbytes"].sum()) if len(g) else 0,
-        gather_s_max=float(gather_s.max(initial=0.0)), quant_s_max=float(quant_s.max(initial=0.0)), flows=nf)
+        gather_s_max=float(np.maximum(gather_s, gather_nic_s).max(initial=0.0)),
+        quant_s_max=float(quant_s.max(initial=0.0)), flows=nf)
 
 
 def _run_flows(f_src: np.ndarray, f_dst: np.ndarray, f_local: np.ndarray, f_eff: np.ndarray,
