@@ -18,7 +18,6 @@ parameter names the rollout registers. No torch needed: layouts are built as num
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -484,5 +483,5 @@ def fmt_gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-__all__ = ["checkpoint", "counts", "family", "fmt_gib", "inference_layouts", "load_config", "math",
-           "trainer_layouts"]
+__all__ = ["Checkpoint", "checkpoint", "counts", "family", "fmt_gib", "inference_layouts", "load_config",
+           "model_bytes", "trainer_layouts"]
