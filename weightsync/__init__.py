@@ -6,7 +6,8 @@ C++ in cpp/, bound as ``weightsync._ext``).
 """
 
 from weightsync.errors import LayoutError, PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
-from weightsync.layout import Fused, Sharded
+from weightsync.layout import Fused, Placed, Sharded, describe_tensors
+from weightsync.plan import Plan, plan
 
 __all__ = [
     "Destination",
@@ -14,6 +15,8 @@ __all__ = [
     "Group",
     "ImmCounter",
     "LayoutError",
+    "Placed",
+    "Plan",
     "PlanError",
     "PushStats",
     "Sharded",
@@ -23,6 +26,8 @@ __all__ = [
     "TransferEngine",
     "TransportError",
     "WeightSyncError",
+    "describe_tensors",
+    "plan",
     "push",
 ]
 
