@@ -417,18 +417,23 @@ def _first_overlap(tensor: np.ndarray, lo: np.ndarray, shape: np.ndarray,
     return (int(idx[pairs[0][0]]), int(idx[pairs[0][1]])) if pairs else None
 
 
+def _row_hash(a: np.ndarray) -> np.ndarray:
+    """A 64-bit hash per row of an int64 matrix (FNV-style mixing): one key that sorts fast."""
+    h = np.zeros(len(a), np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(a.shape[1]):
+            h = (h ^ a[:, j].astype(np.uint64)) * np.uint64(0x100000001B3)
+            h ^= h >> np.uint64(29)
+    return h
+
+
 def _unique_rows(a: np.ndarray) -> np.ndarray:
     """Distinct rows of an int64 matrix (sorted by a 64-bit hash of the row; much faster than
     ``np.unique(axis=0)``; rows that collide stay distinct only if they differ, so the result is exact
     up to duplicates surviving a collision, which is harmless where it is used)."""
     if len(a) == 0:
         return a
-    h = np.zeros(len(a), np.uint64)
-    with np.errstate(over="ignore"):
-        for j in range(a.shape[1]):
-            h = (h ^ a[:, j].astype(np.uint64)) * np.uint64(0x100000001B3)
-            h ^= h >> np.uint64(29)
-    o = np.argsort(h, kind="stable")
+    o = np.argsort(_row_hash(a), kind="stable")
     b = a[o]
     keep = np.ones(len(b), bool)
     keep[1:] = np.any(b[1:] != b[:-1], axis=1)
@@ -483,12 +488,7 @@ def _build_holders(tensor: np.ndarray, lo: np.ndarray, shape: np.ndarray, cls: n
     boxes = np.concatenate([tensor[:, None].astype(np.int64), lo, shape], axis=1)
     # group equal boxes: sort by a 64-bit hash (one key sorts fast), then split runs where the box
     # itself changes; a hash collision only splits a group, which the overlap check below repairs
-    hsh = np.zeros(len(boxes), np.uint64)
-    with np.errstate(over="ignore"):
-        for j in range(boxes.shape[1]):
-            hsh = (hsh ^ boxes[:, j].astype(np.uint64)) * np.uint64(0x100000001B3)
-            hsh ^= hsh >> np.uint64(29)
-    order0 = np.argsort(hsh, kind="stable")
+    order0 = np.argsort(_row_hash(boxes), kind="stable")
     bs = boxes[order0]
     new = np.ones(len(bs), bool)
     new[1:] = np.any(bs[1:] != bs[:-1], axis=1)
