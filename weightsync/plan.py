@@ -1555,23 +1555,13 @@ def _list_schedule(u_src: np.ndarray, u_dst: np.ndarray, u_bytes: np.ndarray, pr
         start[u] = now
         heapq.heappush(heap, (now + ub[u] * k, u))
 
-    def try_dst(d: int, now: float) -> None:
-        lst = by_dst[d]
-        while d_ptr[d] < len(lst) and done[lst[d_ptr[d]]]:
-            d_ptr[d] += 1
-        for i in range(d_ptr[d], min(len(lst), d_ptr[d] + 64)):
-            u = lst[i]
-            if not done[u] and not s_busy[us[u]]:
-                launch(u, now)
-                return
-
-    def try_src(s: int, now: float) -> None:
-        lst = by_src[s]
-        while s_ptr[s] < len(lst) and done[lst[s_ptr[s]]]:
-            s_ptr[s] += 1
-        for i in range(s_ptr[s], min(len(lst), s_ptr[s] + 64)):
-            u = lst[i]
-            if not done[u] and not d_busy[ud[u]]:
+    def try_next(lst: list[int], ptr: list[int], i: int, now: float, other_busy: Any, other: Any) -> None:
+        # Launch the first unit of queue i (a destination's or a source's) whose other end is free.
+        while ptr[i] < len(lst) and done[lst[ptr[i]]]:
+            ptr[i] += 1
+        for k in range(ptr[i], min(len(lst), ptr[i] + 64)):
+            u = lst[k]
+            if not done[u] and not other_busy[other[u]]:
                 launch(u, now)
                 return
 
@@ -1584,9 +1574,9 @@ def _list_schedule(u_src: np.ndarray, u_dst: np.ndarray, u_bytes: np.ndarray, pr
         d_active[d] -= 1
         d_busy[d] = False
         s_busy[s] = False
-        try_dst(d, now)
+        try_next(by_dst[d], d_ptr, d, now, s_busy, us)
         if not s_busy[s]:
-            try_src(s, now)
+            try_next(by_src[s], s_ptr, s, now, d_busy, ud)
     if not done.all():  # units never reachable within the scan window: run them after the rest
         t = float((start + u_bytes).max(initial=0.0))
         for u in np.nonzero(~done)[0]:
