@@ -63,11 +63,12 @@ class Coordinator:
              engine: dict[str, int], descriptors: dict[str, list[bytes]], mailbox: bytes) -> int:
         if not hmac.compare_digest(secret, self._secret):
             raise WeightSyncError(f"group {self.name!r}: {role} rank {rank} presented a wrong secret")
-        limit = self.num_sources if role == SOURCE else None
         if role not in (SOURCE, DESTINATION):
             raise WeightSyncError(f"group {self.name!r}: unknown role {role!r}")
-        if rank < 0 or (limit is not None and rank >= limit):
-            raise LayoutError(f"group {self.name!r}: source rank {rank} outside 0..{self.num_sources - 1}")
+        # Destinations may grow the group (a new replica); sources are fixed at create time.
+        if rank < 0 or (role == SOURCE and rank >= self.num_sources):
+            raise LayoutError(f"group {self.name!r}: {role} rank {rank} is outside the group "
+                              f"(sources 0..{self.num_sources - 1})")
         with self._cv:
             if role == DESTINATION and rank >= self.num_destinations:
                 # A destination beyond the initial count: a new rollout replica joining at run time.
@@ -136,6 +137,7 @@ class Coordinator:
                       destination_hosts=[m.host for m in dests])
         epoch = self.epoch + 1
         expected = np.zeros(len(dests), dtype=np.int64)
+        dst_bytes = p.bytes_per_destination() if len(p.ops) else np.zeros(len(dests), np.int64)
         writers: list[set[int]] = [set() for _ in dests]
         parts: dict[tuple[str, int], bytes] = {}
         for i, src in enumerate(sources):
@@ -166,7 +168,7 @@ class Coordinator:
             parts[(DESTINATION, dst.rank)] = msgpack.packb({
                 "epoch": epoch,
                 "expected": int(expected[j]),
-                "bytes": int(p.bytes_per_destination()[j]) if len(p.ops) else 0,
+                "bytes": int(dst_bytes[j]),
                 "sources": {s.rank: {"address": s.address, "mailbox": s.mailbox}
                             for s in sources if s.rank in writers[j]},
             }, use_bin_type=True)

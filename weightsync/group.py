@@ -183,10 +183,9 @@ class _Participant:
 
     def _local_tensor(self, key: str) -> Any:
         value = self.tensors[key]
-        for attr in ("local_tensor",):
-            if hasattr(value, attr):
-                return getattr(value, attr)
-        if hasattr(value, "to_local"):
+        if hasattr(value, "local_tensor"):  # Sharded, Fused, Placed
+            return value.local_tensor
+        if hasattr(value, "to_local"):  # DTensor
             return value.to_local()
         return value
 
