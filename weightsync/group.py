@@ -255,6 +255,8 @@ class Source(_Participant):
         self._writes = np.frombuffer(part["writes"], dtype=WRITE_DTYPE)
         self._packs = np.frombuffer(part["packs"], dtype=PACK_DTYPE)
         self._keys: list[str] = part["keys"]
+        if getattr(self, "_staging_region", None) is not None:
+            self.engine.deregister(self._staging_region)  # the previous epoch's; freed once unreferenced
         self._staging = np.zeros(max(part["staging_bytes"], 1), dtype=np.uint8)
         self._staging_region = self.engine.register(self._staging, name=f"source {self.rank} staging")
         self._bytes = part["bytes"]
