@@ -150,26 +150,435 @@ def engine_baseline(nbytes: int, repeat: int) -> dict[str, Any]:
             "median_gbps": nbytes / statistics.median(times) / 1e9}
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------------------------
+# Scenarios (issue #8): real model shapes, FSDP trainers to vLLM-layout rollouts, against broadcasts.
+
+SCENARIOS: dict[int, dict[str, Any]] = {
+    1: {"model": "llama", "T": 2, "R": 2, "tp": 1, "what": "2 FSDP trainers -> 2 full replicas (fused)"},
+    2: {"model": "llama", "T": 2, "R": 2, "tp": 2,
+        "what": "2 FSDP trainers -> 1 TP-2 rollout (fused qkv/gate_up)"},
+    3: {"model": "llama", "T": 1, "R": 3, "tp": 1, "what": "1 trainer -> 3 full replicas (fan-out)"},
+    4: {"model": "moe", "T": 2, "R": 2, "tp": 2,
+        "what": "MoE: 2 FSDP trainers -> 1 rollout, TP-2 attention, EP-2 experts"},
+}
+MODELS = {"full": {"llama": "llama-3-8b", "moe": "qwen3-30b-a3b"},
+          "small": {"llama": "llama-small", "moe": "moe-tiny"},
+          "tiny": {"llama": "llama-tiny", "moe": "moe-tiny"}}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def copy_engine_gbps(nbytes: int, repeat: int) -> dict[str, Any]:
+    """GB/s of one device-to-device copy GPU 0 -> GPU 1 in this (driver) process: ``Tensor.copy_``
+    across devices is a peer memcpy on the copy engines over NVLink, no SMs. Median of ``repeat``."""
+    a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    b.copy_(a)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        b.copy_(a, non_blocking=True)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        times.append(time.perf_counter() - t0)
+    ok = bool(torch.equal(a.cpu(), b.cpu()))
+    del a, b
+    torch.cuda.empty_cache()
+    if not ok:
+        raise SystemExit("copy-engine bound: the copy GPU 0 -> GPU 1 landed wrong bytes")
+    return {"gbps": nbytes / statistics.median(times) / 1e9, "bytes": nbytes, "times": times,
+            "how": "torch copy_ cuda:0 -> cuda:1 in one process (peer memcpy on the copy engines)"}
+
+
+class Team:
+    """The T + R worker actors of one scenario; restarted after a failed part (a hung collective)."""
+
+    def __init__(self, spec: dict[str, Any], model: str, device: str) -> None:
+        self.spec, self.model, self.device = spec, model, device
+        self.workers: list[Any] = []
+
+    def start(self, timeout: float) -> list[dict[str, Any]]:
+        from scripts.bench_worker import Worker
+
+        self.stop()
+        T, R = self.spec["T"], self.spec["R"]
+        opts = {"num_gpus": 1, "num_cpus": 0} if self.device == "cuda" else {"num_cpus": 0}
+        port = free_port()
+        cls = ray.remote(**opts)(Worker)
+        self.workers = [cls.remote(rank, T, R, self.spec["tp"], self.model, self.device, port)
+                        for rank in range(T + R)]
+        return ray.get([w.info.remote() for w in self.workers], timeout=timeout)
+
+    @property
+    def trainers(self) -> list[Any]:
+        return self.workers[:self.spec["T"]]
+
+    @property
+    def rollouts(self) -> list[Any]:
+        return self.workers[self.spec["T"]:]
+
+    def call(self, method: str, *args: Any, timeout: float, who: list[Any] | None = None) -> list[Any]:
+        return ray.get([getattr(w, method).remote(*args) for w in (who or self.workers)], timeout=timeout)
+
+    def verify(self, version: int, timeout: float) -> int:
+        out = self.call("verify", version, timeout=timeout, who=self.rollouts)
+        bad = [(j, o["bad"], o["nbad"]) for j, o in enumerate(out) if not o["ok"]]
+        if bad:
+            raise RuntimeError(f"version {version}: wrong bytes on rollouts (rollout, first pieces, count): "
+                               f"{bad}")
+        return sum(o["bytes"] for o in out)
+
+    def stop(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
+
+def _run_part(team: Team, fn: Any, timeout: float) -> dict[str, Any]:
+    """One measured part; a failure is reported in the results and the team restarted for the next."""
+    try:
+        return fn()
+    except Exception as exc:  # a failed part must not take the other measurements down with it
+        msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        print(f"    FAILED: {msg}", flush=True)
+        team.start(timeout)
+        return {"error": msg[:500]}
+
+
+def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: int) -> dict[str, Any]:
+    from scripts.bench_worker import CONFIGS, traffic
+
+    spec = SCENARIOS[num]
+    model = MODELS[args.scale][spec["model"]]
+    cfg = CONFIGS[model]
+    T, R, tp = spec["T"], spec["R"], spec["tp"]
+    tr = traffic(cfg, T, R, tp)
+    out: dict[str, Any] = {
+        "scenario": num, "what": spec["what"], "model": model, "trainers": T, "rollouts": R, "rollout_tp": tp,
+        "model_bytes": tr["model_bytes"], "recv_bytes": tr["recv"], "send_direct_bytes": tr["send_direct"],
+        "must_bytes": tr["must_bytes"], "direct_bytes": tr["direct_bytes"],
+        "bound_s": tr["must_bytes"] / (bw_gbps * 1e9), "direct_bound_s": tr["direct_bytes"] / (bw_gbps * 1e9),
+    }
+    print(f"scenario {num}: {spec['what']}, {model} ({tr['model_bytes'] / 1e9:.2f} GB); bound "
+          f"{out['bound_s'] * 1e3:.2f} ms ({tr['must_bytes'] / 1e9:.2f} GB at {bw_gbps:.1f} GB/s)",
+          flush=True)
+    tmo = args.call_timeout
+    team = Team(spec, model, args.device)
+    t_start = time.perf_counter()
+    out["workers"] = team.start(tmo)
+    out["start_s"] = time.perf_counter() - t_start
+    version = version0
+
+    def next_version() -> int:
+        nonlocal version
+        version += 1
+        team.call("set_version", version, timeout=tmo)  # trainers: new values; rollouts: NaN poison
+        return version
+
+    def weightsync() -> dict[str, Any]:
+        name = f"bench-s{num}-{os.getpid()}"
+        group = ws.Group.create(name, num_sources=T, num_destinations=R)
+        try:
+            t0 = time.perf_counter()
+            setup = team.call("ws_setup", name, "inplace", timeout=tmo)
+            res: dict[str, Any] = {"mode": "inplace", "setup_s": time.perf_counter() - t0,
+                                   "times": [], "phases": [], "writes": 0, "verified_bytes": 0}
+            del setup
+            for i in range(args.pushes + 1):  # the first push opens the IPC handles: warm-up, not counted
+                v = next_version()
+                stats = team.call("ws_push", v, timeout=tmo, who=team.trainers)
+                team.call("ws_wait", v, timeout=tmo, who=team.rollouts)
+                if any(s["failed_destinations"] for s in stats):
+                    raise RuntimeError(f"push {v} failed: {[s['failed_destinations'] for s in stats]}")
+                res["verified_bytes"] += team.verify(v, tmo)
+                slowest = max(stats, key=lambda s: s["seconds"])
+                if i == 0:
+                    res["first_s"] = slowest["seconds"]
+                    continue
+                res["times"].append(slowest["seconds"])
+                res["phases"].append(slowest["phases"])
+                res["writes"] = sum(s["writes"] for s in stats)
+            res["median_s"] = statistics.median(res["times"])
+            team.call("ws_close", timeout=tmo)
+            return res
+        finally:
+            group.shutdown()
+
+    def broadcast(bucket_bytes: int) -> dict[str, Any]:
+        times, verified = [], 0
+        for i in range(args.reps + 1):  # first run: NCCL communicators and buffers, not counted
+            v = next_version()
+            secs = team.call("broadcast", bucket_bytes, timeout=tmo)
+            verified += team.verify(v, tmo)
+            if i:
+                times.append(max(secs))
+        return {"times": times, "median_s": statistics.median(times), "verified_bytes": verified}
+
+    try:
+        out["weightsync"] = _run_part(team, weightsync, tmo)
+        _say("weightsync", out["weightsync"])
+        if "a" in args.baselines:
+            out["a"] = {}
+            for mib in args.buckets_mib:
+                res = out["a"][f"{mib:g}"] = _run_part(team, lambda mib=mib: broadcast(int(mib * 2**20)), tmo)
+                _say(f"a: gather + broadcast, {mib:g} MiB buckets", res)
+            good = {k: r["median_s"] for k, r in out["a"].items() if "median_s" in r}
+            if good:
+                best = min(good, key=lambda k: good[k])
+                out["a_best"] = {"bucket_mib": float(best), "median_s": good[best]}
+        if "b" in args.baselines:
+            out["b"] = _run_part(team, lambda: broadcast(0), tmo)
+            _say("b: per-parameter broadcast", out["b"])
+        if "c" in args.baselines:
+            out["c"] = _run_part(team, lambda: checkpoint_engine(team, args, next_version), tmo)
+            _say("c: checkpoint-engine", out["c"])
+    finally:
+        team.stop()
+    out["versions_used"] = version - version0
+    summarize(out)
+    return out
+
+
+def checkpoint_engine(team: Team, args: argparse.Namespace, next_version: Any) -> dict[str, Any]:
+    raise RuntimeError("checkpoint-engine baseline not wired in yet")
+
+
+def _say(what: str, res: dict[str, Any]) -> None:
+    if "median_s" in res:
+        print(f"    {what}: median {res['median_s'] * 1e3:.2f} ms over {len(res['times'])} "
+              f"({', '.join(f'{t * 1e3:.1f}' for t in res['times'])}), verified", flush=True)
+    else:
+        print(f"    {what}: {res.get('error', res)}", flush=True)
+
+
+def summarize(out: dict[str, Any]) -> None:
+    """Ratios: weightsync to the bound, and speedups over the best broadcast and over checkpoint-engine."""
+    wsr = out.get("weightsync", {})
+    base = {"a": out.get("a_best", {}).get("median_s"), "b": out.get("b", {}).get("median_s"),
+            "c": out.get("c", {}).get("median_s")}
+    if "median_s" not in wsr:
+        return
+    w = wsr["median_s"]
+    out["ratio_to_bound"] = w / out["bound_s"]
+    out["ratio_to_direct_bound"] = w / out["direct_bound_s"]
+    bcast = [x for k, x in base.items() if k in "ab" and x]
+    if bcast:
+        out["speedup_over_broadcast"] = min(bcast) / w
+    if base["c"]:
+        out["speedup_over_checkpoint_engine"] = base["c"] / w
+    every = [x for x in base.values() if x]
+    if every:
+        out["speedup_over_best_baseline"] = min(every) / w
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1e3:.1f}"
+
+
+def table(rows: list[dict[str, Any]], bw: dict[str, Any], card: str) -> str:
+    lines = [
+        f"Card: {card}; copy-engine bandwidth {bw['gbps']:.1f} GB/s ({bw['how']}); "
+        f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; times are medians in ms.",
+        "",
+        "| scenario | model GB | max GB per GPU (must / direct) | bound (d) | weightsync | a: gather + "
+        "bucketed broadcast (best bucket) | b: per-parameter broadcast | c: checkpoint-engine | "
+        "weightsync / bound | speedup over best baseline |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        wsr = r.get("weightsync", {})
+        a = r.get("a_best")
+        a_s = f"{_ms(a['median_s'])} ({a['bucket_mib']:g} MiB)" if a else _err(r.get("a"))
+        b = r.get("b", {})
+        c = r.get("c", {})
+        ratio = r.get("ratio_to_bound")
+        ratio_s = "–" if ratio is None else f"{ratio:.2f}x"
+        if ratio is not None and r["direct_bytes"] != r["must_bytes"]:
+            ratio_s += f" ({r['ratio_to_direct_bound']:.2f}x direct)"
+        sp = r.get("speedup_over_best_baseline")
+        lines.append(
+            f"| {r['scenario']}. {r['what']} | {r['model_bytes'] / 1e9:.2f} | "
+            f"{r['must_bytes'] / 1e9:.2f} / {r['direct_bytes'] / 1e9:.2f} | {_ms(r['bound_s'])} | "
+            f"{_ms(wsr.get('median_s')) if 'median_s' in wsr else _err(wsr)} | {a_s} | "
+            f"{_ms(b.get('median_s')) if 'median_s' in b else _err(b)} | "
+            f"{_ms(c.get('median_s')) if 'median_s' in c else _err(c)} | {ratio_s} | "
+            f"{'–' if sp is None else f'{sp:.2f}x'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _err(res: Any) -> str:
+    if not res:
+        return "–"
+    if isinstance(res, dict) and "error" in res:
+        return "failed"
+    return "–"
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [("bound (d)", lambda r: r.get("bound_s")),
+              ("weightsync", lambda r: r.get("weightsync", {}).get("median_s")),
+              ("a: gather + bucketed bcast", lambda r: r.get("a_best", {}).get("median_s")),
+              ("b: per-param bcast", lambda r: r.get("b", {}).get("median_s")),
+              ("c: checkpoint-engine", lambda r: r.get("c", {}).get("median_s"))]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(series)
+    for k, (label, get) in enumerate(series):
+        xs = [i + k * width for i in range(len(rows))]
+        ys = [(get(r) or 0) * 1e3 for r in rows]
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    ax.set_xticklabels([f"{r['scenario']}. {r['model']}\n{r['trainers']} -> {r['rollouts']} "
+                        f"(TP {r['rollout_tp']})" for r in rows], fontsize=8)
+    ax.set_ylabel("push time, ms (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
+    """The GPU benchmark (``--device cuda``), or the same code on CPU processes over gloo/TCP."""
+    t0 = time.perf_counter()
+    if args.device == "cuda":
+        if torch.cuda.device_count() < 2:
+            raise SystemExit(f"--device cuda needs GPUs, found {torch.cuda.device_count()}")
+        card = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        bw = copy_engine_gbps(args.bound_mib << 20, 5)
+    else:
+        card = f"CPU: {platform.node()} ({os.cpu_count()} cores), tcp;ofi_rxm loopback and gloo"
+        bw = None
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False,
+             log_to_driver=args.verbose,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "NCCL_NVLS_ENABLE": "0"}})
+    rows: list[dict[str, Any]] = []
+    try:
+        if bw is None:
+            # The CPU's "copy engine": the engine's own single write of one rollout's bytes over loopback.
+            from scripts.bench_worker import CONFIGS, traffic
+
+            most = max(traffic(CONFIGS[MODELS[args.scale][SCENARIOS[s]["model"]]], SCENARIOS[s]["T"],
+                               SCENARIOS[s]["R"], SCENARIOS[s]["tp"])["must_bytes"] for s in args.scenarios)
+            eng = engine_baseline(max(most, 1 << 20), 3)
+            bw = {"gbps": eng["median_gbps"], "bytes": eng["bytes"],
+                  "how": "one weightsync engine write between two actors, tcp;ofi_rxm loopback"}
+        print(f"{card}; bound bandwidth {bw['gbps']:.1f} GB/s ({bw['how']})", flush=True)
+        version = 0
+        for s in args.scenarios:
+            if time.perf_counter() - t0 > args.budget_s:
+                print(f"scenario {s}: skipped, the run's budget of {args.budget_s} s is spent", flush=True)
+                continue
+            row = run_scenario(s, args, bw["gbps"], version)
+            version += row["versions_used"]
+            rows.append(row)
+            if args.out:
+                _write(args.out, rows, bw, card, partial=True)
+    finally:
+        ray.shutdown()
+    result = {"card": card, "date": time.strftime("%Y-%m-%d"), "bound_bandwidth": bw, "scenarios": rows,
+              "wall_s": time.perf_counter() - t0, "device": args.device, "scale": args.scale}
+    print()
+    print(table(rows, bw, card))
+    if args.out:
+        _write(args.out, rows, bw, card, partial=False, result=result)
+    return result
+
+
+def _write(out: str, rows: list[dict[str, Any]], bw: dict[str, Any], card: str, partial: bool,
+           result: dict[str, Any] | None = None) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_push.md"), "w") as f:
+        f.write(table(rows, bw, card))
+    with open(os.path.join(out, "bench_push.json"), "w") as f:
+        json.dump(result or {"partial": partial, "card": card, "bound_bandwidth": bw, "scenarios": rows}, f,
+                  indent=1, default=str)
+    plot(rows, os.path.join(out, "bench_push.png"), f"weightsync push vs broadcast baselines, {card}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu", action="store_true", help="the CPU benchmark (the GPU scenarios need GPUs)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="the CPU section: control-plane cost over TCP loopback, and scenario 1 at small "
+                         "scale against gloo broadcasts")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     ap.add_argument("--small-pushes", type=int, default=100)
-    args = ap.parse_args()
-    if not args.cpu:
-        raise SystemExit("only --cpu is available so far: the GPU scenarios arrive with the NVLink transport")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="scenarios on GPU actors (NCCL baselines) or on CPU actors (gloo baselines)")
+    ap.add_argument("--scale", choices=list(MODELS), default=None,
+                    help="model shapes: full (Llama-3-8B, Qwen3-30B-A3B; default on cuda), small, tiny "
+                         "(default on cpu)")
+    ap.add_argument("--scenarios", default="1,2,3,4")
+    ap.add_argument("--baselines", default="a,b,c")
+    ap.add_argument("--buckets-mib", default=None,
+                    help="bucket sizes of baseline a (default 256,512,1024,2048; 0.25,1 at tiny scale)")
+    ap.add_argument("--pushes", type=int, default=5, help="timed weightsync pushes (after one warm-up)")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs of each baseline (after one warm-up)")
+    ap.add_argument("--bound-mib", type=int, default=2048, help="bytes of the copy-engine bandwidth copy")
+    ap.add_argument("--call-timeout", type=float, default=240.0, help="seconds any one step may take")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="start no scenario after this many seconds")
+    ap.add_argument("--out", default=None, help="write bench_push.md, bench_push.json, bench_push.png here")
+    ap.add_argument("--verbose", action="store_true", help="actors' logs on the driver's terminal")
+    args = ap.parse_args(argv)
+    args.scenarios = [int(s) for s in args.scenarios.split(",") if s]
+    args.baselines = [b for b in args.baselines.split(",") if b]
+    if args.cpu:
+        args.device = "cpu"
+        args.baselines = [b for b in args.baselines if b != "c"]
+        if args.quick:
+            args.pushes, args.reps = min(args.pushes, 2), min(args.reps, 1)
+    if args.scale is None:
+        if args.cpu:
+            args.scale = "tiny" if args.quick else "small"
+        else:
+            args.scale = "full" if args.device == "cuda" else "tiny"
+    if args.buckets_mib is None:
+        args.buckets_mib = {"full": "256,512,1024,2048", "small": "16,64,256"}.get(args.scale, "0.25,1")
+    args.buckets_mib = [float(x) for x in args.buckets_mib.split(",") if x]
+    return args
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+
+def main() -> None:
+    args = parse_args()
+    if not args.cpu:
+        result = run_scenarios(args)
+        print(json.dumps(result, default=str))
+        return
+    cpu_section(args)
+
+
+def cpu_section(args: argparse.Namespace) -> None:
+    """Control-plane cost over TCP loopback, and scenario 1 at small scale against gloo broadcasts."""
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=args.verbose,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     try:
-        small = run_group("bench-small", model_shapes(1 << 20, 4), 10 if args.quick else args.small_pushes)
-        big_bytes = (64 << 20) if args.quick else (1 << 30)
+        small = run_group("bench-small", model_shapes(1 << 20, 4), 5 if args.quick else args.small_pushes)
+        big_bytes = (32 << 20) if args.quick else (1 << 30)
         big = run_group("bench-big", model_shapes(big_bytes, 8), 2 if args.quick else 5)
         # Each destination receives the whole model, half from each source: per-destination bytes.
         base = engine_baseline(big["model_bytes"], 2 if args.quick else 3)
+        # Scenario 1 on CPU processes: weightsync over tcp;ofi_rxm loopback against gloo broadcasts (a, b).
+        # Its bound uses the engine's own one-write bandwidth measured just above.
+        bw = {"gbps": base["median_gbps"], "bytes": base["bytes"],
+              "how": "one weightsync engine write between two actors, tcp;ofi_rxm loopback"}
+        s1 = run_scenario(1, args, bw["gbps"], 0) if 1 in args.scenarios else None
     finally:
         ray.shutdown()
-    result = {
+    result: dict[str, Any] = {
         "machine": f"{platform.node()} ({os.cpu_count()} cores), tcp;ofi_rxm loopback",
         "date": time.strftime("%Y-%m-%d"),
         "small_model_bytes": small["model_bytes"],
@@ -180,13 +589,21 @@ def main() -> None:
         "big_push_gbps": big["median_gbps"],
         "engine_one_write_gbps": base["median_gbps"],
         "push_vs_engine": big["median_gbps"] / base["median_gbps"],
+        "scenario_1": s1,
+        "wall_s": time.perf_counter() - t0,
     }
     print(f"1 MiB-class model ({small['model_bytes']} B), 2 -> 2: median push round trip "
           f"{result['small_push_median_ms']:.2f} ms (p90 {result['small_push_p90_ms']:.2f} ms)")
     print(f"{big['model_bytes'] / 2**30:.2f} GiB model, 2 -> 2 replicas: {big['median_s']:.2f} s, "
           f"{big['median_gbps']:.2f} GB/s total; engine alone, one write of the same bytes: "
           f"{base['median_gbps']:.2f} GB/s (push/engine {result['push_vs_engine']:.2f})")
-    print(json.dumps(result))
+    if s1 is not None:
+        card = f"CPU: {platform.node()} ({os.cpu_count()} cores), tcp;ofi_rxm loopback and gloo"
+        print()
+        print(table([s1], bw, card))
+        if args.out:
+            _write(args.out, [s1], bw, card, partial=False, result=result)
+    print(json.dumps(result, default=str))
 
 
 if __name__ == "__main__":
