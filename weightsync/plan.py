@@ -36,10 +36,12 @@ Ops (one row of :data:`OP_DTYPE` per write):
     are slices of row-parallel tensors and fused columns, not the bulk of the bytes.
 ``transform``
     0 none, 1 dtype cast, 2 FP8 block quantization, 3 FP8 block scales (see :data:`TRANSFORMS`). For
-    transformed ops ``row_bytes``/``dst_pitch`` count destination bytes and ``src_offset``/``src_pitch``
-    source bytes (source dtype); rows outside the sender's own shard are first gathered to it, as listed in
-    ``Plan.gathers``. Scale ops have no source bytes (``src_key == -1``): the sender produces them when
-    it quantizes the same tiles.
+    casts ``row_bytes``/``dst_pitch`` count destination bytes and ``src_offset``/``src_pitch`` source
+    bytes (source dtype) in the local tensor ``src_key``. FP8 and scale ops read what the sender
+    produces: ``src_key`` is a box (``Plan.boxes``: the whole tiles the sender owns), and
+    ``src_offset``/``src_pitch`` are destination bytes in that box quantized into a dense row-major
+    buffer (FP8 values) or in the dense grid of its tile scales (float32). Rows of owned tiles that the
+    sender does not hold are first gathered to it, as listed in ``Plan.gathers``.
 ``tensor``
     index into ``Plan.tensors`` of the (first) logical tensor the write carries, for diagnostics.
 ``not_before``
@@ -72,7 +74,29 @@ OP_DTYPE = np.dtype([
     ("src_rank", "<i4"), ("dst_rank", "<i4"), ("round", "<i4"), ("src_key", "<i4"), ("dst_key", "<i4"),
     ("tensor", "<i4"), ("transform", "u1"), ("pack", "u1"), ("not_before", "<f4"),
 ], align=True)  # aligned fields: numpy is several times slower on unaligned int64 columns
-GATHER_DTYPE = np.dtype([("provider", "<i4"), ("gatherer", "<i4"), ("tensor", "<i4"), ("nbytes", "<i8")])
+
+
+def gather_dtype(width: int) -> np.dtype:
+    """Rows of ``Plan.gathers`` for a plan whose boxes have ``width`` dimensions: ``provider`` writes the
+    logical box ``lo``/``shape`` of ``tensor`` (``nbytes`` in the source dtype), read from its box
+    ``pbox``, dense and row-major into the receive buffer of ``gatherer`` at byte ``offset``, for the
+    gatherer's box ``box`` (indices into ``Plan.boxes``)."""
+    return np.dtype([("provider", "<i4"), ("gatherer", "<i4"), ("tensor", "<i4"), ("nbytes", "<i8"),
+                     ("box", "<i8"), ("pbox", "<i8"), ("offset", "<i8"), ("lo", "<i8", (width,)),
+                     ("shape", "<i8", (width,))])
+
+
+def box_dtype(width: int) -> np.dtype:
+    """Rows of ``Plan.boxes``: a source row of an FP8 tensor. ``lo``/``shape`` is the box it holds,
+    at byte ``boff`` of local tensor ``key`` (index into ``Plan.keys``) with element ``strides``;
+    ``own_lo``/``own_shape`` the whole tiles it quantizes (its held box with edges moved to the nearest
+    tile edge; rows it lacks come through ``Plan.gathers``)."""
+    return np.dtype([("id", "<i8"), ("tensor", "<i4"), ("key", "<i4"), ("boff", "<i8"),
+                     ("lo", "<i8", (width,)), ("shape", "<i8", (width,)), ("strides", "<i8", (width,)),
+                     ("own_lo", "<i8", (width,)), ("own_shape", "<i8", (width,))])
+
+
+GATHER_DTYPE = gather_dtype(1)
 
 TRANSFORMS = ("none", "cast", "fp8", "fp8_scale")
 T_NONE, T_CAST, T_FP8, T_SCALE = 0, 1, 2, 3
@@ -116,7 +140,8 @@ class Plan:
     def __init__(self, ops: np.ndarray, num_sources: int, num_destinations: int, keys: list[str],
                  tensors: list[str], src_dtype: list[str], dst_dtype: list[str],
                  gathers: np.ndarray | None = None, needed_bytes: np.ndarray | None = None,
-                 stats: dict[str, Any] | None = None) -> None:
+                 stats: dict[str, Any] | None = None, boxes: np.ndarray | None = None,
+                 fp8_block: tuple[int, int] | None = None) -> None:
         self.ops = _sorted_ops(np.ascontiguousarray(ops, dtype=OP_DTYPE))
         self.num_sources = int(num_sources)
         self.num_destinations = int(num_destinations)
@@ -124,8 +149,9 @@ class Plan:
         self.tensors = tensors
         self.src_dtype = src_dtype
         self.dst_dtype = dst_dtype
-        self.gathers = (np.zeros(0, GATHER_DTYPE) if gathers is None
-                        else np.ascontiguousarray(gathers, dtype=GATHER_DTYPE))
+        self.gathers = np.zeros(0, GATHER_DTYPE) if gathers is None else np.ascontiguousarray(gathers)
+        self.boxes = np.zeros(0, box_dtype(1)) if boxes is None else np.ascontiguousarray(boxes)
+        self.fp8_block = None if fp8_block is None else (int(fp8_block[0]), int(fp8_block[1]))
         self.needed_bytes = (np.zeros(num_destinations, np.int64) if needed_bytes is None
                              else np.asarray(needed_bytes, np.int64))
         self.stats = dict(stats or {})
@@ -170,8 +196,14 @@ class Plan:
             g = g[gk]
         else:
             g = g[:0]
-        return Plan(self.ops[keep], self.num_sources, self.num_destinations, self.keys, self.tensors,
-                    self.src_dtype, self.dst_dtype, g, self.needed_bytes, self.stats)
+        ops = self.ops[keep]
+        boxes = self.boxes
+        if len(boxes):
+            boxed = (ops["transform"] == T_FP8) | (ops["transform"] == T_SCALE)
+            used = np.concatenate([ops["src_key"][boxed].astype(np.int64), g["box"], g["pbox"]])
+            boxes = boxes[np.isin(boxes["id"], used)]
+        return Plan(ops, self.num_sources, self.num_destinations, self.keys, self.tensors,
+                    self.src_dtype, self.dst_dtype, g, self.needed_bytes, self.stats, boxes, self.fp8_block)
 
     def op_bytes(self) -> np.ndarray:
         return self.ops["rows"] * self.ops["row_bytes"]
@@ -253,6 +285,9 @@ class Plan:
             "v": 1, "num_sources": self.num_sources, "num_destinations": self.num_destinations,
             "keys": self.keys, "tensors": self.tensors, "src_dtype": self.src_dtype,
             "dst_dtype": self.dst_dtype, "ops": self.ops.tobytes(), "gathers": self.gathers.tobytes(),
+            "gathers_width": self.gathers.dtype["lo"].shape[0], "boxes": self.boxes.tobytes(),
+            "boxes_width": self.boxes.dtype["lo"].shape[0],
+            "fp8_block": list(self.fp8_block) if self.fp8_block else None,
             "needed_bytes": self.needed_bytes.tobytes(), "stats": _plain(self.stats),
         }, use_bin_type=True)
 
@@ -261,14 +296,16 @@ class Plan:
         d = msgpack.unpackb(data, raw=False)
         return Plan(np.frombuffer(d["ops"], OP_DTYPE).copy(), d["num_sources"], d["num_destinations"],
                     list(d["keys"]), list(d["tensors"]), list(d["src_dtype"]), list(d["dst_dtype"]),
-                    np.frombuffer(d["gathers"], GATHER_DTYPE).copy(),
-                    np.frombuffer(d["needed_bytes"], np.int64).copy(), d.get("stats"))
+                    np.frombuffer(d["gathers"], gather_dtype(d["gathers_width"])).copy(),
+                    np.frombuffer(d["needed_bytes"], np.int64).copy(), d.get("stats"),
+                    np.frombuffer(d["boxes"], box_dtype(d["boxes_width"])).copy(),
+                    tuple(d["fp8_block"]) if d.get("fp8_block") else None)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Plan) and self.num_sources == other.num_sources
                 and self.num_destinations == other.num_destinations and self.keys == other.keys
                 and self.tensors == other.tensors and np.array_equal(self.ops, other.ops)
-                and np.array_equal(self.gathers, other.gathers))
+                and np.array_equal(self.gathers, other.gathers) and np.array_equal(self.boxes, other.boxes))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -767,7 +804,7 @@ class _Planner:
         self.stats["seconds"] = times
         p = Plan(ops, self.T, self.R, self.keys, self.names,
                  [DTYPES[int(c)] for c in self.g_dtype], [DTYPES[int(c)] for c in self.g_dst_dtype],
-                 gathers, self.needed_bytes, self.stats)
+                 gathers, self.needed_bytes, self.stats, self._boxes(), self.fp8_block)
         lap("index")
         if self.validate:
             p.validate()
@@ -1100,6 +1137,12 @@ class _Planner:
                 lo[is8, d] = na
                 sh[is8, d] = np.maximum(ne - na, 0)
         self.S["own_lo"], self.S["own_shape"] = lo, sh
+        # Every source row of an FP8 tensor is a *box*: the tiles it owns (snapped edges) and where its
+        # held part lives locally. FP8 and scale ops read from the owner's box, gathers name boxes.
+        self.box_rows = np.nonzero(np.isin(S["tensor"], self.fp8_tensors))[0] if len(self.fp8_tensors) \
+            else np.zeros(0, np.int64)
+        self.box_of_row = np.full(len(S["tensor"]), -1, np.int64)
+        self.box_of_row[self.box_rows] = np.arange(len(self.box_rows))
         h = _build_holders(S["tensor"], lo, sh, S["class"], np.arange(len(S["tensor"])), len(self.names))
         if self.scale_of:
             bm, bn = self.fp8_block  # type: ignore[misc]
@@ -1131,6 +1174,30 @@ class _Planner:
             h.ent_hb, h.ent_class, h.ent_row = h.ent_hb[o], h.ent_class[o], h.ent_row[o]
             h.split = _split_dims(h.tensor, h.lo, h.shape, len(self.names))
         self.H = h
+
+    def _own_box(self, srow: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Owned tile box of source rows (element coordinates), or its tile grid where ``scale``."""
+        S, W = self.S, self.W
+        olo = S["own_lo"][srow].copy()
+        ohi = olo + S["own_shape"][srow]
+        if scale.any() and self.fp8_block is not None:
+            for d, b in ((W - 2, self.fp8_block[0]), (W - 1, self.fp8_block[1])):
+                olo[scale, d] = olo[scale, d] // b
+                ohi[scale, d] = -(-ohi[scale, d] // b)
+        return olo, ohi - olo
+
+    def _boxes(self) -> np.ndarray:
+        rows = self.box_rows
+        S = self.S
+        b = np.zeros(len(rows), box_dtype(self.W))
+        b["id"] = np.arange(len(rows))
+        b["tensor"] = S["tensor"][rows]
+        b["key"] = self.src_key_map[S["key"][rows]]
+        b["boff"] = S["boff"][rows]
+        for f, col in (("lo", "lo"), ("shape", "shape"), ("strides", "strides"), ("own_lo", "own_lo"),
+                       ("own_shape", "own_shape")):
+            b[f] = S[col][rows]
+        return b
 
     def _pieces(self) -> None:
         D, h = self.D, self.H
@@ -1349,21 +1416,27 @@ class _Planner:
         sr, dr = P["srow"][sel], P["drow"][sel]
         shape = P["shape"][sel]
         lo = P["lo"][sel]
-        ss, ds = S["strides"][sr], D["strides"][dr]
+        ss, ds = S["strides"][sr].copy(), D["strides"][dr]
         is_scale = tr == T_SCALE
-        # source strides mean nothing for scales (the sender produces them); make them "contiguous"
-        if is_scale.any():
-            dense = np.ones((int(is_scale.sum()), W), np.int64)
-            sc = shape[is_scale]
-            for d in range(W - 2, -1, -1):
-                dense[:, d] = dense[:, d + 1] * sc[:, d + 1]
-            ss = ss.copy()
-            ss[is_scale] = dense
+        is_fp8 = tr == T_FP8
         s_es = _ITEMSIZE[self.g_dtype[tensor]]
         d_es = D["esize"][dr]
         # element offsets of the piece's first element
-        s_el = np.sum((lo - S["lo"][sr]) * S["strides"][sr], axis=1)
+        s_el = np.sum((lo - S["lo"][sr]) * ss, axis=1)
         d_el = np.sum((lo - D["lo"][dr]) * ds, axis=1)
+        # FP8 values and scales are read from what the sender produces: its owned tile box quantized
+        # into a dense row-major buffer (values) and the dense grid of that box's tile scales, both in
+        # destination bytes. See Plan.boxes.
+        q = np.nonzero(is_fp8 | is_scale)[0]
+        if len(q):
+            olo, osh = self._own_box(sr[q], is_scale[q])
+            dense = np.ones((len(q), W), np.int64)
+            for d in range(W - 2, -1, -1):
+                dense[:, d] = dense[:, d + 1] * osh[:, d + 1]
+            ss[q] = dense
+            s_el[q] = np.sum((lo[q] - olo) * dense, axis=1)
+            s_es = s_es.copy()
+            s_es[q] = d_es[q]
         run = np.ones(n, np.int64)
         active = np.ones(n, bool)
         phase = np.zeros(n, np.int8)  # 0 run, 1 rows, 2 outer
@@ -1387,12 +1460,13 @@ class _Planner:
             phase = np.where(start_rows, 1, np.where(to_outer, 2, phase)).astype(np.int8)
         del active
         # per piece first; expand into several blocks only where outer dimensions remain
-        src_key = np.where(is_scale, -1, self.src_key_map[S["key"][sr]])
+        boxed = is_fp8 | is_scale
+        src_key = np.where(boxed, self.box_of_row[sr], self.src_key_map[S["key"][sr]])
         dst_key = self.dst_key_map[D["key"][dr]]
-        src_off = np.where(is_scale, 0, S["boff"][sr] + s_el * s_es)
+        src_off = np.where(boxed, 0, S["boff"][sr]) + s_el * s_es
         dst_off = D["boff"][dr] + d_el * d_es
         single = rows == 1
-        src_pitch = np.where(is_scale, 0, np.where(single, run, sp) * s_es)
+        src_pitch = np.where(single, run, sp) * s_es
         dst_pitch = np.where(single, run, dp) * d_es
         row_bytes = run * d_es
         nblk = np.prod(np.where(outer, shape, 1), axis=1)
@@ -1407,7 +1481,7 @@ class _Planner:
                 rem //= radix
                 s_add += i_d * ss[k, d]
                 d_add += i_d * ds[k, d]
-            src_off = np.where(is_scale[k], 0, src_off[k] + s_add * s_es[k])
+            src_off = src_off[k] + s_add * s_es[k]
             dst_off = dst_off[k] + d_add * d_es[k]
             src_key, dst_key, src_pitch, dst_pitch = src_key[k], dst_key[k], src_pitch[k], dst_pitch[k]
             row_bytes, rows, single, tr, tensor = row_bytes[k], rows[k], single[k], tr[k], tensor[k]
@@ -1450,29 +1524,45 @@ class _Planner:
 
     # ----------------------------------------------------------------------------------------------
     def _gathers(self) -> np.ndarray:
-        """FP8: rows of a tile that the tile's owner does not hold are gathered to it, from a holder on
-        its host when there is one. Only the tiles some write uses are gathered."""
+        """FP8: rows of a tile that its owner does not hold are gathered to it, from a holder on its host
+        when there is one. Per (sender, box) the gathered part is the bounding box of the whole tiles
+        its FP8 and scale writes touch, less what the sender holds: every row once, however many
+        destinations need the tile. Each gather lands dense (row-major, source dtype) at ``offset`` of
+        the gatherer's receive buffer; the provider reads it from its box ``pbox``."""
+        W = self.W
+        gd = gather_dtype(W)
         if not len(self.fp8_tensors):
-            return np.zeros(0, GATHER_DTYPE)
-        P, S, W = self.P, self.S, self.W
-        sel = np.nonzero(self.g_transform[P["tensor"]] == T_FP8)[0]
-        own_lo = S["lo"][P["srow"][sel]]
-        inside = np.all((P["lo"][sel] >= own_lo)
-                        & (P["lo"][sel] + P["shape"][sel] <= own_lo + S["shape"][P["srow"][sel]]), axis=1)
-        sel = sel[~inside]
+            return np.zeros(0, gd)
+        P, S = self.P, self.S
+        tr = self.g_transform[P["tensor"]]
+        sel = np.nonzero((tr == T_FP8) | (tr == T_SCALE))[0]
         if len(sel) == 0:
-            return np.zeros(0, GATHER_DTYPE)
-        # unique (sender, piece box): a tile sent to several replicas is gathered once per sender
-        key = np.concatenate([P["src"][sel, None], P["tensor"][sel, None], P["lo"][sel], P["shape"][sel],
-                              P["srow"][sel, None]], axis=1)
-        key = _unique_rows(key)
-        src, t, plo, psh, srow = key[:, 0], key[:, 1], key[:, 2:2 + W], key[:, 2 + W:2 + 2 * W], key[:, -1]
-        phi = plo + psh
-        olo = S["lo"][srow]
-        ohi = olo + S["shape"][srow]
-        # piece minus the sender's own box, dimension by dimension (at most 2W slabs each)
+            return np.zeros(0, gd)
+        bm, bn = self.fp8_block  # type: ignore[misc]
+        srow, src = P["srow"][sel], P["src"][sel]
+        is_sc = tr[sel] == T_SCALE
+        plo = P["lo"][sel].copy()
+        phi = plo + P["shape"][sel]
+        G = self.g_shape[S["tensor"][srow]]  # the weight's shape (a scale piece's row is the weight's)
+        for d, b in ((W - 2, bm), (W - 1, bn)):
+            lo_d = np.where(is_sc, plo[:, d] * b, plo[:, d])
+            hi_d = np.where(is_sc, phi[:, d] * b, phi[:, d])
+            plo[:, d] = lo_d // b * b
+            phi[:, d] = np.minimum(-(-hi_d // b) * b, G[:, d])
+        nbox = max(len(self.box_rows), 1)
+        key = src.astype(np.int64) * nbox + self.box_of_row[srow]
+        uk, inv = np.unique(key, return_inverse=True)
+        blo = np.full((len(uk), W), np.iinfo(np.int64).max, np.int64)
+        bhi = np.full((len(uk), W), -1, np.int64)
+        np.minimum.at(blo, inv, plo)
+        np.maximum.at(bhi, inv, phi)
+        src_u, box_u = uk // nbox, uk % nbox
+        row_u = self.box_rows[box_u]
+        olo = S["lo"][row_u]
+        ohi = olo + S["shape"][row_u]
+        # bounding box minus the held box, dimension by dimension (at most 2W slabs each)
         m_i, m_lo, m_hi = [], [], []
-        cur_lo, cur_hi = plo.copy(), phi.copy()
+        cur_lo, cur_hi = blo.copy(), bhi.copy()
         for d in range(W):
             below = cur_lo[:, d] < np.minimum(olo[:, d], cur_hi[:, d])
             lo_b, hi_b = cur_lo.copy(), cur_hi.copy()
@@ -1490,20 +1580,26 @@ class _Planner:
             cur_hi[:, d] = np.clip(cur_hi[:, d], olo[:, d], ohi[:, d])
         mi = np.concatenate(m_i)
         if len(mi) == 0:
-            return np.zeros(0, GATHER_DTYPE)
+            self.stats["gather_bytes"] = 0
+            return np.zeros(0, gd)
         mlo = np.concatenate(m_lo)
         msh = np.concatenate(m_hi) - mlo
+        t = S["tensor"][row_u]
         # who holds those rows (original, unsnapped boxes)
-        is8 = np.isin(S["tensor"], self.fp8_tensors)
-        rows8 = np.nonzero(is8)[0]
+        rows8 = self.box_rows
         ho = _build_holders(S["tensor"][rows8], S["lo"][rows8], S["shape"][rows8], S["class"][rows8], rows8,
                             len(self.names))
-        qi, hb, _ilo, ish = _join(t[mi].astype(np.int32), mlo, msh, ho)
-        gatherer = src[mi][qi]
+        qi, hb, ilo, ish = _join(t[mi].astype(np.int32), mlo, msh, ho)
+        got = np.bincount(qi, weights=np.prod(ish, axis=1).astype(np.float64), minlength=len(mi))
+        short = np.nonzero(got < np.prod(msh, axis=1))[0]
+        if len(short):
+            raise PlanError(f"FP8 tiles of tensor {self.names[int(t[mi[short[0]]])]!r}: rows the owner "
+                            f"(source rank {int(src_u[mi[short[0]]])}) lacks are held by no source")
+        gatherer = src_u[mi][qi]
         ghost = self.src_host[gatherer]
         # provider: a rank of a holding class on the gatherer's host, else the class's first rank
         ent_bounds = np.searchsorted(ho.ent_hb, np.arange(len(ho.tensor) + 1))
-        nhosts = int(max(self.src_host.max(), self.dst_host.max())) + 1
+        nhosts = int(max(self.src_host.max(), self.dst_host.max(initial=0))) + 1
         rank_at = np.full((len(self.src_classes), nhosts), -1, np.int64)
         for c, ranks in enumerate(self.src_ranks_of):
             rank_at[c, self.src_host[ranks[::-1]]] = ranks[::-1]
@@ -1515,11 +1611,23 @@ class _Planner:
         firsts = o[np.searchsorted(rep[o], np.arange(len(qi)))]
         first_rank = np.array([int(r[0]) for r in self.src_ranks_of], np.int64)
         provider = np.where(cand[firsts] >= 0, cand[firsts], first_rank[ho.ent_class[e[firsts]]])
-        g = np.zeros(len(qi), GATHER_DTYPE)
+        g = np.zeros(len(qi), gd)
         g["provider"] = provider
         g["gatherer"] = gatherer
         g["tensor"] = t[mi][qi]
         g["nbytes"] = np.prod(ish, axis=1) * _ITEMSIZE[self.g_dtype[t[mi][qi]]]
+        g["box"] = box_u[mi][qi]
+        g["pbox"] = self.box_of_row[ho.ent_row[e[firsts]]]
+        g["lo"] = ilo
+        g["shape"] = ish
+        # receive buffer offsets: per gatherer, in (box, position) order, each gather 16-byte aligned
+        order = np.lexsort((*(ilo[:, d] for d in range(W - 1, -1, -1)), g["box"], g["gatherer"]))
+        g = g[order]
+        size = (g["nbytes"] + 15) // 16 * 16
+        first = np.ones(len(g), bool)
+        first[1:] = g["gatherer"][1:] != g["gatherer"][:-1]
+        cum = np.cumsum(size) - size
+        g["offset"] = cum - np.maximum.accumulate(np.where(first, cum, 0))
         self.stats["gather_bytes"] = int(g["nbytes"].sum())
         return g
 
