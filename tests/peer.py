@@ -45,6 +45,17 @@ def random_bytes(size: int, seed: int) -> np.ndarray:
     return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8).copy()
 
 
+def _rows(buf: np.ndarray, off: int, rows: int, row_bytes: int, pitch: int) -> np.ndarray:
+    if rows == 0 or row_bytes == 0:
+        return buf[:0]
+    return np.concatenate([buf[off + r * pitch : off + r * pitch + row_bytes] for r in range(rows)])
+
+
+def rows_digest(buf: np.ndarray, off: int, rows: int, row_bytes: int, pitch: int) -> str:
+    """Digest of ``rows`` rows of ``row_bytes`` bytes of ``buf``, ``pitch`` apart, back to back."""
+    return digest(_rows(buf, off, rows, row_bytes, pitch))
+
+
 class _Server:
     def __init__(self) -> None:
         self.engine: Any = None
@@ -78,6 +89,25 @@ class _Server:
     def poisoned_outside(self, region: int, off: int, size: int) -> bool:
         buf = self.buffers[region]
         return bool((buf[:off] == POISON).all() and (buf[off + size :] == POISON).all())
+
+    def rows_digest(self, region: int, off: int, rows: int, row_bytes: int, pitch: int) -> str:
+        """Digest of ``rows`` rows of ``row_bytes`` bytes, ``pitch`` apart, back to back."""
+        return digest(_rows(self.buffers[region], off, rows, row_bytes, pitch))
+
+    def poisoned_outside_rows(self, region: int, off: int, rows: int, row_bytes: int, pitch: int) -> bool:
+        """Every byte outside the rows (before, between and after them) is still poison."""
+        buf = self.buffers[region]
+        mask = np.ones(buf.size, dtype=bool)
+        for r in range(rows):
+            mask[off + r * pitch : off + r * pitch + row_bytes] = False
+        return bool((buf[mask] == POISON).all())
+
+    def deregister(self, region: int) -> None:
+        """Deregisters a region (its buffer stays allocated here, so a stray write would show)."""
+        self.engine.deregister(self.regions.pop(region))
+
+    def counter_total(self, imm: int) -> int:
+        return self.engine.counter(imm).total
 
     def connect(self, address: bytes) -> int:
         peer = self.engine.connect(address)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import weightsync as ws
-from tests.peer import POISON, PeerError, PeerProcess, digest, random_bytes
+from tests.peer import POISON, PeerError, PeerProcess, digest, random_bytes, rows_digest
 from weightsync.engine import TransferEngine
 
 MiB = 1 << 20
@@ -239,3 +239,109 @@ def test_register_write_deregister_cycles_do_not_leak(engine: TransferEngine, re
     remote.call("counter_wait", imm=4, n=1050, timeout=30)
     assert fds1 <= fds0 + 2
     assert rss1 - rss0 < 32
+
+
+# --- 2-D writes -------------------------------------------------------------------------------------------
+
+# (rows, row bytes, source pitch, destination pitch): strided on both sides at odd sizes, on one side
+# only, rows back to back (one span), rows larger than the stripe threshold (each striped), empty rows.
+TWO_D_CASES = [
+    (7, 100, 1000, 333),
+    (64, 61, 61, 4099),
+    (33, 4095, 8191, 4095),
+    (16, 3000, 3000, 3000),
+    (3, (1 << 20) + 4097, 3 << 20, (2 << 20) + 5),
+    (5, 0, 64, 64),
+    (1000, 7, 13, 11),
+]
+
+
+@pytest.mark.parametrize(("rows", "row_bytes", "src_pitch", "dst_pitch"), TWO_D_CASES)
+def test_2d_writes_land_byte_exact_with_one_immediate(
+    engine: TransferEngine, remote: PeerProcess, rows: int, row_bytes: int, src_pitch: int, dst_pitch: int
+) -> None:
+    src_off, dst_off, pad = 3, 4097, 777
+    src = random_bytes(src_off + rows * src_pitch + 5, seed=rows * 31 + row_bytes)
+    region = engine.register(src)
+    dst_size = dst_off + (rows - 1) * dst_pitch + row_bytes + pad
+    dst_id, dst_desc = remote.call("alloc", size=dst_size)
+    peer = engine.connect(remote.address)
+
+    imm = 300 + rows
+    transfers = [
+        engine.write(region, src_off, peer, dst_desc, dst_off, row_bytes, imm=imm, rows=rows,
+                     src_pitch=src_pitch, dst_pitch=dst_pitch)
+        for _ in range(2)  # the same block twice: two immediates, not 2 x rows
+    ]
+    for t in transfers:
+        t.wait(timeout=60)
+        assert t.imm_count == 1
+        assert t.nbytes == rows * row_bytes
+    assert engine.imm_count(row_bytes, rows=rows) == 1
+    remote.call("counter_wait", imm=imm, n=2, timeout=30)
+    time.sleep(0.2)  # a stray extra immediate would have arrived by now
+    assert remote.call("counter_total", imm=imm) == 2
+    assert remote.call("counter_value", imm=imm) == 0
+
+    want = rows_digest(src, src_off, rows, row_bytes, src_pitch)
+    assert remote.call("rows_digest", region=dst_id, off=dst_off, rows=rows, row_bytes=row_bytes,
+                       pitch=dst_pitch) == want
+    assert remote.call("poisoned_outside_rows", region=dst_id, off=dst_off, rows=rows, row_bytes=row_bytes,
+                       pitch=dst_pitch)
+
+
+def test_2d_and_1d_writes_in_one_batch(engine: TransferEngine, remote: PeerProcess) -> None:
+    rng = np.random.default_rng(5)
+    n = 200
+    rows = rng.integers(1, 9, n)
+    row_bytes = rng.integers(1, 3000, n)
+    src_pitch = row_bytes + rng.integers(0, 50, n)
+    dst_pitch = row_bytes + rng.integers(0, 50, n)
+    src_off = np.concatenate([[0], np.cumsum(rows * src_pitch)[:-1]]) + 1
+    dst_off = np.concatenate([[0], np.cumsum(rows * dst_pitch)[:-1]]) + 3
+    src = random_bytes(int(src_off[-1] + rows[-1] * src_pitch[-1]) + 1, seed=8)
+    region = engine.register(src)
+    dst_size = int(dst_off[-1] + rows[-1] * dst_pitch[-1]) + 9
+    dst_id, dst_desc = remote.call("alloc", size=dst_size)
+    peer = engine.connect(remote.address)
+
+    t = engine.write_batch([region], [(peer, dst_desc)], np.zeros(n), src_off, np.zeros(n), dst_off,
+                           row_bytes, imm=12, rows=rows, src_pitch=src_pitch, dst_pitch=dst_pitch)
+    expected = sum(engine.imm_count(int(b), rows=int(r)) for b, r in zip(row_bytes, rows, strict=True))
+    assert t.imm_count == expected
+    t.wait(timeout=60)
+    remote.call("counter_wait", imm=12, n=expected, timeout=30)
+    time.sleep(0.2)
+    assert remote.call("counter_total", imm=12) == expected
+    for i in range(0, n, 17):
+        want = rows_digest(src, int(src_off[i]), int(rows[i]), int(row_bytes[i]), int(src_pitch[i]))
+        got = remote.call("rows_digest", region=dst_id, off=int(dst_off[i]), rows=int(rows[i]),
+                          row_bytes=int(row_bytes[i]), pitch=int(dst_pitch[i]))
+        assert got == want, f"write {i}"
+
+
+def test_2d_bad_geometry_is_refused(engine: TransferEngine, remote: PeerProcess) -> None:
+    src = random_bytes(64 * 1024, seed=14)
+    region = engine.register(src, name="weights")
+    dst_id, dst_desc = remote.call("alloc", size=64 * 1024)
+    peer = engine.connect(remote.address)
+    with pytest.raises(ws.TransportError, match=r"do not fit a pitch .*destination side .*region .* peer"):
+        engine.write(region, 0, peer, dst_desc, 0, 100, imm=1, rows=4, src_pitch=100, dst_pitch=99)
+    with pytest.raises(ws.TransportError, match=r"do not fit a pitch .*source side"):
+        engine.write(region, 0, peer, dst_desc, 0, 100, imm=1, rows=4, src_pitch=50, dst_pitch=100)
+    with pytest.raises(ws.TransportError, match=r"10 rows of 100 bytes .* past the end of remote .*peer"):
+        engine.write(region, 0, peer, dst_desc, 1, 100, imm=1, rows=10, dst_pitch=64 * 1024 // 9)
+    with pytest.raises(ws.TransportError, match=r"rows of 100 bytes .* outside source region"):
+        engine.write(region, 0, peer, dst_desc, 0, 100, imm=1, rows=700, src_pitch=100)
+    with pytest.raises(ws.TransportError, match=r"at least one row"):
+        engine.write(region, 0, peer, dst_desc, 0, 100, imm=1, rows=0)
+    with pytest.raises(ws.TransportError, match=r"write 1 of the batch: .* past the end"):
+        engine.write_batch([region], [(peer, dst_desc)], np.zeros(2), np.zeros(2), np.zeros(2), [0, 1000],
+                           [8, 8], imm=1, rows=[2, 2], dst_pitch=[16, 64 * 1024])
+    assert remote.call("digest", region=dst_id, off=0, size=64 * 1024) == digest(
+        np.full(64 * 1024, POISON, dtype=np.uint8))
+    # Overflowing geometry is refused, not wrapped around.
+    with pytest.raises(ws.TransportError, match="outside source region"):
+        engine.write(region, 0, peer, dst_desc, 0, 8, imm=1, rows=1 << 62, src_pitch=8, dst_pitch=1 << 62)
+    with pytest.raises(ws.TransportError, match="past the end"):
+        engine.write(region, 0, peer, dst_desc, 0, 8, imm=1, rows=2, src_pitch=8, dst_pitch=(1 << 64) - 4)

@@ -12,11 +12,21 @@ is posted as pieces, and every piece delivers the immediate once to the destinat
 * otherwise the write is striped over the engine's NICs: pieces of ``min(max_piece, ceil(n / nics)
   rounded up to 4 KiB)`` bytes, ``ceil(n / piece)`` of them.
 
-The count depends only on ``n`` and the sending engine's configuration (never on which NICs are up), so
-the planner can compute expected counts ahead of time with ``TransferEngine.imm_count``. A piece whose
-NIC fails is re-posted whole on another NIC and still delivers exactly one immediate, unless the failed
-NIC had already delivered it (a link that dies after the data landed but before the acknowledgement):
-then the destination may count it twice, which is why pushes use a fresh immediate per version.
+A 2-D write (``rows > 1``: ``rows`` rows of ``n`` bytes, ``src_pitch``/``dst_pitch`` bytes apart, 0 meaning
+``n``) delivers exactly one immediate, on every lane and whatever its size: its rows travel without one
+(over the fabric as separate RMA writes spread over the NICs, each completing only once placed at the
+target, FI_DELIVERY_COMPLETE; on the cuda lane as ``cuMemcpy2DAsync`` copies), and a zero-length write
+carrying the immediate follows once all of them completed. So ``imm_count(n, rows=r)`` is 1 for ``r > 1``.
+
+The cuda lane cuts a 1-D write into copies of ``cuda_piece`` bytes of its own, but delivers the count
+above (all of it once the write's last copy is done), so the count never depends on the lane.
+
+The count depends only on ``n``, ``rows`` and the sending engine's configuration (never on which NICs
+are up), so the planner can compute expected counts ahead of time with ``TransferEngine.imm_count``.
+A piece whose NIC fails is re-posted whole on another NIC and still delivers exactly one immediate,
+unless the failed NIC had already delivered it (a link that dies after the data landed but before the
+acknowledgement): then the destination may count it twice, which is why pushes use a fresh immediate
+per version.
 """
 
 from __future__ import annotations
@@ -240,7 +250,9 @@ class TransferEngine:
     ``nics``: libfabric domain names to use (every one gets a worker thread); ``None`` picks all of the
     provider's, or loopback for TCP. ``provider``: e.g. "efa", "verbs;ofi_rxm", "tcp;ofi_rxm"; ``None``
     picks the first of those available (or ``$WEIGHTSYNC_PROVIDER``). ``cuda_device``: the process-local
-    ordinal of this engine's GPU (default: torch's current device).
+    ordinal of this engine's GPU (default: torch's current device). ``cuda_piece``: bytes per copy on the
+    cuda lane (0: one copy per write); ``cuda_streams``: streams the copies are spread over;
+    ``cuda_spin_us``: how long the idle cuda worker polls before sleeping.
     """
 
     def __init__(
@@ -255,6 +267,9 @@ class TransferEngine:
         window_ops: int = 256,
         stall_timeout: float = 5.0,
         cuda_device: int | None = None,
+        cuda_piece: int = 64 << 20,
+        cuda_streams: int = 2,
+        cuda_spin_us: float = 50.0,
     ) -> None:
         if transport not in ("auto", "fabric", "cuda"):
             raise TransportError(f"unknown transport {transport!r} (have: auto, fabric, cuda)")
@@ -271,6 +286,9 @@ class TransferEngine:
             int(window_ops),
             float(stall_timeout),
             lane,
+            int(cuda_piece),
+            int(cuda_streams),
+            float(cuda_spin_us),
         )
         self.transport = "fabric" if lane < 0 else "fabric+cuda"
         fields = [
@@ -347,9 +365,9 @@ class TransferEngine:
         return remote
 
     # --- writes ---------------------------------------------------------------------------------------
-    def imm_count(self, nbytes: int, imm: bool = True) -> int:
-        """Immediates a write of ``nbytes`` from this engine delivers (see the module docstring)."""
-        return self._native.imm_count(int(nbytes), imm)
+    def imm_count(self, nbytes: int, imm: bool = True, rows: int = 1) -> int:
+        """Immediates a write of ``nbytes`` (per row) from this engine delivers (see the module docstring)."""
+        return self._native.imm_count(int(nbytes), imm, int(rows))
 
     def write(
         self,
@@ -360,16 +378,25 @@ class TransferEngine:
         dst_off: int,
         nbytes: int,
         imm: int | None = None,
+        rows: int = 1,
+        src_pitch: int = 0,
+        dst_pitch: int = 0,
     ) -> Transfer:
-        """Writes ``nbytes`` from ``src[src_off:]`` into the peer's region at ``dst_off``, one-sided."""
+        """Writes ``nbytes`` from ``src[src_off:]`` into the peer's region at ``dst_off``, one-sided.
+
+        With ``rows > 1`` it writes a 2-D block: ``rows`` rows of ``nbytes`` bytes, row ``r`` read at
+        ``src_off + r * src_pitch`` and written at ``dst_off + r * dst_pitch`` (a pitch of 0 means
+        ``nbytes``), delivering one immediate in all.
+        """
         if not isinstance(src, Region):
             raise TransportError(
                 f"write source must be a Region registered with this engine, got {type(src).__name__}"
             )
-        if min(src_off, dst_off, nbytes) < 0:
-            raise TransportError(f"negative offset or size in write to {peer.label}")
+        if min(src_off, dst_off, nbytes, rows, src_pitch, dst_pitch) < 0:
+            raise TransportError(f"negative offset, size, row count or pitch in write to {peer.label}")
         remote = self._import(peer, dst_descriptor)
-        native = self._native.write(src._native, src_off, remote, dst_off, nbytes, _imm(imm))
+        native = self._native.write(src._native, src_off, remote, dst_off, nbytes, _imm(imm), rows, src_pitch,
+                                    dst_pitch)
         return Transfer(native, (src,))
 
     def write_batch(
@@ -382,8 +409,15 @@ class TransferEngine:
         dst_off: np.ndarray,
         nbytes: np.ndarray,
         imm: np.ndarray | int | None = None,
+        rows: np.ndarray | None = None,
+        src_pitch: np.ndarray | None = None,
+        dst_pitch: np.ndarray | None = None,
     ) -> Transfer:
-        """Submits many writes in one call: columns index into ``srcs`` and ``peer_descriptors``."""
+        """Submits many writes in one call: columns index into ``srcs`` and ``peer_descriptors``.
+
+        ``rows``/``src_pitch``/``dst_pitch`` (optional columns) make writes 2-D as in ``write``;
+        ``nbytes`` is then the bytes per row.
+        """
         remotes = [self._import(peer, desc) for peer, desc in peer_descriptors]
         cols = [
             np.ascontiguousarray(src_index, dtype=np.uint32),
@@ -399,7 +433,9 @@ class TransferEngine:
                 if np.isscalar(imm)
                 else np.ascontiguousarray(imm, dtype=np.uint32)
             )
-        native = self._native.write_batch([s._native for s in srcs], remotes, *cols, imm_col)
+        geometry = [None if c is None else np.ascontiguousarray(c, dtype=np.uint64)
+                    for c in (rows, src_pitch, dst_pitch)]
+        native = self._native.write_batch([s._native for s in srcs], remotes, *cols, imm_col, *geometry)
         return Transfer(native, tuple(srcs))
 
     # --- counters and state ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -31,7 +32,31 @@ constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 constexpr unsigned CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1;
 constexpr unsigned CU_EVENT_DISABLE_TIMING = 2;
 constexpr unsigned CU_STREAM_NON_BLOCKING = 1;
-constexpr int kStreams = 2;
+constexpr int CU_DEVICE_ATTRIBUTE_MAX_PITCH = 11;
+constexpr int CU_MEMORYTYPE_UNIFIED = 4;  // the driver tells host from device by the address
+// Rows per cuMemcpy2DAsync call: the driver documents no limit on Height; staying far below any 32-bit
+// count costs one more call per 64 Ki rows.
+constexpr uint64_t kMaxCopyRows = 1 << 16;
+
+// CUDA_MEMCPY2D (the _v2 layout, size_t fields), as in cuda.h.
+struct CudaMemcpy2D {
+  size_t srcXInBytes;
+  size_t srcY;
+  int srcMemoryType;
+  const void* srcHost;
+  CUdeviceptr srcDevice;
+  void* srcArray;
+  size_t srcPitch;
+  size_t dstXInBytes;
+  size_t dstY;
+  int dstMemoryType;
+  void* dstHost;
+  CUdeviceptr dstDevice;
+  void* dstArray;
+  size_t dstPitch;
+  size_t WidthInBytes;
+  size_t Height;
+};
 
 }  // namespace
 
@@ -48,6 +73,8 @@ struct CudaApi {
   CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned);
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
   CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, void*);
+  CUresult (*cuMemcpy2DAsync)(const CudaMemcpy2D*, void*);
+  CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
   CUresult (*cuStreamCreate)(void**, unsigned);
   CUresult (*cuStreamDestroy)(void*);
   CUresult (*cuEventCreate)(void**, unsigned);
@@ -89,6 +116,8 @@ const CudaApi* load_api() {
     sym(api.cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
     sym(api.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
     sym(api.cuMemcpyAsync, "cuMemcpyAsync");
+    sym(api.cuMemcpy2DAsync, "cuMemcpy2DAsync_v2");
+    sym(api.cuDeviceGetAttribute, "cuDeviceGetAttribute");
     sym(api.cuStreamCreate, "cuStreamCreate");
     sym(api.cuStreamDestroy, "cuStreamDestroy_v2");
     sym(api.cuEventCreate, "cuEventCreate");
@@ -158,7 +187,8 @@ std::string host_identity() {
   return std::string(host) + "/" + boot;
 }
 
-CudaTransport::CudaTransport(int device) : api_(load_api()), device_(device) {
+CudaTransport::CudaTransport(int device, int streams, double spin_us)
+    : api_(load_api()), device_(device), spin_us_(spin_us) {
   if (!api_->error.empty()) throw TransportError("cuda transport unavailable: " + api_->error);
   CUdevice dev = 0;
   check(api_->cuDeviceGet(&dev, device), "cuDeviceGet");
@@ -168,7 +198,10 @@ CudaTransport::CudaTransport(int device) : api_(load_api()), device_(device) {
   name_ = "cuda:" + std::to_string(device) + " (" + uuid_ + ")";
   check(api_->cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
   make_current();
-  for (int i = 0; i < kStreams; ++i) {
+  int max_pitch = 0;
+  check(api_->cuDeviceGetAttribute(&max_pitch, CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev), "cuDeviceGetAttribute");
+  max_pitch_ = static_cast<size_t>(max_pitch);
+  for (int i = 0; i < std::max(streams, 1); ++i) {
     void* s = nullptr;
     check(api_->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     streams_.push_back(s);
@@ -181,7 +214,9 @@ CudaTransport::CudaTransport(int device) : api_(load_api()), device_(device) {
 CudaTransport::~CudaTransport() {
   if (ctx_ == nullptr) return;
   make_current();
-  for (auto& f : inflight_) api_->cuEventDestroy(f.event);
+  for (auto& f : inflight_) {
+    if (f.event) api_->cuEventDestroy(f.event);
+  }
   for (void* e : free_events_) api_->cuEventDestroy(e);
   for (auto& [handle, base] : opened_) api_->cuIpcCloseMemHandle(base);
   for (void* s : streams_) api_->cuStreamDestroy(s);
@@ -273,11 +308,62 @@ uint64_t CudaTransport::import_remote(const std::string& blob) {
   return it->second + offset;
 }
 
+void CudaTransport::set_region_live(uint64_t id, bool live) {
+  if (!ring_.set_live(id, live)) {
+    throw TransportError("cannot export more GPU regions on " + name_ + ": " +
+                         std::to_string(ImmRing::kLiveSlots) + " are registered; deregister some first");
+  }
+}
+
+int CudaTransport::enqueue_copy(const WriteRequest& req, void* stream) {
+  const CUdeviceptr dst = static_cast<CUdeviceptr>(req.remote_addr);
+  const CUdeviceptr src = reinterpret_cast<CUdeviceptr>(req.src);
+  if (req.len == 0) return CUDA_SUCCESS;
+  if (req.rows <= 1 || (req.src_pitch == req.len && req.dst_pitch == req.len)) {
+    return api_->cuMemcpyAsync(dst, src, req.len * std::max<uint64_t>(req.rows, 1), stream);
+  }
+  if (req.src_pitch > max_pitch_ || req.dst_pitch > max_pitch_) {
+    // Beyond what a 2-D copy accepts: one copy per row, all on this stream (the event covers them all).
+    for (uint64_t r = 0; r < req.rows; ++r) {
+      CUresult rc = api_->cuMemcpyAsync(dst + r * req.dst_pitch, src + r * req.src_pitch, req.len, stream);
+      if (rc != CUDA_SUCCESS) return rc;
+    }
+    return CUDA_SUCCESS;
+  }
+  for (uint64_t r = 0; r < req.rows; r += kMaxCopyRows) {
+    CudaMemcpy2D c{};
+    c.srcMemoryType = CU_MEMORYTYPE_UNIFIED;
+    c.srcDevice = src + r * req.src_pitch;
+    c.srcPitch = req.src_pitch;
+    c.dstMemoryType = CU_MEMORYTYPE_UNIFIED;
+    c.dstDevice = dst + r * req.dst_pitch;
+    c.dstPitch = req.dst_pitch;
+    c.WidthInBytes = req.len;
+    c.Height = std::min<uint64_t>(kMaxCopyRows, req.rows - r);
+    CUresult rc = api_->cuMemcpy2DAsync(&c, stream);
+    if (rc != CUDA_SUCCESS) return rc;
+  }
+  return CUDA_SUCCESS;
+}
+
 int CudaTransport::post_write(const WriteRequest& req) {
   // A copy into a peer that exited still "succeeds" (our mapping keeps its memory alive), and so does
   // pushing into its ring: check that the process is there, so the writer learns it is gone.
   auto pid = peer_pids_.find(req.peer);
   if (pid != peer_pids_.end() && kill(pid->second, 0) != 0 && errno == ESRCH) return -EPIPE;
+  // The owner may have deregistered the region (and reused its memory): its live table says so. There
+  // is no table to ask without a shared ring (the doorbell fallback); see the header.
+  auto ring = peer_rings_.find(req.peer);
+  if (ring != peer_rings_.end() && req.remote_region != 0 && !ring->second.is_live(req.remote_region)) {
+    return -ESTALE;
+  }
+  last_busy_ = std::chrono::steady_clock::now();
+  const bool copies = req.len > 0;
+  if (!copies) {
+    // Only an immediate (the trailer of a cut-up or 2-D write, whose copies are all done): no event.
+    inflight_.push_back({nullptr, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
+    return 0;
+  }
   make_current();
   void* ev = nullptr;
   if (!free_events_.empty()) {
@@ -287,19 +373,16 @@ int CudaTransport::post_write(const WriteRequest& req) {
     return -ENOMEM;
   }
   void* stream = streams_[next_stream_++ % streams_.size()];
-  if (req.len > 0) {
-    int rc = api_->cuMemcpyAsync(static_cast<CUdeviceptr>(req.remote_addr),
-                                 reinterpret_cast<CUdeviceptr>(req.src), req.len, stream);
-    if (rc != CUDA_SUCCESS) {
-      free_events_.push_back(ev);
-      return -(1000 + rc);  // distinguishable from errno values in error_string
-    }
+  int rc = enqueue_copy(req, stream);
+  if (rc != CUDA_SUCCESS) {
+    free_events_.push_back(ev);
+    return -(1000 + rc);  // distinguishable from errno values in error_string
   }
   if (api_->cuEventRecord(ev, stream) != CUDA_SUCCESS) {
     free_events_.push_back(ev);
     return -EIO;
   }
-  inflight_.push_back({ev, req.context, req.peer, req.has_imm, req.imm});
+  inflight_.push_back({ev, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
   return 0;
 }
 
@@ -313,23 +396,26 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
     out.push_back(c);
     ++got;
   }
-  // Streams complete in order; across two streams a later copy may finish first, which only delays
-  // its report until the ones before it are done.
+  // Streams complete in order; across streams a later copy may finish first, which only delays its
+  // report until the ones before it are done. One event query per completion: the front's.
   while (!inflight_.empty() && got < max) {
     Inflight f = inflight_.front();
-    CUresult rc = api_->cuEventQuery(f.event);
+    CUresult rc = f.event ? api_->cuEventQuery(f.event) : CUDA_SUCCESS;
     if (rc == CUDA_ERROR_NOT_READY) break;
     inflight_.pop_front();
-    free_events_.push_back(f.event);
+    if (f.event) free_events_.push_back(f.event);
+    last_busy_ = std::chrono::steady_clock::now();
     Completion c;
     c.context = f.context;
     if (rc == CUDA_SUCCESS) {
       c.kind = Completion::kLocalDone;
       auto ring = f.has_imm ? peer_rings_.find(f.peer) : peer_rings_.end();
       if (ring != peer_rings_.end()) {
-        // The bytes are in place: now the immediate. A full ring means the consumer is a whole ring
+        // The bytes are in place: now the immediates. A full ring means the consumer is a whole ring
         // behind; it drains in microseconds.
-        while (!ring->second.push(f.imm)) std::this_thread::sleep_for(std::chrono::microseconds(5));
+        for (uint32_t k = 0; k < f.imm_repeat; ++k) {
+          while (!ring->second.push(f.imm)) std::this_thread::sleep_for(std::chrono::microseconds(5));
+        }
       }
     } else {
       c.kind = Completion::kLocalError;
@@ -345,7 +431,8 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
 void CudaTransport::wait(int timeout_ms) {
   // Copies in flight finish in microseconds to milliseconds: look again soon. Idle: sleep until a peer
   // pushes an immediate, the worker is signalled (new work), or the timeout passes.
-  if (inflight_.empty()) {
+  const auto idle = std::chrono::steady_clock::now() - last_busy_;
+  if (inflight_.empty() && idle > std::chrono::duration<double, std::micro>(spin_us_)) {
     ring_.sleep(int64_t(timeout_ms) * 1000);
   } else {
     // Copies finish within microseconds of each other: a timed sleep would cost the timer slack
@@ -359,6 +446,7 @@ void CudaTransport::signal() { ring_.wake(); }
 std::string CudaTransport::error_string(int err) const {
   if (err >= 1000) return cu_error(api_, err - 1000);
   if (err == EPIPE) return "the peer process exited";
+  if (err == ESTALE) return "the destination region was deregistered (its memory may be reused)";
   return std::strerror(err);
 }
 

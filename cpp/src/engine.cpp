@@ -26,8 +26,8 @@ uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-LocalRegion::~LocalRegion() {
-  if (engine) engine->release_region(id, std::move(regs));
+RegistrationHold::~RegistrationHold() {
+  if (auto e = engine.lock()) e->release_region(id, std::move(regs));
 }
 
 std::shared_ptr<Engine> Engine::create(const EngineConfig& cfg) {
@@ -53,11 +53,17 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg), uid_(random_uid()) {
     workers_.push_back(std::make_unique<NicWorker>(this, static_cast<int>(i), std::move(transport), cfg_));
   }
   fabric_nics_ = workers_.size();
+  for (auto& w : workers_) {
+    fabric_delivery_complete_ = fabric_delivery_complete_ && w->transport().delivery_complete();
+    fabric_ordered_ = fabric_ordered_ && w->transport().orders_writes();
+  }
   cfg_.stripe_threshold = std::min(cfg_.stripe_threshold, cfg_.max_piece);
   if (cfg_.cuda_device >= 0) {
+    if (cfg_.cuda_streams < 1) throw TransportError("cuda_streams must be at least 1");
     cuda_lane_ = static_cast<int>(workers_.size());
-    workers_.push_back(std::make_unique<NicWorker>(this, cuda_lane_,
-                                                   std::make_unique<CudaTransport>(cfg_.cuda_device), cfg_));
+    workers_.push_back(std::make_unique<NicWorker>(
+        this, cuda_lane_, std::make_unique<CudaTransport>(cfg_.cuda_device, cfg_.cuda_streams, cfg_.cuda_spin_us),
+        cfg_));
   }
 }
 
@@ -145,18 +151,55 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
     live_regions_[region->id] = region->regs;
   }
   region->engine = shared_from_this();
+  auto hold = std::make_shared<RegistrationHold>();
+  hold->engine = region->engine;
+  hold->id = region->id;
+  hold->regs = region->regs;
+  region->hold = std::move(hold);
+  if (cuda_lane_ >= 0 && !region->regs[cuda_lane_].blob.empty()) {
+    // Exported to same-host peers: they may copy into it from now until it is deregistered.
+    cuda_transport().set_region_live(region->id, true);
+  }
   return region;
 }
 
+CudaTransport& Engine::cuda_transport() { return static_cast<CudaTransport&>(workers_[cuda_lane_]->transport()); }
+
 void Engine::deregister(const std::shared_ptr<LocalRegion>& region) {
-  // Writes already in flight keep the registration alive through their pieces; new ones are refused.
   region->valid = false;
+  std::shared_ptr<RegistrationHold> hold;
+  {
+    std::lock_guard<std::mutex> lock(region->hold_mu);
+    hold.swap(region->hold);
+  }
+  if (!hold) return;  // already deregistered
+  // Peers must not write into it any more: the cuda lane's writers check the live table before every
+  // copy; fabric writers find its MRs closed (below, or once the last local write reading from it ends).
+  if (cuda_lane_ >= 0 && !closed_) cuda_transport().set_region_live(region->id, false);
+  if (hold.use_count() > 1) return;  // writes reading from it are in flight: the last one releases it
+  // Nobody else can take a pin now (the region's hold is gone): close the registrations before
+  // returning, so that the caller may free the memory at once.
+  std::vector<MemRegistration> regs = std::move(hold->regs);
+  hold->regs.clear();
+  {
+    std::lock_guard<std::mutex> lock(regions_mu_);
+    if (closed_ || live_regions_.erase(region->id) == 0) return;
+  }
+  for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) {
+    MemRegistration reg = regs[i];
+    try {
+      workers_[i]->call([reg](Transport& t) { t.deregister(reg); }, kCommandTimeoutS);
+    } catch (const TransportError&) {
+      // The engine closed meanwhile: close() released it.
+    }
+  }
 }
 
 void Engine::release_region(uint64_t id, std::vector<MemRegistration> regs) {
   std::lock_guard<std::mutex> lock(regions_mu_);
   if (closed_) return;  // close() deregisters whatever is still live
   if (live_regions_.erase(id) == 0) return;
+  if (cuda_lane_ >= 0) cuda_transport().set_region_live(id, false);
   for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) {
     MemRegistration reg = regs[i];
     workers_[i]->post_command([reg](Transport& t) { t.deregister(reg); });
@@ -247,8 +290,9 @@ uint64_t Engine::piece_size(uint64_t nbytes) const {
   return std::min(ceil_div(ceil_div(nbytes, count), 4096) * 4096, cfg_.max_piece);
 }
 
-uint64_t Engine::imm_count(uint64_t nbytes, bool has_imm) const {
+uint64_t Engine::imm_count(uint64_t nbytes, bool has_imm, uint64_t rows) const {
   if (!has_imm) return 0;
+  if (rows > 1) return 1;  // a 2-D write: one trailing immediate, whatever its size and lane
   if (nbytes == 0) return 1;  // a zero-length write still delivers its immediate
   return ceil_div(nbytes, piece_size(nbytes));
 }
@@ -262,32 +306,58 @@ int Engine::pick_nic(Peer& peer, uint64_t hint) {
   return -1;
 }
 
+namespace {
+
+// Whether [off, off + (rows - 1) * pitch + len) fits in `size` bytes, without overflowing.
+bool extent_fits(uint64_t off, uint64_t rows, uint64_t pitch, uint64_t len, uint64_t size) {
+  using u128 = unsigned __int128;
+  return u128(off) + u128(rows - 1) * u128(pitch) + u128(len) <= u128(size);
+}
+
+std::string extent_str(uint64_t off, uint64_t rows, uint64_t pitch, uint64_t len) {
+  if (rows <= 1) return "bytes [" + std::to_string(off) + ", " + std::to_string(off + len) + ")";
+  return std::to_string(rows) + " rows of " + std::to_string(len) + " bytes from offset " + std::to_string(off) +
+         " with pitch " + std::to_string(pitch);
+}
+
+}  // namespace
+
 std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<LocalRegion>>& srcs,
                                              const std::vector<std::shared_ptr<RemoteRegion>>& dsts,
                                              const WriteOp* ops, size_t n, bool has_imm) {
   if (closed_) throw TransportError("engine is closed");
-  // Validate everything first: a bad op must not leave half of a batch posted.
-  uint64_t pieces = 0, imms = 0, bytes = 0;
+  // Validate everything first: a bad op must not leave half of a batch posted. Pins taken here keep the
+  // sources' registrations alive until their pieces are done, even if deregistered meanwhile.
+  std::vector<std::shared_ptr<RegistrationHold>> pins(srcs.size());
+  uint64_t imms = 0, bytes = 0;
   for (size_t i = 0; i < n; ++i) {
     const WriteOp& op = ops[i];
     std::string where = n > 1 ? "write " + std::to_string(i) + " of the batch: " : "";
     if (op.src >= srcs.size() || !srcs[op.src]) throw UsageError(where + "source region index out of range");
     if (op.dst >= dsts.size() || !dsts[op.dst]) throw UsageError(where + "destination descriptor index out of range");
-    const LocalRegion& s = *srcs[op.src];
+    LocalRegion& s = *srcs[op.src];
     const RemoteRegion& d = *dsts[op.dst];
-    if (!s.valid || s.engine.get() != this) {
-      throw UsageError(where + "source region " + std::to_string(s.id) +
-                       (s.valid ? " is registered with another engine" : " was deregistered"));
+    if (s.engine.get() != this) {
+      throw UsageError(where + "source region " + std::to_string(s.id) + " is registered with another engine");
     }
-    if (op.src_off > s.len || op.len > s.len - op.src_off) {
-      throw UsageError(where + "reads bytes [" + std::to_string(op.src_off) + ", " +
-                       std::to_string(op.src_off + op.len) + ") outside source region " + std::to_string(s.id) +
-                       " of " + std::to_string(s.len) + " bytes");
+    if (!pins[op.src]) pins[op.src] = s.pin();
+    if (!pins[op.src]) throw UsageError(where + "source region " + std::to_string(s.id) + " was deregistered");
+    if (op.rows == 0) throw UsageError(where + "a write needs at least one row (rows=0)");
+    const uint64_t sp = op.rows > 1 && op.src_pitch ? op.src_pitch : op.len;
+    const uint64_t dp = op.rows > 1 && op.dst_pitch ? op.dst_pitch : op.len;
+    if (sp < op.len || dp < op.len) {
+      throw UsageError(where + "rows of " + std::to_string(op.len) + " bytes do not fit a pitch of " +
+                       std::to_string(std::min(sp, dp)) + " bytes (" + (sp < op.len ? "source" : "destination") +
+                       " side of a write to region " + std::to_string(d.id) + " of " + d.peer->label + ")");
     }
-    if (op.dst_off > d.len || op.len > d.len - op.dst_off) {
-      throw UsageError(where + "writes bytes [" + std::to_string(op.dst_off) + ", " +
-                       std::to_string(op.dst_off + op.len) + ") past the end of remote region " +
-                       std::to_string(d.id) + " of " + d.peer->label + " (" + std::to_string(d.len) + " bytes)");
+    if (!extent_fits(op.src_off, op.rows, sp, op.len, s.len)) {
+      throw UsageError(where + "reads " + extent_str(op.src_off, op.rows, sp, op.len) + " outside source region " +
+                       std::to_string(s.id) + " of " + std::to_string(s.len) + " bytes");
+    }
+    if (!extent_fits(op.dst_off, op.rows, dp, op.len, d.len)) {
+      throw UsageError(where + "writes " + extent_str(op.dst_off, op.rows, dp, op.len) +
+                       " past the end of remote region " + std::to_string(d.id) + " of " + d.peer->label + " (" +
+                       std::to_string(d.len) + " bytes)");
     }
     const bool by_copy = d.cuda_addr != 0;
     if (!by_copy && !s.on_fabric) {
@@ -299,57 +369,186 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
       std::lock_guard<std::mutex> lock(d.peer->mu);
       throw TransportError(where + d.peer->label + " is unreachable on every NIC: " + d.peer->last_error);
     }
-    pieces += op.len == 0 ? (has_imm ? 1 : 0) : ceil_div(op.len, piece_size(op.len));
-    imms += imm_count(op.len, has_imm);
-    bytes += op.len;
+    if (!by_copy && op.rows > 1 && has_imm && !fabric_delivery_complete_ && !fabric_ordered_) {
+      throw UsageError(where + "provider " + cfg_.provider + " can neither complete a write at delivery nor " +
+                       "keeps writes in order, so the immediate of a 2-D write could overtake its rows");
+    }
+    imms += imm_count(op.len, has_imm, op.rows);
+    bytes += op.len * op.rows;
   }
   std::string what = n == 1 ? "write of " + std::to_string(bytes) + " bytes to " + dsts[ops[0].dst]->peer->label +
                                   " region " + std::to_string(dsts[ops[0].dst]->id)
                             : "batch of " + std::to_string(n) + " writes (" + std::to_string(bytes) + " bytes)";
-  auto transfer = std::make_shared<TransferState>(pieces, imms, bytes, what);
-  if (pieces == 0) return transfer;
-
-  std::vector<std::vector<Piece*>> per_nic(workers_.size());
+  auto transfer = std::make_shared<TransferState>(0, imms, bytes, what);
+  std::vector<std::vector<Piece*>> per_nic(workers_.size() + 1);  // the last: no NIC left for them
   for (size_t i = 0; i < n; ++i) {
     const WriteOp& op = ops[i];
-    if (op.len == 0 && !has_imm) continue;
-    const uint64_t step = piece_size(op.len);
-    const uint64_t count = op.len == 0 ? 1 : ceil_div(op.len, step);
-    const bool by_copy = dsts[op.dst]->cuda_addr != 0;
-    const uint64_t start = by_copy ? 0 : rr_.fetch_add(count);
-    for (uint64_t k = 0; k < count; ++k) {
-      Piece* p = new Piece();
-      p->transfer = transfer;
-      p->src = srcs[op.src];
-      p->dst = dsts[op.dst];
-      p->src_off = op.src_off + k * step;
-      p->dst_off = op.dst_off + k * step;
-      p->len = op.len == 0 ? 0 : std::min(step, op.len - k * step);
-      p->imm = op.imm;
-      p->has_imm = has_imm;
-      if (by_copy) {
-        // The same pieces as over the NICs, each a copy-engine copy. Its immediate goes into the peer's
-        // shared-memory ring when that copy is done, or (no ring) follows over a fabric NIC.
-        const bool ring = p->dst->peer->cuda_imm;
-        p->has_imm = has_imm && ring;
-        p->signals = has_imm && !ring ? 1 : 0;
-        p->nic = cuda_lane_;
-        per_nic[cuda_lane_].push_back(p);
-        continue;
-      }
-      int nic = pick_nic(*p->dst->peer, start + k);
-      if (nic < 0) {
-        piece_failed(p, p->dst->peer->label + " became unreachable on every NIC");
-        continue;
-      }
-      p->nic = nic;
-      per_nic[nic].push_back(p);
-    }
+    make_pieces(op, transfer, srcs[op.src], pins[op.src], dsts[op.dst], has_imm, per_nic);
   }
+  uint64_t pieces = 0;
+  for (const auto& v : per_nic) pieces += v.size();
+  // Counted before any piece can complete: nothing is submitted yet.
+  transfer->add_pending(pieces);
+  for (Piece* p : per_nic.back()) piece_failed(p, p->dst->peer->label + " became unreachable on every NIC");
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (!per_nic[i].empty()) workers_[i]->submit(std::move(per_nic[i]));
   }
   return transfer;
+}
+
+void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
+                         const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
+                         const std::shared_ptr<RemoteRegion>& dst, bool has_imm,
+                         std::vector<std::vector<Piece*>>& per_nic) {
+  const bool by_copy = dst->cuda_addr != 0;
+  const bool two_d = op.rows > 1;
+  const uint64_t sp = two_d && op.src_pitch ? op.src_pitch : op.len;
+  const uint64_t dp = two_d && op.dst_pitch ? op.dst_pitch : op.len;
+  // Rows back to back on both sides are one contiguous span: cut it like a 1-D write.
+  const bool span = !two_d || (sp == op.len && dp == op.len);
+  const uint64_t total = op.len * op.rows;
+  const uint64_t imms = imm_count(op.len, has_imm, op.rows);
+  std::vector<Piece*> data;
+  auto piece = [&](uint64_t src_off, uint64_t dst_off, uint64_t len) {
+    Piece* p = new Piece();
+    p->transfer = transfer;
+    p->src = src;
+    p->pin = pin;
+    p->dst = dst;
+    p->src_off = src_off;
+    p->dst_off = dst_off;
+    p->len = len;
+    p->imm = op.imm;
+    data.push_back(p);
+    return p;
+  };
+
+  if (by_copy) {
+    // Copy engines: copies of cuda_piece bytes (or whole rows of a 2-D block) spread over the lane's
+    // streams. The write's immediates (its count by the rule above, so both lanes agree) go into the
+    // peer's shared-memory ring once every copy is done, or (no ring) follow over a fabric NIC.
+    const uint64_t step = cfg_.cuda_piece ? cfg_.cuda_piece : std::max<uint64_t>(total, 1);
+    if (span) {
+      for (uint64_t o = 0; o < total; o += step) piece(op.src_off + o, op.dst_off + o, std::min(step, total - o));
+    } else {
+      const uint64_t rows_per = std::max<uint64_t>(1, op.len ? step / op.len : op.rows);
+      for (uint64_t r = 0; r < op.rows; r += rows_per) {
+        Piece* p = piece(op.src_off + r * sp, op.dst_off + r * dp, op.len);
+        p->rows = std::min(rows_per, op.rows - r);
+        p->src_pitch = sp;
+        p->dst_pitch = dp;
+      }
+    }
+    const bool ring = dst->peer->cuda_imm;
+    auto carry = [&](Piece* p) {
+      p->has_imm = ring;
+      p->imm_repeat = static_cast<uint32_t>(imms);
+      p->signals = ring ? 0 : imms;
+    };
+    if (imms > 0 && data.size() <= 1) {
+      if (data.empty()) piece(op.src_off, op.dst_off, 0);
+      carry(data[0]);
+    } else if (imms > 0) {
+      auto group = std::make_shared<PieceGroup>(data.size());
+      Piece* t = new Piece();
+      t->transfer = transfer;
+      t->src = doorbell_;
+      t->pin = doorbell_->pin();
+      t->dst = dst;
+      t->dst_off = op.dst_off;
+      t->imm = op.imm;
+      t->nic = cuda_lane_;
+      carry(t);
+      group->trailer = t;
+      for (Piece* p : data) p->group = group;
+      transfer->add_pending(1);  // the trailer
+    }
+    for (Piece* p : data) {
+      p->nic = cuda_lane_;
+      per_nic[cuda_lane_].push_back(p);
+    }
+    return;
+  }
+
+  // Fabric NICs.
+  if (!two_d) {
+    const uint64_t step = piece_size(op.len);
+    if (op.len == 0 && has_imm) piece(op.src_off, op.dst_off, 0);
+    for (uint64_t o = 0; o < op.len; o += step) piece(op.src_off + o, op.dst_off + o, std::min(step, op.len - o));
+    for (Piece* p : data) p->has_imm = has_imm;
+  } else if (span) {
+    const uint64_t step = piece_size(total);
+    for (uint64_t o = 0; o < total; o += step) piece(op.src_off + o, op.dst_off + o, std::min(step, total - o));
+  } else {
+    // Rows as separate RMA writes (a one-sided write cannot scatter); long rows striped like 1-D writes.
+    const uint64_t step = piece_size(op.len);
+    for (uint64_t r = 0; r < op.rows; ++r) {
+      for (uint64_t o = 0; o < op.len; o += step) {
+        piece(op.src_off + r * sp + o, op.dst_off + r * dp + o, std::min(step, op.len - o));
+      }
+    }
+  }
+  const uint64_t start = rr_.fetch_add(std::max<size_t>(data.size(), 1));
+  int fixed_nic = -1;
+  if (two_d && has_imm) {
+    // One immediate for all rows, posted once every row completed locally. Local completion must mean
+    // "placed at the target" (FI_DELIVERY_COMPLETE), or the trailer, racing on another NIC, could be
+    // counted before the rows land. A provider without it but with ordered writes gets everything on
+    // one NIC instead (a NIC failure that moves rows elsewhere then loses that guarantee).
+    if (!fabric_delivery_complete_) fixed_nic = pick_nic(*dst->peer, start);
+    Piece* t = new Piece();
+    t->transfer = transfer;
+    t->src = doorbell_;
+    t->pin = doorbell_->pin();
+    t->dst = dst;
+    t->dst_off = op.dst_off;
+    t->has_imm = true;
+    t->imm = op.imm;
+    t->nic = fixed_nic;
+    if (data.empty()) {
+      data.push_back(t);
+    } else {
+      auto group = std::make_shared<PieceGroup>(data.size());
+      group->trailer = t;
+      for (Piece* p : data) {
+        p->group = group;
+        p->delivery = fabric_delivery_complete_;
+      }
+      transfer->add_pending(1);  // the trailer
+    }
+  }
+  for (uint64_t k = 0; k < data.size(); ++k) {
+    Piece* p = data[k];
+    const int nic = fixed_nic >= 0 ? fixed_nic : pick_nic(*dst->peer, start + k);
+    p->nic = nic;
+    per_nic[nic < 0 ? workers_.size() : static_cast<size_t>(nic)].push_back(p);
+  }
+}
+
+PieceGroup::~PieceGroup() { delete trailer; }
+
+void Engine::group_member_done(Piece* p, bool ok) {
+  std::shared_ptr<PieceGroup> group = std::move(p->group);
+  if (!ok) group->failed = true;
+  if (group->remaining.fetch_sub(1) != 1) return;
+  if (group->failed) return;  // the transfer already failed; the trailer goes with the group
+  Piece* t = group->trailer;
+  group->trailer = nullptr;
+  post_trailer(t);
+}
+
+void Engine::post_trailer(Piece* t) {
+  if (t->nic == cuda_lane_ && cuda_lane_ >= 0) {
+    workers_[cuda_lane_]->submit({t});
+    return;
+  }
+  int nic = t->nic >= 0 && !t->dst->peer->path_failed[t->nic].load() ? t->nic : pick_nic(*t->dst->peer, rr_++);
+  if (nic < 0) {
+    piece_failed(t, t->dst->peer->label + " became unreachable on every NIC before the immediate was sent");
+    return;
+  }
+  t->nic = nic;
+  workers_[nic]->submit({t});
 }
 
 void Engine::piece_done(Piece* p, int nic) {
@@ -358,6 +557,7 @@ void Engine::piece_done(Piece* p, int nic) {
   } else {
     p->transfer->piece_done();
   }
+  if (p->group) group_member_done(p, true);
   delete p;
 }
 
@@ -367,6 +567,8 @@ void Engine::send_signals(Piece* copy) {
   bell->len = 64;
   bell->base = copy->dst->peer->doorbell_base;
   bell->key = copy->dst->peer->doorbell_key;
+  // The copy's place in the transfer passes to its signals: one for each immediate it owes.
+  if (copy->signals > 1) copy->transfer->add_pending(copy->signals - 1);
   std::vector<std::vector<Piece*>> per_nic(workers_.size());
   for (uint64_t k = 0; k < copy->signals; ++k) {
     Piece* s = new Piece();
@@ -390,6 +592,7 @@ void Engine::send_signals(Piece* copy) {
 
 void Engine::piece_failed(Piece* p, const std::string& why) {
   p->transfer->piece_failed(p->transfer->what() + " failed: " + why);
+  if (p->group) group_member_done(p, false);
   delete p;
 }
 

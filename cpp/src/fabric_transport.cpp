@@ -103,6 +103,23 @@ FabricTransport::FabricTransport(const std::string& provider, const std::string&
   key_size_ = info_->domain_attr->mr_key_size ? info_->domain_attr->mr_key_size : 8;
   rx_cq_data_ = (info_->mode & FI_RX_CQ_DATA) != 0;
   max_msg_size_ = info_->ep_attr->max_msg_size ? info_->ep_attr->max_msg_size : (1ull << 30);
+  orders_writes_ = (info_->tx_attr->msg_order & FI_ORDER_WAW) != 0;
+  {
+    // A write whose immediate travels separately (2-D writes: one immediate after all rows) may only be
+    // announced once its bytes are placed at the target; local completion by default only means
+    // "sent". Ask whether this provider can complete a write at delivery instead.
+    fi_info* dc_hints = make_hints(provider, domain_);
+    dc_hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+    fi_info* dc = nullptr;
+    if (fi_getinfo(kFiVersion, nullptr, nullptr, 0, dc_hints, &dc) == 0) {
+      for (fi_info* cur = dc; cur != nullptr; cur = cur->next) {
+        const char* name = cur->domain_attr->name;
+        if (name != nullptr && domain_ == name) delivery_complete_ = true;
+      }
+      fi_freeinfo(dc);
+    }
+    fi_freeinfo(dc_hints);
+  }
   tx_size_ = info_->tx_attr->size ? info_->tx_attr->size : 256;
 
   try {
@@ -236,7 +253,24 @@ uint64_t FabricTransport::insert_peer(const std::string& address) {
 
 int FabricTransport::post_write(const WriteRequest& req) {
   ssize_t rc;
-  if (req.has_imm) {
+  if (req.delivery_complete) {
+    if (!delivery_complete_) return -FI_EOPNOTSUPP;
+    // fi_writemsg is the only call that takes per-operation completion flags.
+    iovec iov{const_cast<void*>(req.src), req.len};
+    void* desc = req.src_desc;
+    fi_rma_iov rma{req.remote_addr, req.len, req.key};
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = req.peer;
+    msg.rma_iov = &rma;
+    msg.rma_iov_count = 1;
+    msg.context = req.context;
+    msg.data = req.imm;
+    uint64_t flags = FI_DELIVERY_COMPLETE | FI_COMPLETION | (req.has_imm ? FI_REMOTE_CQ_DATA : 0);
+    rc = fi_writemsg(ep_, &msg, flags);
+  } else if (req.has_imm) {
     rc = fi_writedata(ep_, req.src, req.len, req.src_desc, req.imm, req.peer, req.remote_addr, req.key,
                       req.context);
   } else {

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <mutex>
 #include <new>
 
 #include "weightsync/errors.hpp"
@@ -119,6 +120,54 @@ void ImmRing::sleep(int64_t timeout_us) {
     futex(&shared_->bell, FUTEX_WAIT, bell, &ts);
   }
   shared_->sleeping.store(0, std::memory_order_relaxed);
+}
+
+namespace {
+std::mutex& live_mutex() {
+  // One table per process (its own ring): the few register/deregister calls share a lock.
+  static std::mutex mu;
+  return mu;
+}
+}  // namespace
+
+bool ImmRing::set_live(uint64_t id, bool live) {
+  if (shared_ == nullptr || id == 0 || id == kDead) return false;
+  std::lock_guard<std::mutex> lock(live_mutex());
+  const uint64_t start = id % kLiveSlots;
+  if (live) {
+    // Ids are never reused, so the first free or freed slot along the probe is ours.
+    for (uint64_t k = 0; k < kLiveSlots; ++k) {
+      std::atomic<uint64_t>& slot = shared_->live[(start + k) % kLiveSlots];
+      const uint64_t v = slot.load(std::memory_order_relaxed);
+      if (v == id) return true;
+      if (v == 0 || v == kDead) {
+        slot.store(id, std::memory_order_release);
+        return true;
+      }
+    }
+    return false;
+  }
+  for (uint64_t k = 0; k < kLiveSlots; ++k) {
+    std::atomic<uint64_t>& slot = shared_->live[(start + k) % kLiveSlots];
+    const uint64_t v = slot.load(std::memory_order_relaxed);
+    if (v == 0) return true;  // not there
+    if (v == id) {
+      slot.store(kDead, std::memory_order_seq_cst);
+      return true;
+    }
+  }
+  return true;
+}
+
+bool ImmRing::is_live(uint64_t id) const {
+  if (shared_ == nullptr || id == 0 || id == kDead) return false;
+  const uint64_t start = id % kLiveSlots;
+  for (uint64_t k = 0; k < kLiveSlots; ++k) {
+    const uint64_t v = shared_->live[(start + k) % kLiveSlots].load(std::memory_order_acquire);
+    if (v == id) return true;
+    if (v == 0) return false;
+  }
+  return false;
 }
 
 void ImmRing::wake() {

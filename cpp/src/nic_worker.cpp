@@ -185,6 +185,12 @@ void NicWorker::post_pending() {
     req.has_imm = p->has_imm;
     req.imm = p->imm;
     req.context = p;
+    req.delivery_complete = p->delivery;
+    req.rows = p->rows;
+    req.src_pitch = p->src_pitch;
+    req.dst_pitch = p->dst_pitch;
+    req.imm_repeat = p->imm_repeat;
+    req.remote_region = p->dst->id;
     int rc = transport_->post_write(req);
     if (rc == -EAGAIN) {
       if (blocked_since_ == Clock::time_point{}) blocked_since_ = Clock::now();
@@ -195,7 +201,8 @@ void NicWorker::post_pending() {
     if (rc != 0) {
       errors_++;
       if (cuda_lane_) {
-        engine_->piece_failed(p, "copy could not start on " + transport_->nic_name() + ": " +
+        engine_->piece_failed(p, "copy into region " + std::to_string(p->dst->id) + " of " + peer.label +
+                                     " could not start on " + transport_->nic_name() + ": " +
                                      transport_->error_string(-rc));
       } else {
         engine_->reroute(p, index_, "posting failed: " + transport_->error_string(-rc));

@@ -131,7 +131,8 @@ NB_MODULE(_core, m) {
           "create",
           [](const std::string& transport, const std::string& provider, const std::vector<std::string>& nics,
              uint64_t stripe_threshold, uint64_t max_piece, uint64_t window_bytes, uint64_t window_ops,
-             double stall_timeout_s, int cuda_device) {
+             double stall_timeout_s, int cuda_device, uint64_t cuda_piece, int cuda_streams,
+             double cuda_spin_us) {
             ws::EngineConfig cfg;
             cfg.transport = transport;
             cfg.provider = provider;
@@ -142,11 +143,15 @@ NB_MODULE(_core, m) {
             cfg.window_ops = window_ops;
             cfg.stall_timeout_s = stall_timeout_s;
             cfg.cuda_device = cuda_device;
+            cfg.cuda_piece = cuda_piece;
+            cfg.cuda_streams = cuda_streams;
+            cfg.cuda_spin_us = cuda_spin_us;
             nb::gil_scoped_release release;
             return ws::Engine::create(cfg);
           },
           "transport"_a, "provider"_a, "nics"_a, "stripe_threshold"_a, "max_piece"_a, "window_bytes"_a,
-          "window_ops"_a, "stall_timeout_s"_a, "cuda_device"_a = -1)
+          "window_ops"_a, "stall_timeout_s"_a, "cuda_device"_a = -1, "cuda_piece"_a = 64ull << 20,
+          "cuda_streams"_a = 2, "cuda_spin_us"_a = 50.0)
       .def_prop_ro("uid", &ws::Engine::uid)
       .def_prop_ro("provider", &ws::Engine::provider)
       .def_prop_ro("transport", &ws::Engine::transport_kind)
@@ -162,11 +167,14 @@ NB_MODULE(_core, m) {
       .def_prop_ro("doorbell_keys", &ws::Engine::doorbell_keys)
       .def_prop_ro("stripe_threshold", [](const ws::Engine& e) { return e.config().stripe_threshold; })
       .def_prop_ro("max_piece", [](const ws::Engine& e) { return e.config().max_piece; })
+      .def_prop_ro("two_d_mode", &ws::Engine::two_d_mode)
+      .def_prop_ro("cuda_piece", [](const ws::Engine& e) { return e.config().cuda_piece; })
+      .def_prop_ro("cuda_streams", [](const ws::Engine& e) { return e.config().cuda_streams; })
       .def_prop_ro("closed", &ws::Engine::closed)
       .def("register", [](ws::Engine& e, uintptr_t ptr, uint64_t len, int kind, int device) {
         return e.register_memory(reinterpret_cast<void*>(ptr), len, static_cast<ws::MemKind>(kind), device);
       }, "ptr"_a, "len"_a, "kind"_a, "device"_a, nb::call_guard<nb::gil_scoped_release>())
-      .def("deregister", &ws::Engine::deregister)
+      .def("deregister", &ws::Engine::deregister, nb::call_guard<nb::gil_scoped_release>())
       .def("connect", [](ws::Engine& e, const std::string& uid, const std::string& provider,
                          const std::vector<nb::bytes>& addresses, nb::bytes cuda_address,
                          const std::vector<uint64_t>& doorbell_base, const std::vector<uint64_t>& doorbell_key) {
@@ -183,28 +191,35 @@ NB_MODULE(_core, m) {
         nb::gil_scoped_release release;
         return e.import_region(peer, id, len, base, key, blob);
       })
-      .def("imm_count", &ws::Engine::imm_count, "nbytes"_a, "has_imm"_a = true)
+      .def("imm_count", &ws::Engine::imm_count, "nbytes"_a, "has_imm"_a = true, "rows"_a = 1)
       .def("write", [](ws::Engine& e, std::shared_ptr<ws::LocalRegion> src, uint64_t src_off,
                        std::shared_ptr<ws::RemoteRegion> dst, uint64_t dst_off, uint64_t len,
-                       std::optional<uint32_t> imm) {
-        ws::WriteOp op{0, src_off, 0, dst_off, len, imm.value_or(0)};
+                       std::optional<uint32_t> imm, uint64_t rows, uint64_t src_pitch, uint64_t dst_pitch) {
+        ws::WriteOp op{0, src_off, 0, dst_off, len, imm.value_or(0), rows, src_pitch, dst_pitch};
         return e.write({std::move(src)}, {std::move(dst)}, &op, 1, imm.has_value());
-      }, "src"_a, "src_off"_a, "dst"_a, "dst_off"_a, "len"_a, "imm"_a.none())
+      }, "src"_a, "src_off"_a, "dst"_a, "dst_off"_a, "len"_a, "imm"_a.none(), "rows"_a = 1, "src_pitch"_a = 0,
+         "dst_pitch"_a = 0)
       .def("write_batch", [](ws::Engine& e, const std::vector<std::shared_ptr<ws::LocalRegion>>& srcs,
                              const std::vector<std::shared_ptr<ws::RemoteRegion>>& dsts, Column<uint32_t> src_idx,
                              Column<uint64_t> src_off, Column<uint32_t> dst_idx, Column<uint64_t> dst_off,
-                             Column<uint64_t> len, std::optional<Column<uint32_t>> imm) {
+                             Column<uint64_t> len, std::optional<Column<uint32_t>> imm,
+                             std::optional<Column<uint64_t>> rows, std::optional<Column<uint64_t>> src_pitch,
+                             std::optional<Column<uint64_t>> dst_pitch) {
         const size_t n = src_idx.shape(0);
+        auto bad = [n](const auto& col) { return col && col->shape(0) != n; };
         if (src_off.shape(0) != n || dst_idx.shape(0) != n || dst_off.shape(0) != n || len.shape(0) != n ||
-            (imm && imm->shape(0) != n)) {
+            bad(imm) || bad(rows) || bad(src_pitch) || bad(dst_pitch)) {
           throw ws::UsageError("write_batch: all columns must have the same length");
         }
         std::vector<ws::WriteOp> ops(n);
         for (size_t i = 0; i < n; ++i) {
-          ops[i] = ws::WriteOp{src_idx(i), src_off(i), dst_idx(i), dst_off(i), len(i), imm ? (*imm)(i) : 0u};
+          ops[i] = ws::WriteOp{src_idx(i), src_off(i), dst_idx(i), dst_off(i), len(i), imm ? (*imm)(i) : 0u,
+                               rows ? (*rows)(i) : 1u, src_pitch ? (*src_pitch)(i) : 0u,
+                               dst_pitch ? (*dst_pitch)(i) : 0u};
         }
         return e.write(srcs, dsts, ops.data(), n, imm.has_value());
-      }, "srcs"_a, "dsts"_a, "src_idx"_a, "src_off"_a, "dst_idx"_a, "dst_off"_a, "len"_a, "imm"_a.none())
+      }, "srcs"_a, "dsts"_a, "src_idx"_a, "src_off"_a, "dst_idx"_a, "dst_off"_a, "len"_a, "imm"_a.none(),
+         "rows"_a.none() = nb::none(), "src_pitch"_a.none() = nb::none(), "dst_pitch"_a.none() = nb::none())
       .def("counter_wait", [](ws::Engine& e, uint32_t imm, uint64_t n, double timeout) {
         return e.counters().wait(imm, n, timeout);
       }, "imm"_a, "n"_a, "timeout"_a, nb::call_guard<nb::gil_scoped_release>())

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -34,7 +35,9 @@ std::string host_identity();
 
 class CudaTransport final : public Transport {
  public:
-  explicit CudaTransport(int device);
+  // `streams`: copies are spread over this many streams; `spin_us`: an idle worker keeps polling this
+  // long after its last copy before it sleeps (back-to-back writes then skip a wake-up).
+  CudaTransport(int device, int streams, double spin_us);
   ~CudaTransport() override;
 
   std::string kind() const override { return "cuda"; }
@@ -60,9 +63,15 @@ class CudaTransport final : public Transport {
 
   const std::string& uuid() const { return uuid_; }
 
+  // Marks one of our exported regions as writable by peers or not (the live table in our ring). Unlike
+  // the rest of the transport, any thread may call it: deregistration must take effect at once.
+  void set_region_live(uint64_t id, bool live);
+
  private:
   void check(int rc, const char* what) const;
   void make_current() const;
+  // Queues the copy of `req` (1-D or 2-D) on `stream`; returns a CUresult.
+  int enqueue_copy(const WriteRequest& req, void* stream);
 
   const CudaApi* api_;
   int device_;
@@ -74,12 +83,16 @@ class CudaTransport final : public Transport {
   std::string address_;
   std::string host_;
   struct Inflight {
-    void* event;
+    void* event;  // null: nothing to wait for (a zero-length write), complete at the next poll
     void* context;
     uint64_t peer;
     bool has_imm;
     uint32_t imm;
+    uint32_t imm_repeat;
   };
+  size_t max_pitch_ = 0;  // CU_DEVICE_ATTRIBUTE_MAX_PITCH: larger pitches are copied row by row
+  double spin_us_ = 0;
+  std::chrono::steady_clock::time_point last_busy_{};
   ImmRing ring_;                                  // immediates other processes push to us
   std::unordered_map<uint64_t, ImmRing> peer_rings_;  // by peer handle: where we push theirs
   std::unordered_map<uint64_t, int> peer_pids_;       // by peer handle: to notice a peer that exited

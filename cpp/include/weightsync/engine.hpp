@@ -24,6 +24,7 @@
 namespace weightsync {
 
 class Engine;
+class CudaTransport;
 
 struct EngineConfig {
   std::string transport = "fabric";
@@ -35,6 +36,21 @@ struct EngineConfig {
   uint64_t window_ops = 256;               // operations in flight per NIC (capped by the provider)
   double stall_timeout_s = 5.0;  // a NIC path with work in flight and no completion for this long failed
   int cuda_device = -1;          // >= 0: add a cuda lane (copy engines) for same-host GPU peers
+  // cuda lane: a 1-D write is cut into copies of this size (0: one copy per write), spread over
+  // `cuda_streams` streams. Copy engines need no NIC-sized pieces; fewer, larger copies cost less.
+  uint64_t cuda_piece = 64ull << 20;
+  int cuda_streams = 2;
+  // cuda lane: how long an idle worker keeps polling before it sleeps (a wake-up costs microseconds).
+  double cuda_spin_us = 50.0;
+};
+
+// What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) alive:
+// the region until it is deregistered, and every piece still reading from it. The last one releases.
+struct RegistrationHold {
+  std::weak_ptr<Engine> engine;
+  uint64_t id = 0;
+  std::vector<MemRegistration> regs;
+  ~RegistrationHold();
 };
 
 // Memory registered on every NIC of the engine.
@@ -50,7 +66,13 @@ struct LocalRegion {
   std::string fabric_error;
   std::atomic<bool> valid{true};
   std::shared_ptr<Engine> engine;  // registrations are released through the engine's workers
-  ~LocalRegion();
+  // Null once deregistered. Pieces take their own reference (pin) while the region is valid.
+  std::shared_ptr<RegistrationHold> pin() {
+    std::lock_guard<std::mutex> lock(hold_mu);
+    return hold;
+  }
+  std::mutex hold_mu;
+  std::shared_ptr<RegistrationHold> hold;
 };
 
 // A remote engine, reachable through each of our NICs (local NIC i talks to its NIC i mod M).
@@ -79,17 +101,36 @@ struct RemoteRegion {
   uint64_t cuda_addr = 0;      // mapped through CUDA IPC on our cuda lane (0: not reachable that way)
 };
 
+struct Piece;
+
+// The pieces of one write that deliver a single immediate between them (2-D writes; cuda-lane writes cut
+// into several copies): none carries the immediate; once all completed, the trailer (a zero-length write
+// carrying it) is posted. Fabric pieces of a group complete at delivery, so the trailer cannot overtake
+// their bytes.
+struct PieceGroup {
+  explicit PieceGroup(uint64_t n) : remaining(n) {}
+  ~PieceGroup();
+  std::atomic<uint64_t> remaining;
+  std::atomic<bool> failed{false};
+  Piece* trailer = nullptr;  // owned until posted
+};
+
 // One posted write (a piece of a transfer). The transport's context must be the first member.
 struct Piece {
   TransportContext tctx;
   std::shared_ptr<TransferState> transfer;
   std::shared_ptr<LocalRegion> src;
+  std::shared_ptr<RegistrationHold> pin;  // the source's registrations stay until this piece is done
   uint64_t src_off = 0;
   std::shared_ptr<RemoteRegion> dst;
   uint64_t dst_off = 0;
   uint64_t len = 0;
   bool has_imm = false;
   uint32_t imm = 0;
+  uint32_t imm_repeat = 1;  // cuda lane: immediates pushed for this copy (the write's whole count)
+  uint64_t rows = 1, src_pitch = 0, dst_pitch = 0;  // cuda lane: a 2-D copy (fabric posts rows singly)
+  bool delivery = false;  // fabric: complete only once placed at the target (a trailer announces it)
+  std::shared_ptr<PieceGroup> group;
   int nic = -1;
   uint64_t signals = 0;  // cuda lane: immediates to deliver over a fabric NIC once the copy is done
   bool stale = false;  // superseded by a retry on another NIC; its completion is ignored
@@ -167,6 +208,9 @@ class NicWorker {
       rerouted_{0}, failed_paths_{0}, in_flight_{0};
 };
 
+// One write of a batch. rows > 1 makes it 2-D: `rows` rows of `len` bytes, the rows `src_pitch` and
+// `dst_pitch` bytes apart (0: `len`, rows back to back). A 2-D write delivers exactly one immediate on
+// every lane, whatever its size; a 1-D write delivers one per piece (Engine::imm_count).
 struct WriteOp {
   uint32_t src;     // index into the batch's local regions
   uint64_t src_off;
@@ -174,6 +218,9 @@ struct WriteOp {
   uint64_t dst_off;
   uint64_t len;
   uint32_t imm;
+  uint64_t rows = 1;
+  uint64_t src_pitch = 0;
+  uint64_t dst_pitch = 0;
 };
 
 class Engine : public std::enable_shared_from_this<Engine> {
@@ -194,6 +241,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<uint64_t> doorbell_bases() const;
   std::vector<uint64_t> doorbell_keys() const;
   const EngineConfig& config() const { return cfg_; }
+  // How the fabric NICs make a 2-D write's immediate follow its rows: "delivery" (rows complete at
+  // delivery, FI_DELIVERY_COMPLETE), "ordered" (all on one NIC, writes placed in order) or "" (neither:
+  // 2-D writes with an immediate are refused).
+  std::string two_d_mode() const {
+    return fabric_delivery_complete_ ? "delivery" : fabric_ordered_ ? "ordered" : "";
+  }
 
   std::shared_ptr<LocalRegion> register_memory(void* ptr, uint64_t len, MemKind kind, int device);
   void deregister(const std::shared_ptr<LocalRegion>& region);
@@ -206,8 +259,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
                                               const std::vector<uint64_t>& base,
                                               const std::vector<uint64_t>& key, const std::string& cuda_blob);
 
-  // Immediates a write of `nbytes` delivers (one per piece; see pieces_for).
-  uint64_t imm_count(uint64_t nbytes, bool has_imm) const;
+  // Immediates a write of `nbytes` (per row) delivers: one per piece for a 1-D write (see piece_size),
+  // exactly one for a 2-D write (rows > 1), none without an immediate.
+  uint64_t imm_count(uint64_t nbytes, bool has_imm, uint64_t rows = 1) const;
 
   std::shared_ptr<TransferState> write(const std::vector<std::shared_ptr<LocalRegion>>& srcs,
                                        const std::vector<std::shared_ptr<RemoteRegion>>& dsts,
@@ -231,6 +285,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   uint64_t piece_size(uint64_t nbytes) const;
   int pick_nic(Peer& peer, uint64_t hint);
   void send_signals(Piece* copy);
+  void group_member_done(Piece* p, bool ok);
+  void post_trailer(Piece* t);
+  // The pieces of one op, appended per lane; `pins` holds the batch's source pins.
+  void make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
+                   const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
+                   const std::shared_ptr<RemoteRegion>& dst, bool has_imm,
+                   std::vector<std::vector<Piece*>>& per_nic);
+  CudaTransport& cuda_transport();
 
   EngineConfig cfg_;
   std::string uid_;
@@ -241,6 +303,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::shared_ptr<LocalRegion> doorbell_;  // target of zero-length writes that carry copy completions
   ImmCounters counters_;
   std::atomic<bool> closed_{false};
+  bool fabric_delivery_complete_ = true;  // every NIC can complete a write at delivery
+  bool fabric_ordered_ = true;            // every NIC places the writes of one path in order
   std::atomic<uint64_t> next_region_{1}, next_peer_{1}, rr_{0};
   std::mutex regions_mu_;
   std::unordered_map<uint64_t, std::vector<MemRegistration>> live_regions_;

@@ -50,6 +50,8 @@ class FabricTransport final : public Transport {
   void wait(int timeout_ms) override;
   void signal() override;
 
+  bool delivery_complete() const override { return delivery_complete_; }
+  bool orders_writes() const override { return orders_writes_; }
   uint64_t max_write() const override { return max_msg_size_; }
   size_t max_outstanding() const override { return tx_size_; }
   std::string error_string(int err) const override;
@@ -74,6 +76,8 @@ class FabricTransport final : public Transport {
   bool rx_cq_data_ = false;  // provider needs a posted receive per incoming remote CQ data
   uint64_t max_msg_size_ = 0;
   size_t tx_size_ = 0;
+  bool delivery_complete_ = false;  // the provider accepts FI_DELIVERY_COMPLETE on a write
+  bool orders_writes_ = false;      // FI_ORDER_WAW: writes on one path land in posting order
   // Receive contexts for providers with FI_RX_CQ_DATA.
   std::vector<TransportContext> rx_ctx_;
   // A completion that wait() read while blocking in fi_cq_sread, handed out by the next poll().

@@ -17,6 +17,7 @@ namespace weightsync {
 class ImmRing {
  public:
   static constexpr uint64_t kSlots = 1 << 14;
+  static constexpr uint64_t kLiveSlots = 1 << 15;
 
   // Creates this process's ring (the consumer side).
   static ImmRing create();
@@ -42,6 +43,13 @@ class ImmRing {
   // Wakes a sleeping consumer (producers call it after push; the owner for its own work queue).
   void wake();
 
+  // The owner's table of live registrations: which of its region ids peers may still copy into. A peer
+  // checks it before each copy, so a region the owner deregistered (and may have freed and reused) is
+  // refused instead of overwritten. Owner side: false when the table is full. Thread-safe for the owner.
+  bool set_live(uint64_t id, bool live);
+  // Producer side (any process mapping the ring): whether region `id` is registered now.
+  bool is_live(uint64_t id) const;
+
  private:
   struct Slot {
     std::atomic<uint64_t> seq;
@@ -53,7 +61,10 @@ class ImmRing {
     alignas(64) std::atomic<uint32_t> bell;
     std::atomic<uint32_t> sleeping;
     alignas(64) Slot slots[kSlots];
+    // Open addressing by id; 0: never used (ends a search), kDead: freed (a search goes on past it).
+    alignas(64) std::atomic<uint64_t> live[kLiveSlots];
   };
+  static constexpr uint64_t kDead = ~0ull;
 
   Shared* shared_ = nullptr;
   int fd_ = -1;

@@ -14,6 +14,23 @@ class TransferState {
   TransferState(uint64_t pieces, uint64_t imm_count, uint64_t bytes, std::string what)
       : pending_(pieces), imm_count_(imm_count), bytes_(bytes), what_(std::move(what)) {}
 
+  // More pieces than the write started with (pieces made after construction, signals a copy fans out to).
+  void add_pending(uint64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_ += n;
+  }
+
+  // Fails the transfer as a whole (a triggered write whose op went bad, a cancelled trigger).
+  void fail(const std::string& error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_) {
+      failed_ = true;
+      error_ = error;
+    }
+    pending_ = 0;
+    cv_.notify_all();
+  }
+
   void piece_done() {
     std::lock_guard<std::mutex> lock(mu_);
     if (pending_ > 0 && --pending_ == 0) cv_.notify_all();

@@ -38,6 +38,15 @@ struct WriteRequest {
   bool has_imm = false;
   uint32_t imm = 0;
   void* context = nullptr;  // starts with a TransportContext
+  // Local completion only after the bytes are placed in the target's memory (FI_DELIVERY_COMPLETE),
+  // not merely sent: the engine needs it where another write's immediate announces these bytes.
+  bool delivery_complete = false;
+  // cuda lane only. A 2-D copy: `rows` rows of `len` bytes, `src_pitch`/`dst_pitch` apart (rows > 1).
+  uint64_t rows = 1;
+  uint64_t src_pitch = 0;
+  uint64_t dst_pitch = 0;
+  uint32_t imm_repeat = 1;  // immediates to push for this one copy (the engine's count for the write)
+  uint64_t remote_region = 0;  // the destination's region id, checked against its live registrations
 };
 
 struct Completion {
@@ -76,6 +85,11 @@ class Transport {
   virtual void wait(int timeout_ms) = 0;
   // Wakes a concurrent `wait` (the only method another thread may call).
   virtual void signal() = 0;
+
+  // Whether post_write honours WriteRequest::delivery_complete, and whether writes on one path are
+  // placed at the target in the order they were posted (then a later write cannot overtake them).
+  virtual bool delivery_complete() const { return true; }
+  virtual bool orders_writes() const { return false; }
 
   virtual uint64_t max_write() const = 0;       // largest single write the transport accepts
   virtual size_t max_outstanding() const = 0;   // operations it can hold in flight
