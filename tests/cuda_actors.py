@@ -19,8 +19,8 @@ def pattern(nbytes: int, seed: int) -> torch.Tensor:
 
 
 class GpuEnd:
-    def __init__(self) -> None:
-        self.engine = ws.TransferEngine(transport="cuda")
+    def __init__(self, **engine_kwargs: Any) -> None:
+        self.engine = ws.TransferEngine(transport="cuda", **engine_kwargs)
         self.buffers: dict[int, torch.Tensor] = {}
         self.regions: dict[int, Any] = {}
         self.peers: dict[bytes, Any] = {}
@@ -42,6 +42,24 @@ class GpuEnd:
         del self.buffers[region]
         torch.cuda.empty_cache()
 
+    def reconfigure(self, **engine_kwargs: Any) -> None:
+        """A fresh engine with other settings (cuda_piece, cuda_streams, ...); regions and peers go."""
+        self.engine.close()
+        self.regions.clear()
+        self.buffers.clear()
+        self.peers.clear()
+        torch.cuda.empty_cache()
+        self.engine = ws.TransferEngine(transport="cuda", **engine_kwargs)
+
+    def deregister(self, region: int) -> None:
+        """Deregisters a region but keeps (and re-poisons) its memory, so a stray write would show."""
+        self.engine.deregister(self.regions.pop(region))
+        self.buffers[region].fill_(POISON)
+        torch.cuda.synchronize()
+
+    def untouched(self, region: int) -> bool:
+        return bool((self.buffers[region] == POISON).all())
+
     def _peer(self, address: bytes) -> Any:
         if address not in self.peers:
             self.peers[address] = self.engine.connect(address)
@@ -51,14 +69,16 @@ class GpuEnd:
         return self._peer(address).transport
 
     def write(self, region: int, src_off: int, address: bytes, descriptor: bytes, dst_off: int, nbytes: int,
-              imm: int | None = 1, repeat: int = 1, timeout: float = 60.0) -> dict[str, Any]:
+              imm: int | None = 1, repeat: int = 1, timeout: float = 60.0, rows: int = 1, src_pitch: int = 0,
+              dst_pitch: int = 0) -> dict[str, Any]:
         torch.cuda.synchronize()
         peer = self._peer(address)
         times = []
         imm_count = 0
         for _ in range(repeat):
             t0 = time.perf_counter()
-            t = self.engine.write(self.regions[region], src_off, peer, descriptor, dst_off, nbytes, imm)
+            t = self.engine.write(self.regions[region], src_off, peer, descriptor, dst_off, nbytes, imm,
+                                  rows=rows, src_pitch=src_pitch, dst_pitch=dst_pitch)
             t.wait(timeout)
             times.append(time.perf_counter() - t0)
             imm_count += t.imm_count
@@ -75,6 +95,23 @@ class GpuEnd:
             "data": bool(torch.equal(buf[off:off + nbytes], want)),
             "before": bool((buf[:off] == POISON).all()),
             "after": bool((buf[off + nbytes:] == POISON).all()),
+        }
+
+    def check_rows(self, region: int, off: int, rows: int, row_bytes: int, pitch: int, seed: int,
+                   src_off: int, src_pitch: int, src_len: int) -> dict[str, bool]:
+        """Rows of a 2-D write: each equals its row of the source pattern (``src_len`` bytes from
+        ``seed``); every byte outside the rows, between them included, is still poison."""
+        buf = self.buffers[region]
+        want = pattern(src_len, seed)
+        r = torch.arange(rows, device="cuda").unsqueeze(1)
+        c = torch.arange(row_bytes, device="cuda").unsqueeze(0)
+        got_idx = (off + r * pitch + c).flatten()
+        want_idx = (src_off + r * src_pitch + c).flatten()
+        mask = torch.ones(buf.numel(), dtype=torch.bool, device="cuda")
+        mask[got_idx] = False
+        return {
+            "data": bool(torch.equal(buf[got_idx], want[want_idx])),
+            "outside": bool((buf[mask] == POISON).all()),
         }
 
     def stats(self) -> list[dict[str, Any]]:

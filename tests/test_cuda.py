@@ -65,6 +65,60 @@ def test_handle_that_cannot_be_opened(pair) -> None:
     assert ray.get(dst.check.remote(d_id, 0, 4096, 1, 0))["data"]
 
 
+# (rows, row bytes, source pitch, destination pitch): strided both sides at odd sizes; pitches past the
+# copy engines' 2-D limit (the lane then copies row by row); more rows than one 2-D copy takes; rows
+# back to back (one span, cut into cuda_piece copies); big rows.
+TWO_D = [
+    (7, 100, 1000, 333),
+    (2, 4097, (2 << 30) + 7, 5000),
+    (70_000, 3, 5, 7),
+    (96, 1 << 20, 1 << 20, 1 << 20),
+    (5, (64 << 20) + 1, (65 << 20), (64 << 20) + 3),
+]
+
+
+@pytest.mark.parametrize(("rows", "row_bytes", "src_pitch", "dst_pitch"), TWO_D)
+def test_2d_writes_between_ray_gpu_actors(pair, rows: int, row_bytes: int, src_pitch: int,
+                                          dst_pitch: int) -> None:
+    src, dst, (_s, dst_info) = pair
+    src_off, dst_off, pad = 3, 4097, 77
+    src_len = src_off + (rows - 1) * src_pitch + row_bytes + 5
+    s_id, _ = ray.get(src.alloc.remote(src_len, seed=rows))
+    d_id, d_desc = ray.get(dst.alloc.remote(dst_off + (rows - 1) * dst_pitch + row_bytes + pad))
+    out = ray.get(src.write.remote(s_id, src_off, dst_info["address"], d_desc, dst_off, row_bytes, imm=40,
+                                   repeat=2, rows=rows, src_pitch=src_pitch, dst_pitch=dst_pitch))
+    assert out["imm_count"] == 2  # one immediate per 2-D write, on the cuda lane too
+    ray.get(dst.counter_wait.remote(40, 2))
+    time.sleep(0.2)
+    with pytest.raises(ray.exceptions.RayTaskError, match="TimeoutError"):
+        ray.get(dst.counter_wait.remote(40, 1, 0.2))  # and not one more
+    result = ray.get(dst.check_rows.remote(d_id, dst_off, rows, row_bytes, dst_pitch, rows, src_off,
+                                           src_pitch, src_len))
+    assert result == {"data": True, "outside": True}, result
+    ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
+
+
+def test_write_into_deregistered_gpu_region_is_refused(pair) -> None:
+    """The destination deregistered the region (and could reuse its memory): the writer checks the
+    destination's live table before each copy and fails with an error naming the region."""
+    src, dst, (_s, dst_info) = pair
+    s_id, _ = ray.get(src.alloc.remote(1 << 20, seed=21))
+    d_id, d_desc = ray.get(dst.alloc.remote(1 << 20))
+    out = ray.get(src.write.remote(s_id, 0, dst_info["address"], d_desc, 0, 1 << 20, imm=21))
+    ray.get(dst.counter_wait.remote(21, out["imm_count"]))
+    ray.get(dst.deregister.remote(d_id))
+    for geometry in ({}, {"rows": 4, "dst_pitch": 1 << 18, "src_pitch": 1 << 18}):
+        nbytes = 1 << 20 if not geometry else 1000
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"region \d+ of .* deregistered"):
+            ray.get(src.write.remote(s_id, 0, dst_info["address"], d_desc, 0, nbytes, imm=22, **geometry))
+    assert ray.get(dst.untouched.remote(d_id))
+    # The same pair keeps working for a live region.
+    e_id, e_desc = ray.get(dst.alloc.remote(1 << 20))
+    out = ray.get(src.write.remote(s_id, 0, dst_info["address"], e_desc, 0, 1 << 20, imm=23))
+    ray.get(dst.counter_wait.remote(23, out["imm_count"]))
+    assert ray.get(dst.check.remote(e_id, 0, 1 << 20, 21, 0))["data"]
+
+
 def test_destination_actor_that_died(pair) -> None:
     """Runs last in the module: it kills the shared destination, then checks the source still works."""
     src, dst, (_s, dst_info) = pair

@@ -345,3 +345,75 @@ def test_2d_bad_geometry_is_refused(engine: TransferEngine, remote: PeerProcess)
         engine.write(region, 0, peer, dst_desc, 0, 8, imm=1, rows=1 << 62, src_pitch=8, dst_pitch=1 << 62)
     with pytest.raises(ws.TransportError, match="past the end"):
         engine.write(region, 0, peer, dst_desc, 0, 8, imm=1, rows=2, src_pitch=8, dst_pitch=(1 << 64) - 4)
+
+
+# --- writes into memory the destination gave up ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["1-D", "2-D"])
+def test_write_into_deregistered_region_fails_and_lands_nowhere(
+    engine: TransferEngine, remote: PeerProcess, shape: str
+) -> None:
+    """Deregistering closes the region's MRs before it returns: later writes into it are refused by the
+    destination's NIC, so the writer gets an error and the (possibly reused) memory stays untouched."""
+    src = random_bytes(MiB, seed=15)
+    region = engine.register(src)
+    d_id, d_desc = remote.call("alloc", size=MiB)
+    h_id, _ = remote.call("alloc", size=MiB)  # a neighbour region: no stray bytes there either
+    peer = engine.connect(remote.address)
+    geometry = {"rows": 4, "dst_pitch": 1000} if shape == "2-D" else {}
+    nbytes = 512 if shape == "2-D" else MiB
+    t = engine.write(region, 0, peer, d_desc, 0, nbytes, imm=1, **geometry)
+    t.wait(10)
+    remote.call("counter_wait", imm=1, n=t.imm_count, timeout=10)
+
+    remote.call("deregister", region=d_id)
+    remote.call("poison", region=d_id, off=0, size=MiB)  # the buffer itself is still there to look at
+    start = time.monotonic()
+    with pytest.raises(ws.TransportError, match=r"write of .* peer"):
+        # A 2-D write's rows complete at delivery, so it fails itself; a plain write only completes at
+        # sending and the refusal shows from the next one on (the provider drops the connection).
+        for _ in range(3):
+            engine.write(region, 0, peer, d_desc, 0, nbytes, imm=2, **geometry).wait(timeout=15)
+    assert time.monotonic() - start < 30
+    assert remote.call("poisoned_outside", region=d_id, off=0, size=0)
+    assert remote.call("digest", region=h_id, off=0, size=MiB) == digest(np.full(MiB, POISON, dtype=np.uint8))
+    assert remote.call("counter_total", imm=2) == 0
+
+    # Writing from the region the destination gave up still works towards other engines.
+    other = PeerProcess()
+    try:
+        o_addr = other.call("engine", stall_timeout=2.0)
+        o_id, o_desc = other.call("alloc", size=MiB)
+        t = engine.write(region, 0, engine.connect(o_addr), o_desc, 0, MiB, imm=3)
+        t.wait(10)
+        other.call("counter_wait", imm=3, n=t.imm_count, timeout=10)
+        assert other.call("digest", region=o_id, off=0, size=MiB) == digest(src)
+    finally:
+        other.close()
+
+
+def test_live_table_in_the_immediate_ring() -> None:
+    """The cuda lane's guard against writing into freed GPU memory, without a GPU: the owner marks its
+    exported regions live or dead in its ring's shared memory, and a writer's mapping sees it at once."""
+    from weightsync import _ext
+
+    owner = _ext.ImmRing.create()
+    writer = _ext.ImmRing.open(os.getpid(), owner.fd)  # a second mapping of the memfd, as a peer has
+    n = _ext.ImmRing.live_slots
+    ids = [1, 2, 3, 1 + n, 1 + 2 * n, 5 * n - 1]  # 1, 1 + n and 1 + 2n share a probe sequence
+    for i in ids:
+        assert owner.set_live(i, True)
+    assert all(writer.is_live(i) for i in ids)
+    assert not writer.is_live(4) and not writer.is_live(1 + 3 * n) and not writer.is_live(0)
+    owner.set_live(1 + n, False)
+    assert not writer.is_live(1 + n)
+    assert writer.is_live(1 + 2 * n) and writer.is_live(1)  # found past the freed slot
+    # Freed slots are reused: far more registrations than slots over time never fill the table.
+    for i in range(10, 10 + 3 * n):
+        assert owner.set_live(i, True)
+        assert writer.is_live(i)
+        owner.set_live(i, False)
+    assert not writer.is_live(10 + n)
+    assert owner.set_live(7 * n + 3, True) and writer.is_live(7 * n + 3)
+    assert all(writer.is_live(i) for i in ids if i != 1 + n)

@@ -70,7 +70,10 @@ NB_MODULE(_core, m) {
         return std::nullopt;
       })
       .def("sleep", &ws::ImmRing::sleep, "timeout_us"_a, nb::call_guard<nb::gil_scoped_release>())
-      .def("wake", &ws::ImmRing::wake);
+      .def("wake", &ws::ImmRing::wake)
+      .def("set_live", &ws::ImmRing::set_live, "id"_a, "live"_a)
+      .def("is_live", &ws::ImmRing::is_live, "id"_a)
+      .def_ro_static("live_slots", &ws::ImmRing::kLiveSlots);
 
   nb::class_<ws::LocalRegion>(m, "Region")
       .def_ro("id", &ws::LocalRegion::id)
