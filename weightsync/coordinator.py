@@ -22,7 +22,7 @@ import numpy as np
 from weightsync.errors import LayoutError, PlanError, WeightSyncError
 from weightsync.layout import Layout
 from weightsync.plan import plan as make_plan
-from weightsync.writes import imm_count_for, lower
+from weightsync.writes import DEFAULT_CHUNK_BYTES, K_DATA, K_GATHER, imm_count_for, lower
 
 log = logging.getLogger("weightsync.coordinator")
 
@@ -46,8 +46,13 @@ class Member:
 class Coordinator:
     """Runs as ``ray.remote(max_concurrency=...)(Coordinator)``; methods are called by participants."""
 
-    def __init__(self, name: str, num_sources: int, num_destinations: int, secret: str) -> None:
+    def __init__(self, name: str, num_sources: int, num_destinations: int, secret: str,
+                 allow_cast: bool = False, fp8_block: tuple[int, int] | None = (128, 128)) -> None:
         self.name = name
+        self.allow_cast = allow_cast
+        self.fp8_block = None if fp8_block is None else (int(fp8_block[0]), int(fp8_block[1]))
+        # Per plan epoch: the receive-buffer descriptor each gathering source published (FP8 tiles).
+        self._recv: dict[int, dict[int, bytes]] = {}
         self.num_sources = num_sources
         self.num_destinations = num_destinations
         self._secret = secret
@@ -134,27 +139,50 @@ class Coordinator:
         src_layouts = [Layout.from_msgpack(m.layout) for m in sources]
         dst_layouts = [Layout.from_msgpack(m.layout) for m in dests]
         p = make_plan(src_layouts, dst_layouts, source_hosts=[m.host for m in sources],
-                      destination_hosts=[m.host for m in dests])
+                      destination_hosts=[m.host for m in dests], allow_cast=self.allow_cast,
+                      fp8_block=self.fp8_block)
         epoch = self.epoch + 1
         expected = np.zeros(len(dests), dtype=np.int64)
         dst_bytes = p.bytes_per_destination() if len(p.ops) else np.zeros(len(dests), np.int64)
         writers: list[set[int]] = [set() for _ in dests]
         parts: dict[tuple[str, int], bytes] = {}
+        # Sources are all present when planning, so plan index i is source rank i.
+        gather_expected = np.zeros(len(sources), dtype=np.int64)
+        providers: list[set[int]] = [set() for _ in sources]
+        gatherers: list[set[int]] = [set() for _ in sources]
+        lowered_by: list[Any] = []
         for i, src in enumerate(sources):
-            ops = p.for_source(i)
-            lowered = lower(ops)
+            part = p.part(sources=[i])
+            provided = part.gathers[part.gathers["provider"] == i]
+            chunk = src.engine.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
+            lowered = lower(p.for_source(i), chunk, part, provided)
+            lowered_by.append((part, lowered))
             w = lowered.writes
             imms = imm_count_for(w["nbytes"], src.engine["nics"], src.engine["stripe_threshold"],
                                  src.engine["max_piece"])
-            np.add.at(expected, w["dst_rank"], imms)
-            for j in np.unique(w["dst_rank"]):
+            data = w["kind"] == K_DATA
+            np.add.at(expected, w["dst_rank"][data], imms[data])
+            # a gather to oneself is a local copy: no immediate
+            remote = (w["kind"] == K_GATHER) & (w["dst_rank"] != i)
+            np.add.at(gather_expected, w["dst_rank"][remote], imms[remote])
+            for g in np.unique(w["dst_rank"][remote]):
+                gatherers[i].add(int(g))
+                providers[int(g)].add(i)
+            for j in np.unique(w["dst_rank"][data]):
                 writers[int(j)].add(src.rank)
-            used = {int(j) for j in np.unique(w["dst_rank"])}
+        for i, src in enumerate(sources):
+            part, lowered = lowered_by[i]
+            w = lowered.writes
+            data = w["kind"] == K_DATA
+            used = {int(j) for j in np.unique(w["dst_rank"][data])}
             parts[(SOURCE, src.rank)] = msgpack.packb({
                 "epoch": epoch,
                 "writes": w.tobytes(),
-                "packs": lowered.packs.tobytes(),
-                "staging_bytes": lowered.staging_bytes,
+                "copies": lowered.copies.tobytes(),
+                "chunks": lowered.chunks.tobytes(),
+                "units": lowered.units.tobytes(),
+                "chunk_bytes": lowered.chunk_bytes,
+                "plan": part.to_msgpack(),
                 "keys": p.keys,
                 "destinations": {dests[j].rank: {
                     "slot": j,
@@ -162,7 +190,12 @@ class Coordinator:
                     "descriptors": dests[j].descriptors,
                     "mailbox": dests[j].mailbox,
                 } for j in sorted(used)},
-                "bytes": int(w["nbytes"].sum()),
+                "bytes": int(w["nbytes"][data].sum()),
+                "gather_expected": int(gather_expected[i]),
+                "gatherers": {sources[g].rank: {"address": sources[g].address, "mailbox": sources[g].mailbox}
+                              for g in sorted(gatherers[i])},
+                "providers": {sources[g].rank: {"address": sources[g].address, "mailbox": sources[g].mailbox}
+                              for g in sorted(providers[i])},
             }, use_bin_type=True)
         for j, dst in enumerate(dests):
             parts[(DESTINATION, dst.rank)] = msgpack.packb({
@@ -199,6 +232,34 @@ class Coordinator:
 
     def current_epoch(self) -> int:
         return self.epoch
+
+    # -- FP8 gathers: sources expose a receive buffer to each other ---------------------------------
+    def publish_receive(self, secret: str, rank: int, epoch: int, descriptor: bytes) -> None:
+        """Source ``rank`` registered its receive buffer for plan ``epoch`` (sized by that plan)."""
+        if not hmac.compare_digest(secret, self._secret):
+            raise WeightSyncError(f"group {self.name!r}: source rank {rank} presented a wrong secret")
+        with self._cv:
+            self._recv.setdefault(epoch, {})[rank] = descriptor
+            for e in [e for e in self._recv if e < epoch - 1]:
+                del self._recv[e]
+            self._cv.notify_all()
+
+    def receive_buffers(self, secret: str, epoch: int, ranks: list[int], timeout: float) -> dict[int, bytes]:
+        """The receive-buffer descriptors of ``ranks`` for plan ``epoch`` (waits until all published)."""
+        if not hmac.compare_digest(secret, self._secret):
+            raise WeightSyncError(f"group {self.name!r}: wrong secret")
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                got = self._recv.get(epoch, {})
+                missing = [r for r in ranks if r not in got]
+                if not missing:
+                    return {r: got[r] for r in ranks}
+                left = deadline - time.monotonic()
+                if left <= 0 or self.epoch != epoch:
+                    raise WeightSyncError(f"group {self.name!r}: source ranks {missing} published no receive "
+                                          f"buffer for plan epoch {epoch} within {timeout} s")
+                self._cv.wait(left)
 
     def _missing(self) -> str:
         parts = []

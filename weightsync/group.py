@@ -42,7 +42,19 @@ from weightsync.coordinator import DESTINATION, SOURCE, Coordinator
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import LayoutError, PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.layout import describe_tensors
-from weightsync.writes import PACK_DTYPE, WRITE_DTYPE
+from weightsync.plan import Plan
+from weightsync.transforms import Preparer
+from weightsync.writes import (
+    CHUNK_DTYPE,
+    COPY_DTYPE,
+    DEFAULT_CHUNK_BYTES,
+    K_DATA,
+    K_GATHER,
+    MIN_CHUNK_BYTES,
+    UNIT_DTYPE,
+    WRITE_DTYPE,
+    Writes,
+)
 
 log = logging.getLogger("weightsync")
 
@@ -53,8 +65,22 @@ _SLOT = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("buffer", "<i8")])
 _MAX_SLOTS = 1024  # mailbox slots per participant: peers of the other role, by position in the plan
 
 
+DEFAULT_CPU_STAGING = 256 << 20
+
+
 def data_imm(epoch: int, version: int) -> int:
     return ((epoch & 0x7F) << 24) | (version & 0xFFFFFF)
+
+
+def gather_imm(epoch: int, version: int) -> int:
+    """Rows of FP8 tiles written into a source's receive buffer (never equal to a data immediate,
+    ANNOUNCE or ACK)."""
+    return 0x80000000 | ((epoch & 0x1F) << 24) | (version & 0xFFFFFF)
+
+
+def gathered_imm(epoch: int, version: int) -> int:
+    """A gatherer tells its provider it has used the rows of this version."""
+    return 0xC0000000 | ((epoch & 0x1F) << 24) | (version & 0xFFFFFF)
 
 
 def _actor_name(name: str) -> str:
@@ -93,8 +119,15 @@ class Group:
         self.secret = secret
 
     @classmethod
-    def create(cls, name: str, num_sources: int, num_destinations: int) -> Group:
-        """Starts the coordinator as a named actor in the caller's Ray namespace."""
+    def create(cls, name: str, num_sources: int, num_destinations: int, *, allow_cast: bool = False,
+               fp8_block: tuple[int, int] | None = (128, 128)) -> Group:
+        """Starts the coordinator as a named actor in the caller's Ray namespace.
+
+        Destinations say what they want by the dtype of their tensors. ``fp8_block``: a destination
+        tensor in ``float8_e4m3fn`` with a float32 ``<name>_scale_inv`` beside it receives FP8 block
+        quantization with these tiles (None refuses FP8 destinations). ``allow_cast``: a destination
+        may hold another float dtype than the sources (fp32 to bf16, bf16 to fp16, ...), cast on the
+        sender; off by default so that an accidental dtype difference is an error."""
         import ray
         from ray.experimental import internal_kv
 
@@ -106,7 +139,7 @@ class Group:
         actor = (
             ray.remote(num_cpus=0, max_concurrency=1024)(Coordinator)
             .options(name=_actor_name(name))
-            .remote(name, num_sources, num_destinations, secret)
+            .remote(name, num_sources, num_destinations, secret, allow_cast, fp8_block)
         )
         ray.get(actor.current_epoch.remote())
         # The secret travels through Ray's own store: members of this Ray cluster can join, others not.
@@ -143,6 +176,12 @@ class PushStats:
     failed_destinations: list[int] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
     epoch: int = 0
+    prepare_seconds: float = 0.0      # packing, casting, quantizing into staging (overlaps the writes)
+    write_seconds: float = 0.0        # first write posted to the last one completed locally
+    peak_staging_bytes: int = 0       # most staging bytes held at once (never above the watermark)
+    staging_limit_bytes: int = 0      # the watermark
+    chunks: int = 0                   # staged chunks written
+    gather_bytes: int = 0             # FP8 tile rows this source received from other sources
 
 
 class _Participant:
@@ -192,13 +231,16 @@ class _Participant:
     def _join(self, descriptors: dict[str, list[bytes]]) -> None:
         import ray
 
-        native = self.engine._native
-        engine_info = {"nics": len(self.engine.nics), "stripe_threshold": native.stripe_threshold,
-                       "max_piece": native.max_piece}
+        engine_info = self._engine_info()
         self.epoch = ray.get(self._coord.join.remote(
             self._secret, self.role, self.rank, self.layout.to_msgpack(), self.engine.address, _host_id(),
             engine_info, descriptors, self._mailbox_region.descriptor), timeout=self._timeout)
         self._fetch_part(self._timeout)
+
+    def _engine_info(self) -> dict[str, int]:
+        native = self.engine._native
+        return {"nics": len(self.engine.nics), "stripe_threshold": native.stripe_threshold,
+                "max_piece": native.max_piece}
 
     def _fetch_part(self, timeout: float) -> dict[str, Any]:
         import ray
@@ -238,27 +280,89 @@ class _Participant:
 
 
 class Source(_Participant):
-    """A trainer rank: holds (shards of) the weights and pushes them. See ``push``."""
+    """A trainer rank: holds (shards of) the weights and pushes them. See ``push``.
+
+    ``staging_bytes`` is the watermark of the staging pool (packed blocks, casts, FP8 tiles and gathers
+    are prepared there, one chunk per slot, and written from there): by default 5% of the GPU's memory
+    when the tensors are on a GPU, 256 MiB otherwise. ``chunk_bytes`` (default: 8 MiB, at most half the
+    watermark) is the largest staged write; the coordinator lowers this source's ops with it.
+    """
 
     role = SOURCE
 
     def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], *, timeout: float = 120.0,
-                 engine: TransferEngine | None = None, secret: str | None = None) -> None:
+                 engine: TransferEngine | None = None, secret: str | None = None,
+                 staging_bytes: int | None = None, chunk_bytes: int | None = None) -> None:
+        import torch
+
         super().__init__(group, rank, tensors, timeout, engine, secret)
         self._regions: dict[str, Region] = {}
+        self._locals: dict[str, Any] = {}
         for key in self.tensors:
-            self._regions[key] = self.engine.register(_contiguous(self._local_tensor(key), key), name=key)
+            local = _contiguous(self._local_tensor(key), key)
+            self._locals[key] = local
+            self._regions[key] = self.engine.register(local, name=key)
+        first = next(iter(self._locals.values()))
+        self.device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        if staging_bytes is None:
+            if self.device.type == "cuda":
+                staging_bytes = torch.cuda.get_device_properties(self.device).total_memory // 20
+            else:
+                staging_bytes = DEFAULT_CPU_STAGING
+        self.staging_limit = int(staging_bytes)
+        if chunk_bytes is None:
+            chunk_bytes = min(DEFAULT_CHUNK_BYTES, self.staging_limit // 2)
+        self.chunk_bytes = int(chunk_bytes)
+        if self.chunk_bytes < MIN_CHUNK_BYTES or self.chunk_bytes > self.staging_limit:
+            raise WeightSyncError(
+                f"group {group!r}: source rank {rank}: staging watermark {self.staging_limit} bytes and "
+                f"chunk {self.chunk_bytes} bytes: a chunk must be at least {MIN_CHUNK_BYTES} bytes and "
+                f"fit the watermark")
         self._metrics: Any = None
+        self._pool_region: Region | None = None
+        self._recv_region: Region | None = None
         self._join({})
 
+    def _engine_info(self) -> dict[str, int]:
+        return {**super()._engine_info(), "chunk_bytes": self.chunk_bytes}
+
     def _apply_part(self, part: dict[str, Any]) -> None:
+        import ray
+        import torch
+
         self._writes = np.frombuffer(part["writes"], dtype=WRITE_DTYPE)
-        self._packs = np.frombuffer(part["packs"], dtype=PACK_DTYPE)
+        copies = np.frombuffer(part["copies"], dtype=COPY_DTYPE)
+        chunks = np.frombuffer(part["chunks"], dtype=CHUNK_DTYPE)
+        units = np.frombuffer(part["units"], dtype=UNIT_DTYPE)
         self._keys: list[str] = part["keys"]
-        if getattr(self, "_staging_region", None) is not None:
-            self.engine.deregister(self._staging_region)  # the previous epoch's; freed once unreferenced
-        self._staging = np.zeros(max(part["staging_bytes"], 1), dtype=np.uint8)
-        self._staging_region = self.engine.register(self._staging, name=f"source {self.rank} staging")
+        self._plan_part = Plan.from_msgpack(part["plan"])
+        self._lowered = Writes(self._writes, copies, chunks, units, int(part["chunk_bytes"]))
+        # Staging pool: slots of one chunk each, as many as the watermark allows (no more than the plan
+        # has chunks). Registered once per plan; the previous plan's is released once unreferenced.
+        for attr in ("_pool_region", "_recv_region"):
+            old = getattr(self, attr, None)
+            if old is not None:
+                self.engine.deregister(old)
+                setattr(self, attr, None)
+        slot = self._lowered.chunk_bytes
+        self._slots = max(1, min(self.staging_limit // slot, len(chunks)))
+        self._pool = torch.empty(self._slots * slot if len(chunks) else 1, dtype=torch.uint8,
+                                 device=self.device)
+        self._pool_region = self.engine.register(self._pool, name=f"source {self.rank} staging")
+        self._prep = Preparer(self._locals, self._plan_part, self._lowered, self.rank)
+        recv_bytes = self._prep.recv_bytes
+        self._recv = torch.empty(max(recv_bytes, 1), dtype=torch.uint8, device=self.device)
+        self._prep.recv = self._recv
+        self._gather_expected = int(part["gather_expected"])
+        self._gatherers = {int(r): {**g, "peer": self._peer(g["address"])}
+                           for r, g in part["gatherers"].items()}
+        self._providers = {int(r): {**g, "peer": self._peer(g["address"])}
+                           for r, g in part["providers"].items()}
+        self._gatherer_descs: dict[int, bytes] | None = None
+        if recv_bytes:
+            self._recv_region = self.engine.register(self._recv, name=f"source {self.rank} gather receive")
+            ray.get(self._coord.publish_receive.remote(self._secret, self.rank, part["epoch"],
+                                                       self._recv_region.descriptor), timeout=self._timeout)
         self._bytes = part["bytes"]
         # Per destination: its peer, descriptors, and the buffer (shadow) the next push writes.
         old = getattr(self, "_dests", {})
@@ -269,48 +373,45 @@ class Source(_Participant):
             buffer = prev["buffer"] if prev is not None and prev["address"] == d["address"] else 0
             self._dests[int(rank)] = {**d, "peer": self._peer(d["address"]), "buffer": buffer}
         self._batches = self._prepare_batches()
-        self.log.info("source %d: plan epoch %d, %d writes, %d bytes to destinations %s", self.rank,
-                      self.epoch, len(self._writes), self._bytes, sorted(self._dests))
+        self._chunk_writes = np.searchsorted(self._writes["chunk"][self._writes["staged"] == 1],
+                                             np.arange(len(chunks) + 1))
+        self._staged = self._writes[self._writes["staged"] == 1]
+        self.log.info("source %d: plan epoch %d, %d writes (%d staged in %d chunks), %d bytes to "
+                      "destinations %s", self.rank, self.epoch, len(self._writes), len(self._staged),
+                      len(chunks), self._bytes, sorted(self._dests))
 
     def _prepare_batches(self) -> dict[int, dict[str, Any]]:
-        """Column arrays for one write_batch per destination, built once per plan epoch."""
-        srcs = [self._regions[k] for k in self._keys if k in self._regions] + [self._staging_region,
-                                                                                 self._outbox_region]
+        """Column arrays for one write_batch of direct writes per destination, built once per plan."""
+        srcs = [self._regions[k] for k in self._keys if k in self._regions] + [self._outbox_region]
         src_index = {k: i for i, k in enumerate(k for k in self._keys if k in self._regions)}
-        staging_idx, outbox_idx = len(srcs) - 2, len(srcs) - 1
+        outbox_idx = len(srcs) - 1
         key_to_src = np.array([src_index.get(k, -1) for k in self._keys] or [-1], dtype=np.int64)
+        direct = self._writes[(self._writes["staged"] == 0) & (self._writes["kind"] == K_DATA)]
+        data = self._writes[self._writes["kind"] == K_DATA]
         batches: dict[int, dict[str, Any]] = {}
         for rank, d in self._dests.items():
-            w = self._writes[self._writes["dst_rank"] == d["slot"]]
-            si = np.where(w["staged"] == 1, staging_idx, key_to_src[w["src_key"]])
+            w = direct[direct["dst_rank"] == d["slot"]]
+            si = key_to_src[w["src_key"]]
             if (si < 0).any():
                 raise PlanError(f"source {self.rank}: plan reads a tensor this source does not hold")
             # Destination descriptors: one table entry per (dst key, buffer); index chosen per push.
-            dkeys = sorted({self._keys[int(k)] for k in np.unique(w["dst_key"])})
+            mine = data[data["dst_rank"] == d["slot"]]
+            dkeys = sorted({self._keys[int(k)] for k in np.unique(mine["dst_key"])})
             dpos = {k: i for i, k in enumerate(dkeys)}
             di = np.array([dpos[self._keys[int(k)]] for k in w["dst_key"]], dtype=np.uint32)
             batches[rank] = {
                 "srcs": srcs,
                 "dkeys": dkeys,
+                "dpos": dpos,
                 "src_index": np.append(si, outbox_idx).astype(np.uint32),
                 "src_off": np.append(w["src_offset"], 0).astype(np.uint64),
                 "dst_index": np.append(di, len(dkeys)).astype(np.uint32),
                 "dst_off": np.append(w["dst_offset"], self.rank * _SLOT.itemsize).astype(np.uint64),
                 "nbytes": np.append(w["nbytes"], _SLOT.itemsize).astype(np.uint64),
-                "writes": len(w),
-                "bytes": int(w["nbytes"].sum()),
+                "writes": len(mine),
+                "bytes": int(mine["nbytes"].sum()),
             }
         return batches
-
-    def _pack(self) -> None:
-        for p in self._packs:
-            src = self._regions[self._keys[int(p["src_key"])]]
-            flat = _byte_view(src.buffer)
-            rows, rb, pitch = int(p["rows"]), int(p["row_bytes"]), int(p["src_pitch"])
-            block = np.lib.stride_tricks.as_strided(flat[int(p["src_offset"]):], shape=(rows, rb),
-                                                    strides=(pitch, 1))
-            off = int(p["staging_offset"])
-            self._staging[off:off + rows * rb].reshape(rows, rb)[:] = block
 
     def _metrics_record(self, stats: PushStats) -> None:
         try:
@@ -328,6 +429,113 @@ class Source(_Participant):
             self._metrics[1].inc(stats.bytes, tags=tags)
         except Exception:  # metrics are best effort: no Ray metrics agent outside a cluster
             pass
+
+    # -- the staged pipeline -----------------------------------------------------------------------
+    def _run_chunks(self, version: int, deadline: float, failed: dict[int, str]) -> dict[str, float]:
+        """Prepares chunk k+1 while chunk k is on the wire; at most ``slots`` chunks hold staging.
+
+        Gathers go first (their chunks come first), then packs and casts; the first FP8 unit waits for
+        the rows this source gathers. Returns timing and staging figures for PushStats."""
+        import ray
+
+        lw = self._lowered
+        nch = len(lw.chunks)
+        out = {"prepare": 0.0, "gather_wait": 0.0, "peak": 0, "chunks": nch}
+        self._prep.reset()
+        if nch == 0:
+            return out
+        if self._gatherers and self._gatherer_descs is None:
+            self._gatherer_descs = ray.get(self._coord.receive_buffers.remote(
+                self._secret, self.epoch, sorted(self._gatherers), max(deadline - time.monotonic(), 0.1)),
+                timeout=max(deadline - time.monotonic(), 0.1) + 10)
+        slot_bytes = lw.chunk_bytes
+        free = list(range(self._slots))
+        inflight: list[tuple[int, int, list[Any]]] = []  # (slot, bytes, transfers) in submission order
+        held = 0
+        gathered = self._gather_expected == 0
+        data_imm_ = data_imm(self.epoch, version)
+        g_imm = gather_imm(self.epoch, version)
+        cuda = self.device.type == "cuda"
+
+        def release_oldest() -> None:
+            nonlocal held
+            slot, nb, trs = inflight.pop(0)
+            for rank, tr in trs:
+                try:
+                    tr.wait(max(deadline - time.monotonic(), 0.0))
+                except (TransportError, TimeoutError) as exc:
+                    if rank is None:
+                        raise
+                    failed.setdefault(rank, str(exc))
+            free.append(slot)
+            held -= nb
+
+        for c in range(nch):
+            if not gathered and int(lw.chunks["unit"][c]) >= 0:
+                t = time.perf_counter()
+                self.engine.counter(g_imm).wait(self._gather_expected, max(deadline - time.monotonic(), 0.0))
+                gathered = True
+                out["gather_wait"] += time.perf_counter() - t
+            while not free:
+                release_oldest()
+            slot = free.pop()
+            nb = int(lw.chunks["nbytes"][c])
+            view = self._pool[slot * slot_bytes:slot * slot_bytes + nb]
+            t = time.perf_counter()
+            self._prep.fill(c, view)
+            if cuda:
+                import torch
+
+                torch.cuda.current_stream(self.device).synchronize()  # the engine reads it next
+            out["prepare"] += time.perf_counter() - t
+            held += nb
+            out["peak"] = max(out["peak"], held)
+            w = self._staged[self._chunk_writes[c]:self._chunk_writes[c + 1]]
+            trs: list[tuple[int | None, Any]] = []
+            base = slot * slot_bytes
+            gw = w[w["kind"] == K_GATHER]
+            for g in np.unique(gw["dst_rank"]).tolist():
+                sel = gw[gw["dst_rank"] == g]
+                if g == self.rank:  # a tile's missing rows held by another region of this rank
+                    for x in sel:
+                        a, n, d = base + int(x["src_offset"]), int(x["nbytes"]), int(x["dst_offset"])
+                        self._recv[d:d + n].copy_(self._pool[a:a + n])
+                    continue
+                peer = self._gatherers[g]["peer"]
+                trs.append((None, self.engine.write_batch(
+                    [self._pool_region], [(peer, self._gatherer_descs[g])],  # type: ignore[index]
+                    np.zeros(len(sel), np.uint32), sel["src_offset"] + base, np.zeros(len(sel), np.uint32),
+                    sel["dst_offset"], sel["nbytes"], g_imm)))
+            dw = w[w["kind"] == K_DATA]
+            for rank, d in self._dests.items():
+                sel = dw[dw["dst_rank"] == d["slot"]]
+                if len(sel) == 0 or rank in failed:
+                    continue
+                b = self._batches[rank]
+                descs = [(d["peer"], d["descriptors"][k][d["buffer"]]) for k in b["dkeys"]]
+                di = np.array([b["dpos"][self._keys[int(k)]] for k in sel["dst_key"]], np.uint32)
+                try:
+                    tr = self.engine.write_batch([self._pool_region], descs, np.zeros(len(sel), np.uint32),
+                                                 sel["src_offset"] + base, di, sel["dst_offset"],
+                                                 sel["nbytes"], data_imm_)
+                    trs.append((rank, tr))
+                except TransportError as exc:
+                    failed[rank] = str(exc)
+            inflight.append((slot, nb, trs))
+        while inflight:
+            release_oldest()
+        if not gathered:
+            self.engine.counter(g_imm).wait(self._gather_expected, max(deadline - time.monotonic(), 0.0))
+        # Tell providers their rows were used: they may overwrite the receive buffer with the next version.
+        for r, pv in self._providers.items():
+            try:
+                self.engine.write(self._outbox_region, 0, pv["peer"], pv["mailbox"], 0, 0,
+                                  imm=gathered_imm(self.epoch, version)).wait(
+                                      max(deadline - time.monotonic(), 0.1))
+            except (TransportError, TimeoutError) as exc:
+                self.log.warning("source %d: telling provider %d its gathers were used failed: %s",
+                                 self.rank, r, exc)
+        return out
 
 
 def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
@@ -347,10 +555,6 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
     if epoch != src.epoch:
         src._fetch_part(max(deadline - time.monotonic(), 0.1))
     phases["plan"] = time.perf_counter() - t0
-
-    t = time.perf_counter()
-    src._pack()
-    phases["pack"] = time.perf_counter() - t
 
     t = time.perf_counter()
     imm = data_imm(src.epoch, version)
@@ -374,12 +578,15 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
                                                      b["dst_index"], b["dst_off"], b["nbytes"], imms)
         except TransportError as exc:
             failed[rank] = str(exc)
+    staged = src._run_chunks(version, deadline, failed)
     for rank, tr in transfers.items():
         try:
             tr.wait(max(deadline - time.monotonic(), 0.0))
         except (TransportError, TimeoutError) as exc:
             failed[rank] = str(exc)
     phases["write"] = time.perf_counter() - t
+    phases["prepare"] = staged["prepare"]
+    phases["gather_wait"] = staged["gather_wait"]
 
     t = time.perf_counter()
     waiting = {r for r in src._batches if r not in failed}
@@ -395,6 +602,10 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
             if int(slot["epoch"]) == version:  # ack slot: (version, shadow for the next push, 0)
                 acked.add(r)
                 src._dests[r]["buffer"] = int(slot["version"])
+    if src._gatherers:
+        # The gatherers' receive buffers hold this version's rows until they have quantized them.
+        src.engine.counter(gathered_imm(src.epoch, version)).wait(
+            len(src._gatherers), max(deadline - time.monotonic(), 0.0))
     phases["ack"] = time.perf_counter() - t
     for r in waiting - acked:
         failed[r] = f"no confirmation of version {version} within {timeout} s"
@@ -404,7 +615,10 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
     stats = PushStats(version=version, bytes=nbytes, seconds=seconds, gbps=nbytes / seconds / 1e9,
                       writes=sum(b["writes"] for b in src._batches.values()),
                       destinations=sorted(src._batches), failed_destinations=sorted(failed),
-                      phases=phases, epoch=src.epoch)
+                      phases=phases, epoch=src.epoch, prepare_seconds=staged["prepare"],
+                      write_seconds=phases["write"], peak_staging_bytes=int(staged["peak"]),
+                      staging_limit_bytes=src.staging_limit, chunks=int(staged["chunks"]),
+                      gather_bytes=int(src._prep.recv_bytes))
     src._metrics_record(stats)
     if failed:
         for r, why in sorted(failed.items()):
@@ -599,14 +813,6 @@ def _contiguous(t: Any, key: str) -> Any:
     if hasattr(t, "is_contiguous") and not t.is_contiguous():
         raise LayoutError(f"tensor {key!r} must be contiguous to be registered")
     return t
-
-
-def _byte_view(t: Any) -> np.ndarray:
-    if isinstance(t, np.ndarray):
-        return t.reshape(-1).view(np.uint8)
-    import torch
-
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 __all__ = ["Destination", "Group", "PushStats", "Source", "push"]

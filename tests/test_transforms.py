@@ -1,0 +1,278 @@
+"""Transforms on the sender: casts and FP8 e4m3 128x128 block quantization, checked bit for bit against
+a reference quantizer applied to the full tensor (written here, tile by tile, independently of
+weightsync.transforms).
+
+Two levels: the planner + lowering + sender preparation run in-process with a data plane made of byte
+copies (every write of ``lower`` applied as it says), and the same through Ray Sources/Destinations and
+the engine on CPU (tests/transform_actors.py-free: the actors are defined in tests/group_actors.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import weightsync as ws
+from weightsync.layout import describe_tensors
+from weightsync.plan import T_CAST, T_FP8, T_SCALE, plan
+from weightsync.reference import byte_view
+from weightsync.transforms import Preparer, quantize_fp8_blocks
+from weightsync.writes import K_GATHER, lower
+
+FP8 = torch.float8_e4m3fn
+
+
+def reference_fp8(full: torch.Tensor, bm: int = 128, bn: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile by tile: scale = amax / 448 (1.0 for an all-zero tile), value = x / scale saturated to
+    +-448 and cast to float8_e4m3fn."""
+    rows, cols = full.shape
+    q = torch.empty(rows, cols, dtype=FP8)
+    s = torch.empty(-(-rows // bm), -(-cols // bn), dtype=torch.float32)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            tile = full[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].to(torch.float32)
+            amax = float(tile.abs().max())
+            scale = torch.tensor(amax, dtype=torch.float32) / 448.0 if amax > 0 else torch.tensor(1.0)
+            s[i, j] = scale
+            q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = torch.clamp(tile / scale, -448.0, 448.0).to(FP8)
+    return q, s
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_quantizer_matches_reference_on_odd_shapes() -> None:
+    g = torch.Generator().manual_seed(1)
+    for shape in [(333, 300), (128, 128), (1, 5), (129, 257)]:
+        x = torch.randn(shape, generator=g) * 3
+        x[: min(shape[0], 128), : min(shape[1], 128)] = 0.0  # an all-zero tile
+        q, s = quantize_fp8_blocks(x)
+        rq, rs = reference_fp8(x)
+        assert same_bits(q, rq) and same_bits(s, rs), shape
+        assert float(s[0, 0]) == 1.0
+        xb = x.to(torch.bfloat16)
+        q, s = quantize_fp8_blocks(xb)
+        rq, rs = reference_fp8(xb)
+        assert same_bits(q, rq) and same_bits(s, rs), shape
+
+
+# ------------------------------------------------------------------------------------------------
+# The model of these tests: three FSDP sources (dim-0 shards at 100 and 250: not multiples of 128) and
+# two destinations with TP splits.
+
+SHAPES = {"w1": (333, 300), "w2": (200, 130), "c": (37, 50), "n": (50,)}
+SRC_DTYPE = {"w1": torch.float32, "w2": torch.bfloat16, "c": torch.float32, "n": torch.float32}
+CUTS = [0, 100, 250]
+
+
+def full_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {k: (torch.randn(s, generator=g) * 2).to(SRC_DTYPE[k]) for k, s in SHAPES.items()}
+    out["w1"][128:256, 128:256] = 0  # one all-zero tile
+    return out
+
+
+def source_tensors(rank: int, full: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    named: dict = {}
+    local: dict[str, torch.Tensor] = {}
+    for k, t in full.items():
+        if k == "n":
+            named[k] = local[k] = t.clone()
+            continue
+        rows = t.shape[0]
+        cuts = [min(c * rows // 333, rows) for c in CUTS] + [rows]
+        a, b = cuts[rank], cuts[rank + 1]
+        local[k] = t[a:b].clone()
+        named[k] = ws.Sharded(local[k], t.shape, (a, 0))
+    return named, local
+
+
+def destination_want(rank: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    q1, s1 = reference_fp8(full["w1"])
+    q2, s2 = reference_fp8(full["w2"])
+    if rank == 0:
+        return {"w1": q1[:256], "w1_scale_inv": s1[:2], "w2": q2[:, :128].contiguous(),
+                "w2_scale_inv": s2[:, :1].contiguous(), "c": full["c"].to(torch.bfloat16),
+                "n": full["n"].to(torch.float16)}
+    return {"w1": q1[256:], "w1_scale_inv": s1[2:], "w2": q2[:, 128:].contiguous(),
+            "w2_scale_inv": s2[:, 1:].contiguous(), "c": full["c"].to(torch.bfloat16),
+            "n": full["n"].to(torch.float16)}
+
+
+def destination_tensors(rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Poisoned destination tensors (0x7f bytes: NaN in fp8, a huge value in the others)."""
+    shapes = {k: v.shape for k, v in destination_want(rank, full_tensors(0)).items()}
+    dt = {"w1": FP8, "w2": FP8, "w1_scale_inv": torch.float32, "w2_scale_inv": torch.float32,
+          "c": torch.bfloat16, "n": torch.float16}
+    local = {}
+    for k in shapes:
+        n = int(np.prod(shapes[k])) * torch.empty(0, dtype=dt[k]).element_size()
+        local[k] = torch.full((n,), 0x7F, dtype=torch.uint8).view(dt[k]).view(shapes[k])
+    r0 = 0 if rank == 0 else 256
+    c0 = 0 if rank == 0 else 128
+    named = {
+        "w1": ws.Sharded(local["w1"], SHAPES["w1"], (r0, 0)),
+        "w1_scale_inv": ws.Sharded(local["w1_scale_inv"], (3, 3), (r0 // 128, 0)),
+        "w2": ws.Sharded(local["w2"], SHAPES["w2"], (0, c0)),
+        "w2_scale_inv": ws.Sharded(local["w2_scale_inv"], (2, 2), (0, c0 // 128)),
+        "c": local["c"], "n": local["n"],
+    }
+    return named, local
+
+
+def run_in_process(p: ws.Plan, src_local: list[dict[str, torch.Tensor]],
+                   dst_local: list[dict[str, torch.Tensor]], chunk_bytes: int) -> list[int]:
+    """Executes every source's lowered writes with byte copies: gathers into poisoned receive buffers
+    first, then direct writes and staged chunks. Returns each source's largest chunk."""
+    dst_views = [{k: byte_view(v) for k, v in d.items()} for d in dst_local]
+    lows, preps = [], []
+    for i in range(p.num_sources):
+        part = p.part(sources=[i])
+        provided = part.gathers[part.gathers["provider"] == i]
+        lw = lower(p.for_source(i), chunk_bytes, part, provided)
+        prep = Preparer(src_local[i], part, lw, i)
+        prep.recv = torch.full((max(prep.recv_bytes, 1),), 0x7F, dtype=torch.uint8)
+        lows.append(lw)
+        preps.append(prep)
+    largest = [int(lw.chunks["nbytes"].max(initial=0)) for lw in lows]
+    out = torch.empty(chunk_bytes, dtype=torch.uint8)
+    for phase in ("gather", "data"):
+        for i, (lw, prep) in enumerate(zip(lows, preps, strict=True)):
+            w = lw.writes
+            is_g = w["kind"] == K_GATHER
+            if phase == "data":
+                for x in w[(w["staged"] == 0)]:
+                    src = byte_view(src_local[i][p.keys[int(x["src_key"])]])
+                    dv = dst_views[int(x["dst_rank"])][p.keys[int(x["dst_key"])]]
+                    a, n = int(x["src_offset"]), int(x["nbytes"])
+                    dv[int(x["dst_offset"]):int(x["dst_offset"]) + n] = src[a:a + n]
+            chunks = np.unique(w["chunk"][(w["staged"] == 1) & (is_g if phase == "gather" else ~is_g)])
+            for c in chunks.tolist():
+                out.fill_(0xEE)
+                prep.fill(c, out)
+                for x in w[w["chunk"] == c]:
+                    a, n, d = int(x["src_offset"]), int(x["nbytes"]), int(x["dst_offset"])
+                    if int(x["kind"]) == K_GATHER:
+                        preps[int(x["dst_rank"])].recv[d:d + n] = out[a:a + n]
+                    else:
+                        dv = dst_views[int(x["dst_rank"])][p.keys[int(x["dst_key"])]]
+                        dv[d:d + n] = out[a:a + n].numpy()
+    return largest
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 << 10, 8 << 20])
+def test_fp8_and_casts_in_process(chunk_bytes: int) -> None:
+    full = full_tensors(7)
+    srcs = [source_tensors(i, full) for i in range(3)]
+    dsts = [destination_tensors(j) for j in range(2)]
+    p = plan([describe_tensors(s[0]) for s in srcs], [describe_tensors(d[0]) for d in dsts],
+             source_hosts=["a", "a", "b"], destination_hosts=["a", "b"], allow_cast=True,
+             fp8_block=(128, 128))
+    tr = set(p.ops["transform"].tolist())
+    assert {T_CAST, T_FP8, T_SCALE} <= tr
+    assert len(p.gathers) > 0  # tiles span the shards at 100 and 250
+    largest = run_in_process(p, [s[1] for s in srcs], [d[1] for d in dsts], chunk_bytes)
+    assert max(largest) <= chunk_bytes
+    for j in range(2):
+        want = destination_want(j, full)
+        got = dsts[j][1]
+        for k in want:
+            assert same_bits(got[k], want[k]), f"destination {j} tensor {k}"
+
+
+def test_three_dimensional_fp8_in_process() -> None:
+    """Stacked experts (E, rows, cols): every 2-D slice has its own tiles; sources shard dim 1."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(3, 300, 200, generator=g)
+    cuts = [0, 70, 190, 300]
+    srcs = []
+    for i in range(3):
+        loc = full[:, cuts[i]:cuts[i + 1]].clone()
+        srcs.append(({"e": ws.Sharded(loc, full.shape, (0, cuts[i], 0))}, {"e": loc}))
+    q = torch.full((3, 300, 200), 0x7F, dtype=torch.uint8).view(FP8)
+    s = torch.full((3 * 3 * 2,), float("nan")).view(3, 3, 2)
+    p = plan([describe_tensors(x[0]) for x in srcs], [describe_tensors({"e": q, "e_scale_inv": s})],
+             fp8_block=(128, 128))
+    run_in_process(p, [x[1] for x in srcs], [{"e": q, "e_scale_inv": s}], 64 << 10)
+    for e in range(3):
+        rq, rs = reference_fp8(full[e])
+        assert same_bits(q[e], rq) and same_bits(s[e], rs), e
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end through Ray: Sources, Destinations, the engine, gathers between sources.
+
+
+class FP8Trainer:
+    def __init__(self, group: str, rank: int, staging_bytes: int, chunk_bytes: int) -> None:
+        self.rank = rank
+        named, self.local = source_tensors(rank, full_tensors(100))
+        self.src = ws.Source(group, rank=rank, tensors=named, staging_bytes=staging_bytes,
+                             chunk_bytes=chunk_bytes)
+
+    def push(self, version: int) -> dict:
+        # Update in place (as an optimizer step would), then push.
+        _, fresh = source_tensors(self.rank, full_tensors(100 + version))
+        for k, t in self.local.items():
+            t.copy_(fresh[k])
+        return ws.push(self.src, version=version, timeout=60.0).__dict__
+
+
+class FP8Rollout:
+    def __init__(self, group: str, rank: int) -> None:
+        named, self.local = destination_tensors(rank)
+        self.dst = ws.Destination(group, rank=rank, tensors=named, mode="inplace")
+
+    def wait(self, version: int) -> int:
+        return self.dst.wait(version, timeout=60.0)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        # raw bytes: what landed, bit for bit
+        return {k: v.contiguous().view(torch.uint8).clone() for k, v in self.local.items()}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import os
+
+    import ray
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": root}})
+    yield ray
+    ray.shutdown()
+
+
+def test_fp8_push_through_ray_small_watermark(ray_cluster) -> None:
+    ray = ray_cluster
+    name = "fp8-e2e"
+    staging, chunk = 128 << 10, 64 << 10  # 2 slots: more chunks than slots
+    group = ws.Group.create(name, num_sources=3, num_destinations=2, allow_cast=True)
+    trainers = [ray.remote(num_cpus=0)(FP8Trainer).remote(name, i, staging, chunk) for i in range(3)]
+    rollouts = [ray.remote(num_cpus=0)(FP8Rollout).remote(name, j) for j in range(2)]
+    try:
+        ray.get([a.__ray_ready__.remote() for a in trainers + rollouts], timeout=120)
+        for version in range(2):
+            stats = ray.get([t.push.remote(version) for t in trainers], timeout=120)
+            assert all(s["failed_destinations"] == [] for s in stats), stats
+            assert ray.get([r.wait.remote(version) for r in rollouts], timeout=60) == [version] * 2
+            full = full_tensors(100 + version)
+            for j, r in enumerate(rollouts):
+                got = ray.get(r.snapshot.remote(), timeout=60)
+                want = destination_want(j, full)
+                for k, w in want.items():
+                    assert torch.equal(got[k], w.contiguous().view(torch.uint8)), \
+                        f"destination {j} tensor {k} at version {version}"
+            for s in stats:
+                assert 0 < s["peak_staging_bytes"] <= s["staging_limit_bytes"] == staging, s
+                assert s["chunks"] > 0 and s["prepare_seconds"] > 0 and s["write_seconds"] > 0
+            assert max(s["chunks"] for s in stats) > staging // chunk  # slots were reused
+            assert sum(s["gather_bytes"] for s in stats) > 0  # tiles across the shard edges at 100, 250
+    finally:
+        for a in trainers + rollouts:
+            ray.kill(a)
+        group.shutdown()
