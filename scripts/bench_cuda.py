@@ -9,6 +9,11 @@
 * latency of a 4 KiB write plus its counter (median microseconds, source side: submit to completion,
   the completion including the immediate's delivery).
 
+The cuda lane's settings can be swept in one run: ``--cuda-piece-mib 16,64,256,0 --cuda-streams 1,2,4
+--spin-us 0,50`` measures every combination (both engines reconfigured each time) and prints, per
+setting, the ratio to the bound per size and the 4 KiB latency, then the setting whose worst ratio from
+256 MiB up is best; the two-pair run and the JSON's top-level figures use that one.
+
 Run as ``python scripts/bench_engine.py --transport cuda`` or directly.
 """
 
@@ -52,11 +57,35 @@ def copy_bound(nbytes: int, repeat: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def parse_list(text: str, kind: type = int) -> list[Any]:
+    return [kind(x) for x in text.split(",") if x]
+
+
+def lane_configs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every combination of the cuda-lane settings to sweep (one engine pair per combination)."""
+    return [
+        {"cuda_piece": piece * MiB, "cuda_streams": streams, "cuda_spin_us": spin}
+        for piece in parse_list(args.cuda_piece_mib)
+        for streams in parse_list(args.cuda_streams)
+        for spin in parse_list(args.spin_us, float)
+    ]
+
+
+def label(cfg: dict[str, Any]) -> str:
+    piece = "whole" if cfg["cuda_piece"] == 0 else f"{cfg['cuda_piece'] // MiB}MiB"
+    return f"piece={piece} streams={cfg['cuda_streams']} spin={cfg['cuda_spin_us']:g}us"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-mib", default="64,256,1024,4096,8192")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cuda-piece-mib", default="64",
+                    help="comma-separated copy sizes to sweep, in MiB (0: one copy per write)")
+    ap.add_argument("--cuda-streams", default="2", help="comma-separated stream counts to sweep")
+    ap.add_argument("--spin-us", default="50", help="comma-separated idle polling times to sweep (us)")
+    ap.add_argument("--latency-samples", type=int, default=200)
     args = ap.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     gpus = torch.cuda.device_count()
@@ -68,29 +97,61 @@ def main() -> None:
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    configs = lane_configs(args)
     end = ray.remote(num_gpus=1)(GpuEnd)
-    ends = [end.remote() for _ in range(min(gpus, 4))]
+    ends = [end.remote(**configs[0]) for _ in range(min(gpus, 4))]
     infos = ray.get([e.info.remote() for e in ends])
     src, dst = ends[0], ends[1]
-    rows: list[dict[str, Any]] = []
-    for n in sizes:
-        s_id, _ = ray.get(src.alloc.remote(n, seed=n))
-        d_id, d_desc = ray.get(dst.alloc.remote(n))
-        out = ray.get(src.write.remote(s_id, 0, infos[1]["address"], d_desc, 0, n, imm=1,
-                                       repeat=args.repeat + 1))
-        ray.get(dst.counter_wait.remote(1, out["imm_count"]))
-        ok = ray.get(dst.check.remote(d_id, 0, n, n, 0))
-        if not all(ok.values()):
-            raise SystemExit(f"wrong bytes at {n} bytes: {ok}")
-        gbps = n / statistics.median(out["times"][1:]) / 1e9
-        rows.append({"bytes": n, "weightsync_gbps": gbps, "bound_gbps": bounds[n],
-                     "ratio": gbps / bounds[n]})
+    sweep: list[dict[str, Any]] = []
+    for ci, cfg in enumerate(configs):
+        if ci > 0:
+            ray.get([src.reconfigure.remote(**cfg), dst.reconfigure.remote(**cfg)])
+            infos[:2] = ray.get([src.info.remote(), dst.info.remote()])
+        print(f"--- {label(cfg)}", flush=True)
+        rows: list[dict[str, Any]] = []
+        for n in sizes:
+            s_id, _ = ray.get(src.alloc.remote(n, seed=n))
+            d_id, d_desc = ray.get(dst.alloc.remote(n))
+            out = ray.get(src.write.remote(s_id, 0, infos[1]["address"], d_desc, 0, n, imm=1,
+                                           repeat=args.repeat + 1))
+            ray.get(dst.counter_wait.remote(1, out["imm_count"]))
+            ok = ray.get(dst.check.remote(d_id, 0, n, n, 0))
+            if not all(ok.values()):
+                raise SystemExit(f"wrong bytes at {n} bytes with {label(cfg)}: {ok}")
+            gbps = n / statistics.median(out["times"][1:]) / 1e9
+            rows.append({"bytes": n, "weightsync_gbps": gbps, "bound_gbps": bounds[n],
+                         "ratio": gbps / bounds[n]})
+            ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
+            print(f"{n / MiB:8.0f} MiB  weightsync {gbps:7.1f} GB/s  "
+                  f"copy-engine bound {bounds[n]:7.1f} GB/s  ratio {gbps / bounds[n]:.3f}", flush=True)
+        s_id, _ = ray.get(src.alloc.remote(4096, seed=7))
+        d_id, d_desc = ray.get(dst.alloc.remote(4096))
+        out = ray.get(src.write.remote(s_id, 0, infos[1]["address"], d_desc, 0, 4096, imm=9,
+                                       repeat=args.latency_samples))
+        ray.get(dst.counter_wait.remote(9, out["imm_count"]))
         ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
-        print(f"{n / MiB:8.0f} MiB  weightsync {gbps:7.1f} GB/s  copy-engine bound {bounds[n]:7.1f} GB/s  "
-              f"ratio {gbps / bounds[n]:.3f}", flush=True)
+        latency_us = statistics.median(out["times"][args.latency_samples // 10:]) * 1e6
+        print(f"4 KiB write + its immediate: median {latency_us:.0f} us", flush=True)
+        sweep.append({"config": cfg, "sizes": rows, "latency_4k_us": latency_us})
+
+    # The best setting per size, and the one with the best worst ratio from 256 MiB up (the target).
+    big = [n for n in sizes if n >= 256 * MiB] or sizes
+    def worst(entry: dict[str, Any]) -> float:
+        return min(r["ratio"] for r in entry["sizes"] if r["bytes"] in big)
+    best = max(sweep, key=worst)
+    if len(sweep) > 1:
+        print("--- summary (ratio to the copy-engine bound)", flush=True)
+        for entry in sweep:
+            cells = "  ".join(f"{r['bytes'] // MiB}M:{r['ratio']:.3f}" for r in entry["sizes"])
+            print(f"{label(entry['config']):40s} {cells}  4K:{entry['latency_4k_us']:.0f}us", flush=True)
+        print(f"best from {big[0] // MiB} MiB up: {label(best['config'])} (worst ratio {worst(best):.3f})",
+              flush=True)
 
     pair: dict[str, Any] = {}
     if len(ends) >= 4:
+        # Two pairs at once, with the best setting (on all four engines).
+        ray.get([e.reconfigure.remote(**best["config"]) for e in ends])
+        infos = ray.get([e.info.remote() for e in ends])
         n = 1024 * MiB
         allocs = [ray.get(ends[i].alloc.remote(n, seed=i)) for i in range(4)]
         def go(i: int) -> Any:  # GPU i writes into GPU i + 1
@@ -105,18 +166,14 @@ def main() -> None:
             if not all(ok.values()):
                 raise SystemExit(f"wrong bytes on GPU {i + 1} in the two-pair run: {ok}")
         per = [n / statistics.median(o["times"]) / 1e9 for o in outs]
-        pair = {"bytes_each": n, "gbps_each": per, "aggregate_gbps": sum(per), "wall_s": wall}
+        pair = {"bytes_each": n, "gbps_each": per, "aggregate_gbps": sum(per), "wall_s": wall,
+                "config": best["config"]}
         print(f"two pairs at once (0->1, 2->3), 1 GiB each: {per[0]:.1f} + {per[1]:.1f} GB/s", flush=True)
-
-    s_id, _ = ray.get(src.alloc.remote(4096, seed=7))
-    _d_id, d_desc = ray.get(dst.alloc.remote(4096))
-    out = ray.get(src.write.remote(s_id, 0, infos[1]["address"], d_desc, 0, 4096, imm=9, repeat=200))
-    latency_us = statistics.median(out["times"][20:]) * 1e6
-    print(f"4 KiB write + its immediate: median {latency_us:.0f} us", flush=True)
     ray.shutdown()
 
-    result = {"card": card, "gpus": gpus, "date": time.strftime("%Y-%m-%d"), "sizes": rows, "two_pairs": pair,
-              "latency_4k_us": latency_us}
+    result = {"card": card, "gpus": gpus, "date": time.strftime("%Y-%m-%d"), "sizes": best["sizes"],
+              "config": best["config"], "sweep": sweep, "two_pairs": pair,
+              "latency_4k_us": best["latency_4k_us"]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -396,6 +396,8 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
     out.push_back(c);
     ++got;
   }
+  // Immediates arriving keep a destination's worker polling too: the next ones then need no futex wake.
+  if (got > 0) last_busy_ = std::chrono::steady_clock::now();
   // Streams complete in order; across streams a later copy may finish first, which only delays its
   // report until the ones before it are done. One event query per completion: the front's.
   while (!inflight_.empty() && got < max) {
@@ -429,14 +431,15 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
 }
 
 void CudaTransport::wait(int timeout_ms) {
-  // Copies in flight finish in microseconds to milliseconds: look again soon. Idle: sleep until a peer
-  // pushes an immediate, the worker is signalled (new work), or the timeout passes.
+  // Copies in flight finish in microseconds to milliseconds: look again soon. Idle for longer than
+  // spin_us: sleep until a peer pushes an immediate, the worker is signalled (new work), or the
+  // timeout passes. Within spin_us of the last copy or immediate, keep polling: a write or immediate
+  // that follows soon (a stream of small writes) then costs neither side a futex wake-up.
   const auto idle = std::chrono::steady_clock::now() - last_busy_;
   if (inflight_.empty() && idle > std::chrono::duration<double, std::micro>(spin_us_)) {
     ring_.sleep(int64_t(timeout_ms) * 1000);
   } else {
-    // Copies finish within microseconds of each other: a timed sleep would cost the timer slack
-    // (50 us by default) on every completion, so yield instead while any copy is in flight.
+    // A timed sleep would cost the timer slack (50 us by default) on every completion: yield instead.
     std::this_thread::yield();
   }
 }
