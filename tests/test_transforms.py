@@ -75,17 +75,20 @@ def full_tensors(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def source_tensors(rank: int, full: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+def source_tensors(rank: int, full: dict[str, torch.Tensor], cuts_of_333: list[int] = CUTS,
+                   device: str = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
+    """Rank ``rank`` of len(cuts_of_333) FSDP sources: dim-0 shards cut at these rows of 333 (scaled to
+    each tensor's rows)."""
     named: dict = {}
     local: dict[str, torch.Tensor] = {}
     for k, t in full.items():
         if k == "n":
-            named[k] = local[k] = t.clone()
+            named[k] = local[k] = t.clone().to(device)
             continue
         rows = t.shape[0]
-        cuts = [min(c * rows // 333, rows) for c in CUTS] + [rows]
+        cuts = [min(c * rows // 333, rows) for c in cuts_of_333] + [rows]
         a, b = cuts[rank], cuts[rank + 1]
-        local[k] = t[a:b].clone()
+        local[k] = t[a:b].clone().to(device)
         named[k] = ws.Sharded(local[k], t.shape, (a, 0))
     return named, local
 
@@ -102,7 +105,7 @@ def destination_want(rank: int, full: dict[str, torch.Tensor]) -> dict[str, torc
             "n": full["n"].to(torch.float16)}
 
 
-def destination_tensors(rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
+def destination_tensors(rank: int, device: str = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
     """Poisoned destination tensors (0x7f bytes: NaN in fp8, a huge value in the others)."""
     shapes = {k: v.shape for k, v in destination_want(rank, full_tensors(0)).items()}
     dt = {"w1": FP8, "w2": FP8, "w1_scale_inv": torch.float32, "w2_scale_inv": torch.float32,
@@ -110,7 +113,7 @@ def destination_tensors(rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
     local = {}
     for k in shapes:
         n = int(np.prod(shapes[k])) * torch.empty(0, dtype=dt[k]).element_size()
-        local[k] = torch.full((n,), 0x7F, dtype=torch.uint8).view(dt[k]).view(shapes[k])
+        local[k] = torch.full((n,), 0x7F, dtype=torch.uint8, device=device).view(dt[k]).view(shapes[k])
     r0 = 0 if rank == 0 else 256
     c0 = 0 if rank == 0 else 128
     named = {
@@ -128,24 +131,29 @@ def run_in_process(p: ws.Plan, src_local: list[dict[str, torch.Tensor]],
     """Executes every source's lowered writes with byte copies: gathers into poisoned receive buffers
     first, then direct writes and staged chunks. Returns each source's largest chunk."""
     dst_views = [{k: byte_view(v) for k, v in d.items()} for d in dst_local]
+
+    def src_bytes(t: torch.Tensor) -> np.ndarray:
+        return t.reshape(-1).view(torch.uint8).cpu().numpy()
+
     lows, preps = [], []
     for i in range(p.num_sources):
         part = p.part(sources=[i])
         provided = part.gathers[part.gathers["provider"] == i]
         lw = lower(p.for_source(i), chunk_bytes, part, provided)
         prep = Preparer(src_local[i], part, lw, i)
-        prep.recv = torch.full((max(prep.recv_bytes, 1),), 0x7F, dtype=torch.uint8)
+        device = next(iter(src_local[i].values())).device
+        prep.recv = torch.full((max(prep.recv_bytes, 1),), 0x7F, dtype=torch.uint8, device=device)
         lows.append(lw)
         preps.append(prep)
     largest = [int(lw.chunks["nbytes"].max(initial=0)) for lw in lows]
-    out = torch.empty(chunk_bytes, dtype=torch.uint8)
+    out = torch.empty(chunk_bytes, dtype=torch.uint8, device=next(iter(src_local[0].values())).device)
     for phase in ("gather", "data"):
         for i, (lw, prep) in enumerate(zip(lows, preps, strict=True)):
             w = lw.writes
             is_g = w["kind"] == K_GATHER
             if phase == "data":
                 for x in w[(w["staged"] == 0)]:
-                    src = byte_view(src_local[i][p.keys[int(x["src_key"])]])
+                    src = src_bytes(src_local[i][p.keys[int(x["src_key"])]])
                     dv = dst_views[int(x["dst_rank"])][p.keys[int(x["dst_key"])]]
                     a, n = int(x["src_offset"]), int(x["nbytes"])
                     dv[int(x["dst_offset"]):int(x["dst_offset"]) + n] = src[a:a + n]
@@ -159,14 +167,20 @@ def run_in_process(p: ws.Plan, src_local: list[dict[str, torch.Tensor]],
                         preps[int(x["dst_rank"])].recv[d:d + n] = out[a:a + n]
                     else:
                         dv = dst_views[int(x["dst_rank"])][p.keys[int(x["dst_key"])]]
-                        dv[d:d + n] = out[a:a + n].numpy()
+                        dv[d:d + n] = out[a:a + n].cpu().numpy()
     return largest
 
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 @pytest.mark.parametrize("chunk_bytes", [64 << 10, 8 << 20])
-def test_fp8_and_casts_in_process(chunk_bytes: int) -> None:
+def test_fp8_and_casts_in_process(chunk_bytes: int, device: str) -> None:
+    """Sources' tensors on ``device``: the sender quantizes and casts there; the bytes must not
+    depend on where."""
     full = full_tensors(7)
-    srcs = [source_tensors(i, full) for i in range(3)]
+    srcs = [source_tensors(i, full, device=device) for i in range(3)]
     dsts = [destination_tensors(j) for j in range(2)]
     p = plan([describe_tensors(s[0]) for s in srcs], [describe_tensors(d[0]) for d in dsts],
              source_hosts=["a", "a", "b"], destination_hosts=["a", "b"], allow_cast=True,
@@ -207,23 +221,24 @@ def test_three_dimensional_fp8_in_process() -> None:
 
 
 class FP8Trainer:
-    def __init__(self, group: str, rank: int, staging_bytes: int, chunk_bytes: int) -> None:
-        self.rank = rank
-        named, self.local = source_tensors(rank, full_tensors(100))
+    def __init__(self, group: str, rank: int, staging_bytes: int | None, chunk_bytes: int | None,
+                 cuts: list[int] = CUTS, device: str = "cpu") -> None:
+        self.rank, self.cuts, self.device = rank, cuts, device
+        named, self.local = source_tensors(rank, full_tensors(100), cuts, device)
         self.src = ws.Source(group, rank=rank, tensors=named, staging_bytes=staging_bytes,
                              chunk_bytes=chunk_bytes)
 
     def push(self, version: int) -> dict:
         # Update in place (as an optimizer step would), then push.
-        _, fresh = source_tensors(self.rank, full_tensors(100 + version))
+        _, fresh = source_tensors(self.rank, full_tensors(100 + version), self.cuts, self.device)
         for k, t in self.local.items():
             t.copy_(fresh[k])
         return ws.push(self.src, version=version, timeout=60.0).__dict__
 
 
 class FP8Rollout:
-    def __init__(self, group: str, rank: int) -> None:
-        named, self.local = destination_tensors(rank)
+    def __init__(self, group: str, rank: int, device: str = "cpu") -> None:
+        named, self.local = destination_tensors(rank, device)
         self.dst = ws.Destination(group, rank=rank, tensors=named, mode="inplace")
 
     def wait(self, version: int) -> int:
@@ -231,7 +246,7 @@ class FP8Rollout:
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         # raw bytes: what landed, bit for bit
-        return {k: v.contiguous().view(torch.uint8).clone() for k, v in self.local.items()}
+        return {k: v.contiguous().view(torch.uint8).cpu().clone() for k, v in self.local.items()}
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +262,29 @@ def ray_cluster():
     ray.shutdown()
 
 
+def _push_and_check(ray: object, name: str, trainers: list, rollouts: list, staging: int | None,
+                    chunk: int | None) -> None:
+    ray.get([a.__ray_ready__.remote() for a in trainers + rollouts], timeout=180)
+    for version in range(2):
+        stats = ray.get([t.push.remote(version) for t in trainers], timeout=180)
+        assert all(s["failed_destinations"] == [] for s in stats), stats
+        assert ray.get([r.wait.remote(version) for r in rollouts], timeout=60) == [version] * 2
+        full = full_tensors(100 + version)
+        for j, r in enumerate(rollouts):
+            got = ray.get(r.snapshot.remote(), timeout=60)
+            want = destination_want(j, full)
+            for k, w in want.items():
+                assert torch.equal(got[k], w.contiguous().view(torch.uint8)), \
+                    f"destination {j} tensor {k} at version {version}"
+        for s in stats:
+            assert 0 < s["peak_staging_bytes"] <= s["staging_limit_bytes"], s
+            assert s["chunks"] > 0 and s["prepare_seconds"] > 0 and s["write_seconds"] > 0
+        if staging is not None and chunk is not None:
+            assert all(s["staging_limit_bytes"] == staging for s in stats)
+            assert max(s["chunks"] for s in stats) > staging // chunk  # slots were reused
+        assert sum(s["gather_bytes"] for s in stats) > 0  # tiles across shard edges that are not 128k
+
+
 def test_fp8_push_through_ray_small_watermark(ray_cluster) -> None:
     ray = ray_cluster
     name = "fp8-e2e"
@@ -255,23 +293,31 @@ def test_fp8_push_through_ray_small_watermark(ray_cluster) -> None:
     trainers = [ray.remote(num_cpus=0)(FP8Trainer).remote(name, i, staging, chunk) for i in range(3)]
     rollouts = [ray.remote(num_cpus=0)(FP8Rollout).remote(name, j) for j in range(2)]
     try:
-        ray.get([a.__ray_ready__.remote() for a in trainers + rollouts], timeout=120)
-        for version in range(2):
-            stats = ray.get([t.push.remote(version) for t in trainers], timeout=120)
-            assert all(s["failed_destinations"] == [] for s in stats), stats
-            assert ray.get([r.wait.remote(version) for r in rollouts], timeout=60) == [version] * 2
-            full = full_tensors(100 + version)
-            for j, r in enumerate(rollouts):
-                got = ray.get(r.snapshot.remote(), timeout=60)
-                want = destination_want(j, full)
-                for k, w in want.items():
-                    assert torch.equal(got[k], w.contiguous().view(torch.uint8)), \
-                        f"destination {j} tensor {k} at version {version}"
-            for s in stats:
-                assert 0 < s["peak_staging_bytes"] <= s["staging_limit_bytes"] == staging, s
-                assert s["chunks"] > 0 and s["prepare_seconds"] > 0 and s["write_seconds"] > 0
-            assert max(s["chunks"] for s in stats) > staging // chunk  # slots were reused
-            assert sum(s["gather_bytes"] for s in stats) > 0  # tiles across the shard edges at 100, 250
+        _push_and_check(ray, name, trainers, rollouts, staging, chunk)
+    finally:
+        for a in trainers + rollouts:
+            ray.kill(a)
+        group.shutdown()
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_gpus() < 4, reason="needs 4 GPUs (2 trainers, 2 rollouts)")
+@pytest.mark.parametrize("staging", [None, 128 << 10])
+def test_fp8_push_through_ray_on_gpus(ray_cluster, staging: int | None) -> None:
+    """The same model on GPUs: 2 trainers (shards cut at row 150 of 333) to 2 rollouts over the cuda
+    lane; quantization and casts on the trainers' GPUs; the default watermark and a small one."""
+    ray = ray_cluster
+    name = f"fp8-gpu-{staging}"
+    chunk = None if staging is None else 64 << 10
+    group = ws.Group.create(name, num_sources=2, num_destinations=2, allow_cast=True)
+    actor = ray.remote(num_cpus=0, num_gpus=1)(FP8Trainer)
+    trainers = [actor.remote(name, i, staging, chunk, [0, 150], "cuda") for i in range(2)]
+    rollouts = [ray.remote(num_cpus=0, num_gpus=1)(FP8Rollout).remote(name, j, "cuda") for j in range(2)]
+    try:
+        _push_and_check(ray, name, trainers, rollouts, staging, chunk)
     finally:
         for a in trainers + rollouts:
             ray.kill(a)
