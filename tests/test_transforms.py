@@ -176,14 +176,15 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 @pytest.mark.parametrize("chunk_bytes", [64 << 10, 8 << 20])
-def test_fp8_and_casts_in_process(chunk_bytes: int, device: str) -> None:
+@pytest.mark.parametrize("cuts", [CUTS, [0, 150]])
+def test_fp8_and_casts_in_process(chunk_bytes: int, device: str, cuts: list[int]) -> None:
     """Sources' tensors on ``device``: the sender quantizes and casts there; the bytes must not
-    depend on where."""
+    depend on where. With a cut at 150 the first source's tiles are all its own (no gather)."""
     full = full_tensors(7)
-    srcs = [source_tensors(i, full, device=device) for i in range(3)]
+    srcs = [source_tensors(i, full, cuts, device) for i in range(len(cuts))]
     dsts = [destination_tensors(j) for j in range(2)]
     p = plan([describe_tensors(s[0]) for s in srcs], [describe_tensors(d[0]) for d in dsts],
-             source_hosts=["a", "a", "b"], destination_hosts=["a", "b"], allow_cast=True,
+             source_hosts=["a", "a", "b"][:len(cuts)], destination_hosts=["a", "b"], allow_cast=True,
              fp8_block=(128, 128))
     tr = set(p.ops["transform"].tolist())
     assert {T_CAST, T_FP8, T_SCALE} <= tr

@@ -51,16 +51,26 @@ def quantize_fp8_blocks(x: Any, block: tuple[int, int] = (128, 128)) -> tuple[An
     bm, bn = block
     *lead, rows, cols = x.shape
     tr, tc = -(-rows // bm), -(-cols // bn)
-    xf = x.to(torch.float32).reshape(-1, rows, cols)
-    n = xf.shape[0]
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.to(torch.float32)
+    # No float32 copy of the input: |x| and its maximum are exact in the input dtype, and the division
+    # of a 16-bit tensor by a float32 tensor computes in float32, exactly as on converted values.
+    x3 = x.reshape(-1, rows, cols)
+    n = x3.shape[0]
     # Zero padding leaves every tile's amax unchanged (|x| >= 0) and makes the tiles a plain reshape.
     pr, pc = tr * bm - rows, tc * bn - cols
-    xp = torch.nn.functional.pad(xf, (0, pc, 0, pr)) if (pr or pc) else xf
-    tiles = xp.reshape(n, tr, bm, tc, bn)
-    amax = tiles.abs().amax(dim=(2, 4))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (tiles / scale[:, :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    q = q.reshape(n, tr * bm, tc * bn)[:, :rows, :cols]
+    if pr or pc:
+        x3 = torch.nn.functional.pad(x3, (0, pc, 0, pr))
+    tiles = x3.reshape(n, tr, bm, tc, bn)
+    amax = tiles.abs().amax(dim=(2, 4)).to(torch.float32)
+    # Divide by a tensor, not a Python number: CUDA turns division by a host scalar into a multiplication
+    # by its (inexact) reciprocal, which would make the scales differ from the CPU's in the last bit.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    q = torch.div(tiles, scale[:, :, None, :, None])
+    q = q.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(n, tr * bm, tc * bn)
+    if pr or pc:
+        q = q[:, :rows, :cols]
     return q.reshape(*lead, rows, cols), scale.reshape(*lead, tr, tc)
 
 
@@ -167,6 +177,13 @@ class Preparer:
         uhi = ulo + ush
         some = next(iter(self.tensors.values()))
         dt = torch_dtype(self.part.src_dtype[int(box["tensor"])])
+        hlo = box["lo"].astype(np.int64)
+        hhi = hlo + box["shape"].astype(np.int64)
+        assert self.part.fp8_block is not None
+        if np.all(ulo >= hlo) and np.all(uhi <= hhi):
+            # the whole unit is held: quantize straight from the local tensor, no assembled copy
+            src = self._box_view(box, ulo, ush).reshape(int(ush[-2]), int(ush[-1]))
+            return self._quantized(u, src, t0)
         dense = torch.empty((int(ush[-2]), int(ush[-1])), dtype=dt, device=some.device)
         filled = 0
 
@@ -177,8 +194,6 @@ class Preparer:
             dense[r0:r0 + r, c0:c0 + c].copy_(src.reshape(r, c))
             filled += r * c
 
-        hlo = box["lo"].astype(np.int64)
-        hhi = hlo + box["shape"].astype(np.int64)
         ilo, ihi = np.maximum(ulo, hlo), np.minimum(uhi, hhi)
         if np.all(ihi > ilo):
             place(self._box_view(box, ilo, ihi - ilo), ilo, ihi)
@@ -195,9 +210,16 @@ class Preparer:
         if filled != int(ush[-2] * ush[-1]):
             raise PlanError(f"source rank {self.rank}: FP8 tiles of tensor {name!r} at {tuple(ulo.tolist())} "
                             f"have {filled} of {int(ush[-2] * ush[-1])} elements (held plus gathered)")
+        return self._quantized(u, dense, t0)
+
+    def _quantized(self, u: int, src: Any, t0: float) -> tuple[Any, Any]:
+        import time
+
+        import torch
+
         assert self.part.fp8_block is not None
-        q, s = quantize_fp8_blocks(dense, self.part.fp8_block)
-        qb = q.view(torch.uint8).reshape(-1)
+        q, s = quantize_fp8_blocks(src, self.part.fp8_block)
+        qb = q.contiguous().view(torch.uint8).reshape(-1)
         sb = s.contiguous().view(torch.uint8).reshape(-1)
         self._unit = (u, qb, sb)
         self.unit_seconds += time.perf_counter() - t0
