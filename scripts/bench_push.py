@@ -32,6 +32,9 @@ sys.path.insert(0, ROOT)
 
 import weightsync as ws  # noqa: E402
 
+# NVLink multicast stays off in every process this benchmark starts (the lent GPU hosts require it).
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+
 
 def model_shapes(total_bytes: int, tensors: int) -> dict[str, tuple[int, int]]:
     rows = max(2, (total_bytes // 4 // tensors) // 256 // 2 * 2)  # fp32, 256 columns, even rows
@@ -164,6 +167,12 @@ SCENARIOS: dict[int, dict[str, Any]] = {
 MODELS = {"full": {"llama": "llama-3-8b", "moe": "qwen3-30b-a3b"},
           "small": {"llama": "llama-small", "moe": "moe-tiny"},
           "tiny": {"llama": "llama-tiny", "moe": "moe-tiny"}}
+
+
+def _pythonpath() -> str:
+    # The repository first, then whatever the caller added (e.g. where checkpoint-engine's wheels went).
+    extra = os.environ.get("PYTHONPATH", "")
+    return ROOT + (os.pathsep + extra if extra else "")
 
 
 def free_port() -> int:
@@ -348,7 +357,25 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
 
 
 def checkpoint_engine(team: Team, args: argparse.Namespace, next_version: Any) -> dict[str, Any]:
-    raise RuntimeError("checkpoint-engine baseline not wired in yet")
+    """Baseline c (see scripts/bench_ckpt_engine.py): ParameterServer.update in broadcast mode."""
+    tmo = args.call_timeout
+    team.call("ce_start", free_port(), tmo, timeout=tmo + 30)
+    try:
+        times, registers, verified = [], [], 0
+        for i in range(args.reps + 1):  # first update: NCCL communicators, not counted
+            v = next_version()
+            reg = team.call("ce_register", timeout=tmo)
+            secs = team.call("ce_update", timeout=tmo)
+            verified += team.verify(v, tmo)
+            if i:
+                times.append(max(secs))
+                registers.append(max(reg))
+        return {"times": times, "median_s": statistics.median(times), "register_times": registers,
+                "register_median_s": statistics.median(registers), "verified_bytes": verified,
+                "what": "ParameterServer.update, broadcast mode, auto_pg=False; register = trainers' shards "
+                        "into its pinned pool (not in median_s)"}
+    finally:
+        team.call("ce_stop", timeout=60)
 
 
 def _say(what: str, res: dict[str, Any]) -> None:
@@ -464,7 +491,7 @@ def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False,
              log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "NCCL_NVLS_ENABLE": "0"}})
+             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), "NCCL_NVLS_ENABLE": "0"}})
     rows: list[dict[str, Any]] = []
     try:
         if bw is None:
@@ -564,7 +591,7 @@ def cpu_section(args: argparse.Namespace) -> None:
     """Control-plane cost over TCP loopback, and scenario 1 at small scale against gloo broadcasts."""
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
     try:
         small = run_group("bench-small", model_shapes(1 << 20, 4), 5 if args.quick else args.small_pushes)
         big_bytes = (32 << 20) if args.quick else (1 << 30)

@@ -221,7 +221,8 @@ def as_ws(param: Param, local: torch.Tensor) -> Any:
 
 
 def seed_of(name: str, version: int) -> int:
-    return (zlib.crc32(name.encode()) << 24) + version
+    # 32 bits: the CPU generator keeps only the low 32 bits of a seed (a shifted name hash lost the name)
+    return zlib.crc32(f"{name}@{version}".encode())
 
 
 def values(name: str, shape: tuple[int, ...], version: int, device: torch.device) -> torch.Tensor:
@@ -419,3 +420,41 @@ class Worker:
         if self.cuda:
             torch.cuda.empty_cache()
         return seconds
+
+    # -- checkpoint-engine baseline (scripts/bench_ckpt_engine.py) -----------------------------------
+    def ce_start(self, port: int, timeout: float) -> None:
+        from scripts.bench_ckpt_engine import CkptEngineRank
+
+        # Trainers register their own shards as "<tensor>#<rank>"; rollouts own nothing.
+        shards = {f"{k}#{self.rank}": t for k, t in self.local.items()} if self.trainer else {}
+        self.ce = CkptEngineRank(self.rank, self.T + self.R, port, "cuda" if self.cuda else "cpu", shards,
+                                 self._ce_drop if self.trainer else self._ce_load, timeout)
+
+    def ce_register(self) -> float:
+        return self.ce.register()
+
+    def ce_update(self) -> float:
+        return self.ce.update()
+
+    def ce_stop(self) -> None:
+        if getattr(self, "ce", None) is not None:
+            self.ce.stop()
+            self.ce = None
+
+    @staticmethod
+    def _ce_drop(weights: list[tuple[str, torch.Tensor]]) -> None:
+        del weights  # a trainer's rank receives every bucket in broadcast mode and has no model to load
+
+    def _ce_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's load_weights for shards: each trainer shard's rows into the fused parameters."""
+        shapes = getattr(self, "_shapes", None) or dict(checkpoint_tensors(self.cfg))
+        self._shapes = shapes
+        for key, shard in weights:
+            name, _, owner = key.rpartition("#")
+            lo, n = _chunk(shapes[name][0], self.T, int(owner))
+            for view, src_box in self.consumers.get(name, ()):
+                a = max(lo, src_box[0].start)
+                b = min(lo + n, src_box[0].stop)
+                if a < b:
+                    view[a - src_box[0].start:b - src_box[0].start].copy_(
+                        shard[(slice(a - lo, b - lo), *src_box[1:])])
