@@ -323,3 +323,57 @@ def test_fp8_push_through_ray_on_gpus(ray_cluster, staging: int | None) -> None:
         for a in trainers + rollouts:
             ray.kill(a)
         group.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusals
+
+
+def _fp8_dest(name: str, shape: tuple[int, ...], scales: bool) -> dict:
+    d: dict = {name: torch.full(shape, 0x7F, dtype=torch.uint8).view(FP8)}
+    if scales:
+        d[name + "_scale_inv"] = torch.full((-(-shape[0] // 128), -(-shape[-1] // 128)), float("nan"))
+    return d
+
+
+def test_fp8_without_scales_is_refused() -> None:
+    src = describe_tensors({"w": torch.randn(200, 130)})
+    with pytest.raises(ws.LayoutError, match=r"'w'.*'w_scale_inv'"):
+        plan([src], [describe_tensors(_fp8_dest("w", (200, 130), scales=False))], fp8_block=(128, 128))
+    with pytest.raises(ws.LayoutError, match=r"'w_scale_inv'"):  # FP8 not enabled: scales are unknown
+        plan([src], [describe_tensors(_fp8_dest("w", (200, 130), scales=True))])
+
+
+def test_fp8_of_a_vector_is_refused() -> None:
+    src = describe_tensors({"b": torch.randn(300)})
+    dst = {"b": torch.full((300,), 0x7F, dtype=torch.uint8).view(FP8),
+           "b_scale_inv": torch.full((1, 3), float("nan"))}
+    with pytest.raises(ws.LayoutError, match=r"'b'.*dimension"):
+        plan([src], [describe_tensors(dst)], fp8_block=(128, 128))
+
+
+def test_chunks_never_exceed_chunk_bytes_and_cover_every_destination_byte() -> None:
+    """The lowering alone: every destination byte is written once, no chunk is larger than asked, the
+    destination counters' writes are the same however the sender's watermark is set (it is not an
+    input), and a chunk smaller than the minimum is refused."""
+    full = full_tensors(11)
+    srcs = [source_tensors(i, full) for i in range(3)]
+    dsts = [destination_tensors(j) for j in range(2)]
+    p = plan([describe_tensors(s[0]) for s in srcs], [describe_tensors(d[0]) for d in dsts],
+             allow_cast=True, fp8_block=(128, 128))
+    for chunk in (64 << 10, 1 << 20):
+        covered = [{k: np.zeros(v.numel() * v.element_size(), np.int64) for k, v in d[1].items()}
+                   for d in dsts]
+        for i in range(3):
+            part = p.part(sources=[i])
+            lw = lower(p.for_source(i), chunk, part, part.gathers[part.gathers["provider"] == i])
+            assert int(lw.chunks["nbytes"].max(initial=0)) <= chunk
+            assert (lw.writes["nbytes"][lw.writes["staged"] == 1] <= chunk).all()
+            for w in lw.data():
+                covered[int(w["dst_rank"])][p.keys[int(w["dst_key"])]][
+                    int(w["dst_offset"]):int(w["dst_offset"] + w["nbytes"])] += 1
+        for j in range(2):
+            for k, c in covered[j].items():
+                assert (c == 1).all(), (j, k, int((c == 0).sum()), int((c > 1).sum()))
+    with pytest.raises(ws.PlanError, match="too small"):
+        lower(p.for_source(0), 1000, p)

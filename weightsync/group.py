@@ -311,7 +311,10 @@ class Source(_Participant):
                 staging_bytes = DEFAULT_CPU_STAGING
         self.staging_limit = int(staging_bytes)
         if chunk_bytes is None:
-            chunk_bytes = min(DEFAULT_CHUNK_BYTES, self.staging_limit // 2)
+            # On a GPU, fewer and larger chunks: the copy engine and the quantization kernels want
+            # large pieces, and each chunk costs a few Python calls and a stream synchronization.
+            default = DEFAULT_CHUNK_BYTES * 8 if self.device.type == "cuda" else DEFAULT_CHUNK_BYTES
+            chunk_bytes = min(default, self.staging_limit // 2)
         self.chunk_bytes = int(chunk_bytes)
         if self.chunk_bytes < MIN_CHUNK_BYTES or self.chunk_bytes > self.staging_limit:
             raise WeightSyncError(

@@ -989,6 +989,17 @@ class _Planner:
             if self.g_transform[w] != T_FP8:
                 raise LayoutError(f"destinations need {self.names[gsc]!r}, the FP8 block scales of "
                                   f"{self.names[w]!r}, but no destination holds that tensor in FP8")
+        scaled = set(scale_of.values())
+        for w in np.nonzero(self.g_transform == T_FP8)[0].tolist():
+            if self.g_ndim[w] < 2:
+                raise LayoutError(f"tensor {self.names[w]!r} has {int(self.g_ndim[w])} dimension(s): FP8 "
+                                  f"block quantization needs at least 2 (destinations want it in "
+                                  f"{DTYPES[int(self.g_dst_dtype[w])]})")
+            if w not in scaled:
+                raise LayoutError(f"destinations hold tensor {self.names[w]!r} in "
+                                  f"{DTYPES[int(self.g_dst_dtype[w])]} but none holds its block scales "
+                                  f"{self.names[w] + SCALE_SUFFIX!r} (float32): FP8 values mean nothing "
+                                  f"without them")
 
     def _transform_for(self, src_dt: int, dst_dt: int, name: str, ranks: np.ndarray) -> int:
         if src_dt == dst_dt:
