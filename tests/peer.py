@@ -63,6 +63,7 @@ class _Server:
         self.regions: dict[int, Any] = {}
         self.peers: dict[int, Any] = {}
         self.transfers: dict[int, Any] = {}
+        self.forwards: dict[int, Any] = {}
         # Work that must run while the parent keeps driving this process (benchmarks): key -> thread, box.
         self.background: dict[str, tuple[threading.Thread, list[Any]]] = {}
 
@@ -106,6 +107,24 @@ class _Server:
         """Deregisters a region (its buffer stays allocated here, so a stray write would show)."""
         self.engine.deregister(self.regions.pop(region))
 
+    def forward(self, on_imm: int, count: int, region: int, src_off: int, peer: int, descriptor: bytes,
+                dst_off: int, size: int, imm: int | None = None, rows: int = 1, src_pitch: int = 0,
+                dst_pitch: int = 0) -> int:
+        """Registers a triggered write (``TransferEngine.forward``); returns its id for ``forward_wait``."""
+        fwd = self.engine.forward(on_imm, count, self.regions[region], src_off, self.peers[peer], descriptor,
+                                  dst_off, size, imm, rows=rows, src_pitch=src_pitch, dst_pitch=dst_pitch)
+        self.forwards[fwd.id] = fwd
+        return fwd.id
+
+    def forward_wait(self, forward: int, timeout: float = 60.0) -> int:
+        """Waits for a triggered write to complete locally; returns the immediates it delivers."""
+        fwd = self.forwards[forward]
+        fwd.transfer.wait(timeout)
+        return fwd.transfer.imm_count
+
+    def pending_forwards(self) -> int:
+        return self.engine.pending_forwards
+
     def counter_total(self, imm: int) -> int:
         return self.engine.counter(imm).total
 
@@ -136,8 +155,8 @@ class _Server:
     def counter_wait(self, imm: int, n: int, timeout: float = 60.0) -> None:
         self.engine.counter(imm).wait(n, timeout)
 
-    def imm_count(self, nbytes: int) -> int:
-        return self.engine.imm_count(nbytes)
+    def imm_count(self, nbytes: int, rows: int = 1) -> int:
+        return self.engine.imm_count(nbytes, rows=rows)
 
     def counter_value(self, imm: int) -> int:
         return self.engine.counter(imm).value

@@ -417,3 +417,117 @@ def test_live_table_in_the_immediate_ring() -> None:
     assert not writer.is_live(10 + n)
     assert owner.set_live(7 * n + 3, True) and writer.is_live(7 * n + 3)
     assert all(writer.is_live(i) for i in ids if i != 1 + n)
+
+
+# --- triggered writes (relays) ----------------------------------------------------------------------------
+
+
+def test_relay_chain_forwards_each_chunk_when_it_lands() -> None:
+    """A -> B -> C: A writes chunks into B; B's engine forwards each chunk to C from its own worker
+    thread as soon as that chunk's immediates are in (B's Python sits blocked reading its pipe)."""
+    a = TransferEngine(stall_timeout=2.0)
+    b, c = PeerProcess(), PeerProcess()
+    try:
+        b_addr = b.call("engine", stall_timeout=2.0)
+        c_addr = c.call("engine", stall_timeout=2.0)
+        sizes = [1, 4095, 61 * 1024 + 7, 3 * MiB + 5, 777, 2 * MiB, 4 * 1000]
+        offs = [int(o) + 3 for o in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
+        total = int(offs[-1] + sizes[-1])
+        src = random_bytes(total + 11, seed=21)
+        a_region = a.register(src)
+        b_id, b_desc = b.call("alloc", size=total + 5)
+        c_id, c_desc = c.call("alloc", size=total + 64 + 100)
+        b_to_c = b.call("connect", address=c_addr)
+        a_to_b = a.connect(b_addr)
+
+        # The last chunk goes on as a 2-D write: 4 rows of 1000 bytes, 1016 bytes apart on C.
+        last = len(sizes) - 1
+        forwards, expected_at_c = [], 0
+        for k, (off, size) in enumerate(zip(offs, sizes, strict=True)):
+            rows = {"rows": 4, "dst_pitch": 1016} if k == last else {}
+            nbytes = size // 4 if k == last else size
+            fid = b.call("forward", on_imm=100 + k, count=a.imm_count(size), region=b_id, src_off=int(off),
+                         peer=b_to_c, descriptor=c_desc, dst_off=int(off) + 64, size=nbytes, imm=200, **rows)
+            forwards.append(fid)
+            expected_at_c += b.call("imm_count", nbytes=nbytes, rows=rows.get("rows", 1))
+        assert b.call("pending_forwards") == len(sizes)
+        assert c.call("counter_total", imm=200) == 0  # nothing moves before the chunks land at B
+
+        order = np.random.default_rng(3).permutation(len(sizes))
+        for k in order:
+            a.write(a_region, int(offs[k]), a_to_b, b_desc, int(offs[k]), sizes[k], imm=100 + int(k)).wait(30)
+        c.call("counter_wait", imm=200, n=expected_at_c, timeout=30)
+        assert b.call("pending_forwards") == 0
+        for fid in forwards:
+            b.call("forward_wait", forward=fid, timeout=10)
+
+        body, first = offs[last], offs[0]
+        assert c.call("digest", region=c_id, off=64 + first, size=body - first) == digest(src[first:body])
+        row = sizes[last] // 4
+        assert c.call("rows_digest", region=c_id, off=body + 64, rows=4, row_bytes=row, pitch=1016) == digest(
+            src[body : body + 4 * row])
+        assert c.call("poisoned_outside", region=c_id, off=64 + first, size=body - first + 3 * 1016 + row)
+        time.sleep(0.2)
+        assert c.call("counter_total", imm=200) == expected_at_c  # each trigger fired exactly once
+    finally:
+        b.close()
+        c.close()
+        a.close()
+
+
+def test_forward_semantics(engine: TransferEngine) -> None:
+    """Loopback to itself: due triggers fire at once, consumed credits still count, cancel and
+    deregistration fail the trigger's transfer with a reason, and close fails the ones left."""
+    me = engine.connect(engine.address)
+    src = random_bytes(64 * 1024, seed=30)
+    landing = np.full(64 * 1024, POISON, dtype=np.uint8)
+    out = np.full(64 * 1024, POISON, dtype=np.uint8)
+    s_region, l_region, o_region = engine.register(src), engine.register(landing), engine.register(out)
+
+    def land(imm: int, off: int, size: int) -> None:
+        engine.write(s_region, off, me, l_region.descriptor, off, size, imm=imm).wait(10)
+
+    # Counts the total, not credits: a local waiter consuming the first immediate does not delay it.
+    fwd = engine.forward(1, 2, l_region, 0, me, o_region.descriptor, 0, 1000, imm=50)
+    land(1, 0, 1000)
+    engine.counter(1).wait(1, timeout=5)  # consumes
+    assert not fwd.fired
+    land(1, 0, 1000)
+    fwd.transfer.wait(10)
+    engine.counter(50).wait(1, timeout=5)
+    assert np.array_equal(out[:1000], src[:1000]) and (out[1000:] == POISON).all()
+
+    # Already due: fires at once.
+    due = engine.forward(1, 1, l_region, 0, me, o_region.descriptor, 2000, 10, imm=51)
+    due.transfer.wait(10)
+    engine.counter(51).wait(1, timeout=5)
+    assert np.array_equal(out[2000:2010], src[:10])
+
+    # Cancelled: its transfer fails and nothing is written when the immediates come.
+    gone = engine.forward(2, 1, l_region, 0, me, o_region.descriptor, 4000, 10, imm=52)
+    also = engine.forward(2, 5, l_region, 0, me, o_region.descriptor, 4000, 10, imm=52)
+    assert gone.cancel() and not gone.cancel()
+    assert engine.cancel_forwards(2) == 1 and engine.pending_forwards == 0
+    with pytest.raises(ws.TransportError, match="cancelled before it fired"):
+        gone.transfer.wait(5)
+    with pytest.raises(ws.TransportError, match="cancelled"):
+        also.transfer.wait(5)
+    land(2, 0, 10)
+    time.sleep(0.1)
+    assert engine.counter(52).total == 0 and (out[4000:4010] == POISON).all()
+
+    # Bad input is refused when registering; a source deregistered before it fires fails it then.
+    with pytest.raises(ws.TransportError, match="outside source region"):
+        engine.forward(3, 1, l_region, 64 * 1024 - 5, me, o_region.descriptor, 0, 10, imm=53)
+    spare = engine.register(random_bytes(4096, seed=31))
+    orphan = engine.forward(3, 1, spare, 0, me, o_region.descriptor, 6000, 10, imm=53)
+    engine.deregister(spare)
+    land(3, 0, 10)
+    with pytest.raises(ws.TransportError, match=r"failed when it fired: .*deregistered"):
+        orphan.transfer.wait(5)
+
+    # Close fails what is still pending.
+    left = engine.forward(4, 1, l_region, 0, me, o_region.descriptor, 0, 10, imm=54)
+    engine.close()
+    with pytest.raises(ws.TransportError, match="engine closed before it fired"):
+        left.transfer.wait(5)

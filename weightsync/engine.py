@@ -208,6 +208,32 @@ class Transfer:
         self._keep_alive = ()
 
 
+class Forward:
+    """A write the engine posts by itself once enough immediates have arrived (``TransferEngine.forward``).
+
+    ``transfer`` is that write's future: it completes once the forwarded write completed locally, and
+    fails if the trigger is cancelled, the engine closes first, or the write cannot be posted when due
+    (for example its source region was deregistered meanwhile).
+    """
+
+    def __init__(self, engine: TransferEngine, trigger_id: int, transfer: Transfer) -> None:
+        self._engine = engine
+        self.id = trigger_id
+        self.transfer = transfer
+
+    @property
+    def fired(self) -> bool:
+        """No longer waiting for immediates: posted, failed or cancelled."""
+        return not self._engine._native.forward_pending(self.id)
+
+    def cancel(self) -> bool:
+        """Cancels the trigger if it has not fired yet; True if it was still pending."""
+        return self._engine._native.cancel_forwards(self.id, False, 0) == 1
+
+    def __repr__(self) -> str:
+        return f"Forward({self.id}, {self.transfer._native.what})"
+
+
 class ImmCounter:
     """Arrivals of one immediate value at this engine. Credits: early arrivals are kept, ``wait`` consumes."""
 
@@ -438,6 +464,54 @@ class TransferEngine:
         native = self._native.write_batch([s._native for s in srcs], remotes, *cols, imm_col, *geometry)
         return Transfer(native, tuple(srcs))
 
+    # --- triggered writes (relays) ----------------------------------------------------------------------
+    def forward(
+        self,
+        on_imm: int,
+        count: int,
+        src: Region,
+        src_off: int,
+        peer: Peer,
+        dst_descriptor: bytes,
+        dst_off: int,
+        nbytes: int,
+        imm: int | None = None,
+        rows: int = 1,
+        src_pitch: int = 0,
+        dst_pitch: int = 0,
+    ) -> Forward:
+        """Posts ``write(src, src_off, peer, dst_descriptor, dst_off, nbytes, imm, rows, ...)`` once, as soon
+        as ``count`` immediates ``on_imm`` have arrived at this engine, from the engine's own thread.
+
+        ``count`` is compared with the counter's *total* (every immediate ever received with that value,
+        whether consumed by a ``wait`` or not), so local waiters never delay or steal a trigger; a
+        trigger already due fires at once. For a count relative to now pass
+        ``counter(on_imm).total + n``. The write is validated now (bad input raises here) and again
+        when it fires. Cancel with ``Forward.cancel`` or ``cancel_forwards``.
+        """
+        if not isinstance(src, Region):
+            raise TransportError(
+                f"forward source must be a Region registered with this engine, got {type(src).__name__}"
+            )
+        if min(src_off, dst_off, nbytes, rows, src_pitch, dst_pitch, count) < 0:
+            raise TransportError(f"negative offset, size, count or pitch in forward to {peer.label}")
+        remote = self._import(peer, dst_descriptor)
+        trigger_id, native = self._native.forward(
+            _imm(on_imm), count, src._native, src_off, remote, dst_off, nbytes, _imm(imm), rows, src_pitch,
+            dst_pitch,
+        )
+        return Forward(self, trigger_id, Transfer(native, (src,)))
+
+    def cancel_forwards(self, on_imm: int | None = None) -> int:
+        """Cancels the pending triggers on immediate ``on_imm`` (all if None); returns how many."""
+        if on_imm is None:
+            return self._native.cancel_forwards(0, False, 0)
+        return self._native.cancel_forwards(0, True, _imm(on_imm))
+
+    @property
+    def pending_forwards(self) -> int:
+        return self._native.pending_forwards
+
     # --- counters and state ---------------------------------------------------------------------------
     def counter(self, imm: int) -> ImmCounter:
         return ImmCounter(self, _imm(imm))
@@ -504,5 +578,5 @@ def _unpack_checked(blob: bytes, what: str, nfields: int) -> list[Any]:
     return body
 
 
-__all__ = ["ImmCounter", "Peer", "Region", "Transfer", "TransferEngine"]
+__all__ = ["Forward", "ImmCounter", "Peer", "Region", "Transfer", "TransferEngine"]
 

@@ -68,6 +68,8 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg), uid_(random_uid()) {
 }
 
 void Engine::start() {
+  // Raw `this`: the counters live in the engine, and close() joins the workers (the only callers).
+  counters_.set_observer([this](uint32_t imm, uint64_t total) { on_immediate(imm, total); });
   for (auto& w : workers_) w->start();
   // The doorbell: copy-engine completions reach peers as zero-length writes into it. It must not hold
   // the engine alive (the engine owns it), and close() deregisters it with everything else.
@@ -325,10 +327,21 @@ std::string extent_str(uint64_t off, uint64_t rows, uint64_t pitch, uint64_t len
 std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<LocalRegion>>& srcs,
                                              const std::vector<std::shared_ptr<RemoteRegion>>& dsts,
                                              const WriteOp* ops, size_t n, bool has_imm) {
+  Checked checked = check_ops(srcs, dsts, ops, n, has_imm);
+  auto transfer = std::make_shared<TransferState>(0, checked.imms, checked.bytes, checked.what);
+  post_ops(transfer, checked, srcs, dsts, ops, n, has_imm);
+  return transfer;
+}
+
+Engine::Checked Engine::check_ops(const std::vector<std::shared_ptr<LocalRegion>>& srcs,
+                                  const std::vector<std::shared_ptr<RemoteRegion>>& dsts, const WriteOp* ops,
+                                  size_t n, bool has_imm) {
   if (closed_) throw TransportError("engine is closed");
   // Validate everything first: a bad op must not leave half of a batch posted. Pins taken here keep the
   // sources' registrations alive until their pieces are done, even if deregistered meanwhile.
-  std::vector<std::shared_ptr<RegistrationHold>> pins(srcs.size());
+  Checked out;
+  std::vector<std::shared_ptr<RegistrationHold>>& pins = out.pins;
+  pins.resize(srcs.size());
   uint64_t imms = 0, bytes = 0;
   for (size_t i = 0; i < n; ++i) {
     const WriteOp& op = ops[i];
@@ -376,14 +389,22 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
     imms += imm_count(op.len, has_imm, op.rows);
     bytes += op.len * op.rows;
   }
-  std::string what = n == 1 ? "write of " + std::to_string(bytes) + " bytes to " + dsts[ops[0].dst]->peer->label +
-                                  " region " + std::to_string(dsts[ops[0].dst]->id)
-                            : "batch of " + std::to_string(n) + " writes (" + std::to_string(bytes) + " bytes)";
-  auto transfer = std::make_shared<TransferState>(0, imms, bytes, what);
+  out.what = n == 1 ? "write of " + std::to_string(bytes) + " bytes to " + dsts[ops[0].dst]->peer->label +
+                          " region " + std::to_string(dsts[ops[0].dst]->id)
+                    : "batch of " + std::to_string(n) + " writes (" + std::to_string(bytes) + " bytes)";
+  out.imms = imms;
+  out.bytes = bytes;
+  return out;
+}
+
+void Engine::post_ops(const std::shared_ptr<TransferState>& transfer, const Checked& checked,
+                      const std::vector<std::shared_ptr<LocalRegion>>& srcs,
+                      const std::vector<std::shared_ptr<RemoteRegion>>& dsts, const WriteOp* ops, size_t n,
+                      bool has_imm) {
   std::vector<std::vector<Piece*>> per_nic(workers_.size() + 1);  // the last: no NIC left for them
   for (size_t i = 0; i < n; ++i) {
     const WriteOp& op = ops[i];
-    make_pieces(op, transfer, srcs[op.src], pins[op.src], dsts[op.dst], has_imm, per_nic);
+    make_pieces(op, transfer, srcs[op.src], checked.pins[op.src], dsts[op.dst], has_imm, per_nic);
   }
   uint64_t pieces = 0;
   for (const auto& v : per_nic) pieces += v.size();
@@ -393,7 +414,97 @@ std::shared_ptr<TransferState> Engine::write(const std::vector<std::shared_ptr<L
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (!per_nic[i].empty()) workers_[i]->submit(std::move(per_nic[i]));
   }
-  return transfer;
+}
+
+std::pair<uint64_t, std::shared_ptr<TransferState>> Engine::forward(
+    uint32_t imm, uint64_t count, const std::vector<std::shared_ptr<LocalRegion>>& srcs,
+    const std::vector<std::shared_ptr<RemoteRegion>>& dsts, const WriteOp* ops, size_t n, bool has_imm) {
+  // Bad input is refused now, where the caller can see it; the pins are dropped (taken again on firing).
+  Checked checked = check_ops(srcs, dsts, ops, n, has_imm);
+  auto t = std::make_shared<Trigger>();
+  t->id = next_trigger_++;
+  t->imm = imm;
+  t->count = count;
+  t->srcs = srcs;
+  t->dsts = dsts;
+  t->ops.assign(ops, ops + n);
+  t->has_imm = has_imm;
+  t->transfer = std::make_shared<TransferState>(
+      1, checked.imms, checked.bytes,
+      "forward (on " + std::to_string(count) + " immediates " + std::to_string(imm) + ") of " + checked.what);
+  bool now = false;
+  {
+    // The total is read under the trigger lock: an immediate counted before it is seen here, one
+    // counted after it finds the trigger (on_immediate takes this lock after counting).
+    std::lock_guard<std::mutex> lock(triggers_mu_);
+    if (closed_) throw TransportError("engine is closed");
+    now = counters_.total(imm) >= count;
+    if (!now) {
+      triggers_.emplace(imm, t);
+      trigger_count_++;
+    }
+  }
+  if (now) fire(t);
+  return {t->id, t->transfer};
+}
+
+void Engine::on_immediate(uint32_t imm, uint64_t total) {
+  if (trigger_count_.load() == 0) return;
+  std::vector<std::shared_ptr<Trigger>> ready;
+  {
+    std::lock_guard<std::mutex> lock(triggers_mu_);
+    auto range = triggers_.equal_range(imm);
+    for (auto it = range.first; it != range.second;) {
+      if (it->second->count <= total) {
+        ready.push_back(std::move(it->second));
+        it = triggers_.erase(it);
+        trigger_count_--;
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& t : ready) fire(t);
+}
+
+void Engine::fire(const std::shared_ptr<Trigger>& t) {
+  // On a worker thread (or the caller's, when already due): nothing may escape.
+  try {
+    Checked checked = check_ops(t->srcs, t->dsts, t->ops.data(), t->ops.size(), t->has_imm);
+    post_ops(t->transfer, checked, t->srcs, t->dsts, t->ops.data(), t->ops.size(), t->has_imm);
+    t->transfer->piece_done();  // "not fired yet" is over; the pieces now hold the transfer open
+  } catch (const std::exception& e) {
+    t->transfer->fail(t->transfer->what() + " failed when it fired: " + e.what());
+  }
+}
+
+size_t Engine::cancel_forwards(uint64_t id, bool by_imm, uint32_t imm) {
+  std::vector<std::shared_ptr<Trigger>> gone;
+  {
+    std::lock_guard<std::mutex> lock(triggers_mu_);
+    for (auto it = triggers_.begin(); it != triggers_.end();) {
+      const Trigger& t = *it->second;
+      if ((id != 0 && t.id == id) || (id == 0 && (!by_imm || t.imm == imm))) {
+        gone.push_back(std::move(it->second));
+        it = triggers_.erase(it);
+        trigger_count_--;
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& t : gone) t->transfer->fail(t->transfer->what() + " was cancelled before it fired");
+  return gone.size();
+}
+
+size_t Engine::pending_forwards() { return trigger_count_.load(); }
+
+bool Engine::forward_pending(uint64_t id) {
+  std::lock_guard<std::mutex> lock(triggers_mu_);
+  for (const auto& [imm, t] : triggers_) {
+    if (t->id == id) return true;
+  }
+  return false;
 }
 
 void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
@@ -623,7 +734,18 @@ std::vector<NicStats> Engine::stats() {
 }
 
 void Engine::close() {
-  if (closed_.exchange(true)) return;
+  {
+    // Under the trigger lock, so that forward() cannot register after the triggers are failed below.
+    std::lock_guard<std::mutex> lock(triggers_mu_);
+    if (closed_.exchange(true)) return;
+  }
+  std::unordered_multimap<uint32_t, std::shared_ptr<Trigger>> triggers;
+  {
+    std::lock_guard<std::mutex> lock(triggers_mu_);
+    triggers.swap(triggers_);
+    trigger_count_ = 0;
+  }
+  for (auto& [imm, t] : triggers) t->transfer->fail(t->transfer->what() + ": engine closed before it fired");
   counters_.close();
   for (auto& w : workers_) w->stop();
   std::unordered_map<uint64_t, std::vector<MemRegistration>> live;

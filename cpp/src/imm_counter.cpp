@@ -5,13 +5,16 @@
 namespace weightsync {
 
 void ImmCounters::add(uint32_t imm, uint64_t n) {
+  uint64_t total;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Slot& s = slots_[imm];
     s.credit += n;
     s.total += n;
+    total = s.total;
   }
   cv_.notify_all();
+  if (observer_) observer_(imm, total);
 }
 
 bool ImmCounters::wait(uint32_t imm, uint64_t n, double timeout_s) {

@@ -6,6 +6,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -223,6 +224,16 @@ NB_MODULE(_core, m) {
         return e.write(srcs, dsts, ops.data(), n, imm.has_value());
       }, "srcs"_a, "dsts"_a, "src_idx"_a, "src_off"_a, "dst_idx"_a, "dst_off"_a, "len"_a, "imm"_a.none(),
          "rows"_a.none() = nb::none(), "src_pitch"_a.none() = nb::none(), "dst_pitch"_a.none() = nb::none())
+      .def("forward", [](ws::Engine& e, uint32_t on_imm, uint64_t count, std::shared_ptr<ws::LocalRegion> src,
+                         uint64_t src_off, std::shared_ptr<ws::RemoteRegion> dst, uint64_t dst_off, uint64_t len,
+                         std::optional<uint32_t> imm, uint64_t rows, uint64_t src_pitch, uint64_t dst_pitch) {
+        ws::WriteOp op{0, src_off, 0, dst_off, len, imm.value_or(0), rows, src_pitch, dst_pitch};
+        return e.forward(on_imm, count, {std::move(src)}, {std::move(dst)}, &op, 1, imm.has_value());
+      }, "on_imm"_a, "count"_a, "src"_a, "src_off"_a, "dst"_a, "dst_off"_a, "len"_a, "imm"_a.none(), "rows"_a = 1,
+         "src_pitch"_a = 0, "dst_pitch"_a = 0)
+      .def("cancel_forwards", &ws::Engine::cancel_forwards, "id"_a, "by_imm"_a, "imm"_a)
+      .def_prop_ro("pending_forwards", &ws::Engine::pending_forwards)
+      .def("forward_pending", &ws::Engine::forward_pending, "id"_a)
       .def("counter_wait", [](ws::Engine& e, uint32_t imm, uint64_t n, double timeout) {
         return e.counters().wait(imm, n, timeout);
       }, "imm"_a, "n"_a, "timeout"_a, nb::call_guard<nb::gil_scoped_release>())

@@ -15,6 +15,7 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "weightsync/imm_counter.hpp"
@@ -223,6 +224,19 @@ struct WriteOp {
   uint64_t dst_pitch = 0;
 };
 
+// A write the engine posts by itself once immediates have arrived (relays: forward a chunk as soon as
+// it landed, from a worker thread, without Python).
+struct Trigger {
+  uint64_t id = 0;
+  uint32_t imm = 0;
+  uint64_t count = 0;  // fires when the counter's total for `imm` reaches this
+  std::vector<std::shared_ptr<LocalRegion>> srcs;
+  std::vector<std::shared_ptr<RemoteRegion>> dsts;
+  std::vector<WriteOp> ops;
+  bool has_imm = false;
+  std::shared_ptr<TransferState> transfer;  // its one extra pending piece stands for "not fired yet"
+};
+
 class Engine : public std::enable_shared_from_this<Engine> {
  public:
   static std::shared_ptr<Engine> create(const EngineConfig& cfg);
@@ -267,6 +281,17 @@ class Engine : public std::enable_shared_from_this<Engine> {
                                        const std::vector<std::shared_ptr<RemoteRegion>>& dsts,
                                        const WriteOp* ops, size_t n, bool has_imm);
 
+  // Registers `ops` to be written once the total of immediates `imm` received here (consumed or not)
+  // reaches `count`; at once if it already has. Validated now and again when it fires. Returns the
+  // trigger's id and the transfer of the write it will post (failed if cancelled or closed first).
+  std::pair<uint64_t, std::shared_ptr<TransferState>> forward(
+      uint32_t imm, uint64_t count, const std::vector<std::shared_ptr<LocalRegion>>& srcs,
+      const std::vector<std::shared_ptr<RemoteRegion>>& dsts, const WriteOp* ops, size_t n, bool has_imm);
+  // Cancels one trigger (id != 0), those of one immediate (all_of_imm) or all; returns how many.
+  size_t cancel_forwards(uint64_t id, bool by_imm, uint32_t imm);
+  size_t pending_forwards();
+  bool forward_pending(uint64_t id);
+
   ImmCounters& counters() { return counters_; }
   std::vector<NicStats> stats();
   void close();
@@ -293,6 +318,20 @@ class Engine : public std::enable_shared_from_this<Engine> {
                    const std::shared_ptr<RemoteRegion>& dst, bool has_imm,
                    std::vector<std::vector<Piece*>>& per_nic);
   CudaTransport& cuda_transport();
+  struct Checked {
+    std::vector<std::shared_ptr<RegistrationHold>> pins;
+    uint64_t imms = 0, bytes = 0;
+    std::string what;
+  };
+  Checked check_ops(const std::vector<std::shared_ptr<LocalRegion>>& srcs,
+                    const std::vector<std::shared_ptr<RemoteRegion>>& dsts, const WriteOp* ops, size_t n,
+                    bool has_imm);
+  void post_ops(const std::shared_ptr<TransferState>& transfer, const Checked& checked,
+                const std::vector<std::shared_ptr<LocalRegion>>& srcs,
+                const std::vector<std::shared_ptr<RemoteRegion>>& dsts, const WriteOp* ops, size_t n,
+                bool has_imm);
+  void on_immediate(uint32_t imm, uint64_t total);
+  void fire(const std::shared_ptr<Trigger>& t);
 
   EngineConfig cfg_;
   std::string uid_;
@@ -306,6 +345,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool fabric_delivery_complete_ = true;  // every NIC can complete a write at delivery
   bool fabric_ordered_ = true;            // every NIC places the writes of one path in order
   std::atomic<uint64_t> next_region_{1}, next_peer_{1}, rr_{0};
+  std::mutex triggers_mu_;
+  std::unordered_multimap<uint32_t, std::shared_ptr<Trigger>> triggers_;  // by immediate
+  std::atomic<size_t> trigger_count_{0};  // lets on_immediate skip the lock when there are none
+  std::atomic<uint64_t> next_trigger_{1};
   std::mutex regions_mu_;
   std::unordered_map<uint64_t, std::vector<MemRegistration>> live_regions_;
 };

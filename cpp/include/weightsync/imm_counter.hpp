@@ -5,6 +5,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 
@@ -28,6 +29,10 @@ class ImmCounters {
   // Drop the credits of `imm` (for example a version that was abandoned), returning how many were held.
   uint64_t reset(uint32_t imm);
 
+  // Called after every add() with the value and its new total, outside the lock, on the adding thread
+  // (a NIC worker): the engine's triggered writes. Set once, before any immediate can arrive.
+  void set_observer(std::function<void(uint32_t imm, uint64_t total)> fn) { observer_ = std::move(fn); }
+
   // Wakes all waiters so they observe `closed` and return; used when the engine shuts down.
   void close();
   bool closed() const;
@@ -41,6 +46,7 @@ class ImmCounters {
   std::condition_variable cv_;
   std::unordered_map<uint32_t, Slot> slots_;
   bool closed_ = false;
+  std::function<void(uint32_t, uint64_t)> observer_;
 };
 
 }  // namespace weightsync
