@@ -95,6 +95,17 @@ class _Server:
         """Digest of ``rows`` rows of ``row_bytes`` bytes, ``pitch`` apart, back to back."""
         return digest(_rows(self.buffers[region], off, rows, row_bytes, pitch))
 
+    def rows_digest_on(self, imm: int, n: int, region: int, off: int, rows: int, row_bytes: int, pitch: int,
+                       timeout: float = 60.0) -> str:
+        """On a thread: waits for ``n`` immediates, then at once takes the digest of the rows (``joined``
+        returns it). What an immediate promises has to be in place the moment it is counted."""
+
+        def watch() -> str:
+            self.engine.counter(imm).wait(n, timeout)
+            return digest(_rows(self.buffers[region], off, rows, row_bytes, pitch))
+
+        return self._spawn(f"rows{imm}", watch)
+
     def poisoned_outside_rows(self, region: int, off: int, rows: int, row_bytes: int, pitch: int) -> bool:
         """Every byte outside the rows (before, between and after them) is still poison."""
         buf = self.buffers[region]
@@ -134,9 +145,11 @@ class _Server:
         return len(self.peers) - 1
 
     def write(self, region: int, src_off: int, peer: int, descriptor: bytes, dst_off: int, size: int,
-              imm: int | None = None, timeout: float = 60.0) -> list[Any]:
+              imm: int | None = None, timeout: float = 60.0, rows: int = 1, src_pitch: int = 0,
+              dst_pitch: int = 0) -> list[Any]:
         t0 = time.perf_counter()
-        t = self.engine.write(self.regions[region], src_off, self.peers[peer], descriptor, dst_off, size, imm)
+        t = self.engine.write(self.regions[region], src_off, self.peers[peer], descriptor, dst_off, size, imm,
+                              rows=rows, src_pitch=src_pitch, dst_pitch=dst_pitch)
         t.wait(timeout)
         return [t.imm_count, time.perf_counter() - t0]
 

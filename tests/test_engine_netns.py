@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests import netns
-from tests.peer import PeerProcess, digest, random_bytes
+from tests.peer import PeerProcess, digest, random_bytes, rows_digest
 
 pytestmark = pytest.mark.netns
 MiB = 1 << 20
@@ -64,3 +64,35 @@ def test_link_down_mid_transfer_still_delivers(hosts) -> None:
     print(f"delivered in {seconds:.2f} s with NIC 1 down mid-transfer; stats {stats}")
     assert src.call("failed_paths", peer=src.peer) == [False, True]
     assert stats[1]["rerouted"] > 0
+
+
+def test_2d_write_rows_spread_over_both_nics_one_immediate(hosts) -> None:
+    """A 2-D write's rows go over both NICs, each completing at delivery; its single immediate follows
+    on either NIC and must not be counted before every row landed.
+
+    Three rows of 2 MiB: rows 0 and 2 share one NIC, row 1 and the immediate the other, so the immediate
+    could arrive a whole row's time (about 40 ms at 400 Mbit/s) before row 2 if the rows' local
+    completions only meant "sent" (they sit in socket buffers and qdisc queues here)."""
+    _h, src, dst = hosts
+    rows, row, src_pitch, dst_pitch = 3, 2 * MiB + 3, 2 * MiB + 4096, 2 * MiB + 11
+    size = 5 + (rows - 1) * src_pitch + row
+    dst_size = 7 + (rows - 1) * dst_pitch + row + 99
+    s_id, _ = src.call("alloc", size=size, seed=23)
+    d_id, d_desc = dst.call("alloc", size=dst_size)
+    want = rows_digest(random_bytes(size, 23), 5, rows, row, src_pitch)
+    for k in range(4):
+        key = dst.call("rows_digest_on", imm=30 + k, n=1, region=d_id, off=7, rows=rows, row_bytes=row,
+                       pitch=dst_pitch, timeout=30)
+        imm_count, _seconds = src.call("write", region=s_id, src_off=5, peer=src.peer, descriptor=d_desc,
+                                       dst_off=7, size=row, imm=30 + k, rows=rows, src_pitch=src_pitch,
+                                       dst_pitch=dst_pitch)
+        assert imm_count == 1
+        assert dst.call("joined", key=key, timeout=30) == want, f"write {k}: immediate before its rows"
+        assert dst.call("poisoned_outside_rows", region=d_id, off=7, rows=rows, row_bytes=row,
+                        pitch=dst_pitch)
+        dst.call("poison", region=d_id, off=0, size=dst_size)
+    per_nic = [s["bytes"] for s in src.call("stats")]
+    print(f"2-D writes of {rows} rows over 2 NICs; per-NIC bytes {per_nic}")
+    assert min(per_nic) > 0.3 * sum(per_nic)
+    time.sleep(0.2)
+    assert dst.call("counter_total", imm=30) == 1
