@@ -13,8 +13,8 @@ Model (all figures per GPU):
 - every write costs ``msg_overhead_us`` of link time on top of its bytes;
 - transforms run on the sender before the write and overlap the previous round's write (a pipeline
   with staging): FP8 needs the rows of every tile the sender owns but does not hold gathered first
-  (``Plan.gathers``, over NVLink inside the node, before the sender's first quantization), then
-  quantization at ``quant_gbs`` GB/s of source bytes.
+  (``Plan.gathers``, over NVLink inside the node, before the sender's first quantization, as the
+  executor waits for all of them), then quantization at ``quant_gbs`` GB/s of source bytes.
 
 The lower bound is the slowest link: max over GPUs of bytes through its NIC(s) (in or out) over NIC
 bandwidth, and of bytes through its NVLink port (writes and gathers, in or out) over NVLink bandwidth.
@@ -135,22 +135,24 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         np.add.at(g_nv_out, g["provider"][same], gb[same])
         np.add.at(g_in, g["gatherer"][~same], gb[~same])
         np.add.at(g_out, g["provider"][~same], gb[~same])
-    # NVLink gathers run beside the NIC writes (pipelined per flow below); gathers across hosts need the
-    # NIC itself, so they are a phase before the source's first write (and hold up their provider too)
+    # As the sender runs (weightsync.group.Source): every provider sends its gathers first, and a
+    # gatherer quantizes its first tile only once all of its gathered rows have arrived; writes that need
+    # no quantization go ahead meanwhile. So the gathers (NVLink in a host, NIC across) are a phase
+    # before the source's first transformed flow.
     gather_s = np.maximum(g_nv_in, g_nv_out) / bw_nv
     gather_nic_s = (g_in + g_out) / bw_nic
-    # Preparation pipeline per source: before flow k is written its tiles are gathered (NVLink) and
-    # quantized; both run while flow k-1 is on the wire. A source's gathers are spread over its
-    # transformed flows in proportion to their work.
-    work_tot = np.bincount(f_src, weights=f_work, minlength=T)
-    prep = f_work / (cost.quant_gbs * 1e9) + gather_s[f_src] * f_work / np.maximum(work_tot[f_src], 1e-300)
+    # Preparation pipeline per source: the tiles of flow k are quantized while flow k-1 is on the wire.
+    prep = f_work / (cost.quant_gbs * 1e9)
     ready = np.zeros(nf)
     if nf:
         first_of_src = np.ones(nf, bool)
         first_of_src[1:] = f_src[1:] != f_src[:-1]
         csum = np.cumsum(prep)
         base = np.maximum.accumulate(np.where(first_of_src, csum - prep, 0.0))
-        ready = csum - base + gather_nic_s[f_src]
+        w_csum = np.cumsum(f_work)
+        w_base = np.maximum.accumulate(np.where(first_of_src, w_csum - f_work, 0.0))
+        after_first_transform = (w_csum - w_base) > 0
+        ready = csum - base + np.where(after_first_transform, gather_s[f_src] + gather_nic_s[f_src], 0.0)
     # Rounds are paced: a round starts no earlier than its not_before fraction of the planned push
     # duration (the largest destination's bytes at its link speed).
     if cost.pace and len(ops):

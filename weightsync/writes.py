@@ -18,7 +18,8 @@ sender's staging watermark bounds only how many chunks are in flight at once.
 FP8: an op's bytes come from the sender's *box* (``Plan.boxes``: the whole tiles it owns). A box is
 cut into *units* (bands of 128-row tiles across all columns, or, for very wide tensors, 128-row bands
 of some tile columns) of at most ``chunk_bytes`` FP8 bytes; the sender quantizes a unit at a time and
-copies the bytes each write needs (values and scales) into the unit's chunks. Gathers (rows of owned
+copies the bytes each write needs (values and scales) into chunks, which run across units so that
+small tensors share one. Gathers (rows of owned
 tiles held by another source) are written by their provider from staging into the gatherer's receive
 buffer, like data writes (``kind == K_GATHER``).
 """
@@ -49,14 +50,14 @@ WRITE_DTYPE = np.dtype([
 ])
 # A copy into chunk ``chunk`` at ``staging_offset``: ``rows`` rows of ``row_bytes`` bytes read at
 # ``src_offset`` with ``src_pitch`` from local tensor ``key`` (C_RAW, C_CAST: source bytes, cast into
-# ``tensor``'s destination dtype), from the chunk's unit output (C_FP8 values, C_SCALE scale bytes), or
+# ``tensor``'s destination dtype), from FP8 unit ``unit``'s output (C_FP8 values, C_SCALE scale bytes), or
 # rows ``src_offset..`` and element columns ``col..`` of provider gather ``key`` (C_GATHER).
 COPY_DTYPE = np.dtype([
-    ("chunk", "<i4"), ("kind", "u1"), ("key", "<i4"), ("tensor", "<i4"), ("src_offset", "<i8"),
-    ("rows", "<i8"), ("row_bytes", "<i8"), ("src_pitch", "<i8"), ("col", "<i8"), ("staging_offset", "<i8"),
-    ("nbytes", "<i8"),
+    ("chunk", "<i4"), ("kind", "u1"), ("key", "<i4"), ("tensor", "<i4"), ("unit", "<i4"),
+    ("src_offset", "<i8"), ("rows", "<i8"), ("row_bytes", "<i8"), ("src_pitch", "<i8"), ("col", "<i8"),
+    ("staging_offset", "<i8"), ("nbytes", "<i8"),
 ])
-CHUNK_DTYPE = np.dtype([("unit", "<i4"), ("nbytes", "<i8")])
+CHUNK_DTYPE = np.dtype([("unit", "<i4"), ("nbytes", "<i8")])  # unit: the first FP8 unit it copies from, or -1
 # A unit: rows r0..r1 and columns c0..c1 of 2-D slice ``lead`` of box ``box``, quantized at once.
 UNIT_DTYPE = np.dtype([("box", "<i8"), ("lead", "<i8"), ("r0", "<i8"), ("r1", "<i8"), ("c0", "<i8"),
                        ("c1", "<i8")])
@@ -230,6 +231,7 @@ def _staged_ops(ops: np.ndarray, idx: np.ndarray, s_es: np.ndarray, d_es: np.nda
     o = idx[k]
     copies = np.zeros(len(k), COPY_DTYPE)
     copies["chunk"] = ch + chunk_base
+    copies["unit"] = -1
     copies["kind"] = np.where(is_cast[k], C_CAST, C_RAW)
     copies["key"] = ops["src_key"][o]
     copies["tensor"] = ops["tensor"][o]
@@ -290,6 +292,7 @@ def _gather_writes(gathers: np.ndarray | None, plan: Plan | None, chunk_bytes: i
     size = nrow * ncol * es[k]
     copies = np.zeros(len(k), COPY_DTYPE)
     copies["chunk"] = np.arange(len(k))
+    copies["unit"] = -1
     copies["kind"] = C_GATHER
     copies["key"] = k
     copies["tensor"] = gathers["tensor"][k]
@@ -413,15 +416,13 @@ def _fp8_ops(ops: np.ndarray, idx: np.ndarray, plan: Plan, chunk_bytes: int, chu
     seg_u, src_in, nbytes, seg_dst, seg_sc = seg_u[order], src_in[order], nbytes[order], seg_dst[order], \
         seg_sc[order]
     seg_k, u_cols, seg_e = seg_k[order], u_cols[order], seg_e[order]
+    # Chunks run across units (small tensors share one): a chunk holds the segments starting inside
+    # [k*cap, (k+1)*cap) of the running total, so at most cap + the largest segment = chunk_bytes.
     cum = np.cumsum(nbytes) - nbytes
-    first_u = np.ones(len(seg_u), bool)
-    first_u[1:] = seg_u[1:] != seg_u[:-1]
-    in_unit = cum - np.maximum.accumulate(np.where(first_u, cum, 0))
     cap = chunk_bytes - int(nbytes.max())
-    sub = in_unit // cap  # segments start inside [sub*cap, (sub+1)*cap): a chunk holds <= chunk_bytes
-    ck = seg_u * (int(sub.max()) + 1) + sub
-    new_c = np.ones(len(ck), bool)
-    new_c[1:] = ck[1:] != ck[:-1]
+    sub = cum // cap
+    new_c = np.ones(len(sub), bool)
+    new_c[1:] = sub[1:] != sub[:-1]
     chunk = np.cumsum(new_c) - 1
     chunk_start = np.maximum.accumulate(np.where(new_c, cum, 0))
     soff = cum - chunk_start
@@ -433,7 +434,8 @@ def _fp8_ops(ops: np.ndarray, idx: np.ndarray, plan: Plan, chunk_bytes: int, chu
     op_of = k[seg_k]
     pitch = u_cols * seg_e
     cont = np.zeros(len(chunk), bool)
-    cont[1:] = ((chunk[1:] == chunk[:-1]) & (op_of[1:] == op_of[:-1]) & (nbytes[1:] == nbytes[:-1])
+    cont[1:] = ((chunk[1:] == chunk[:-1]) & (seg_u[1:] == seg_u[:-1]) & (op_of[1:] == op_of[:-1])
+                & (nbytes[1:] == nbytes[:-1])
                 & (src_in[1:] == src_in[:-1] + pitch[:-1]) & (seg_sc[1:] == seg_sc[:-1]))
     cid = np.cumsum(~cont) - 1
     heads = np.flatnonzero(~cont)
@@ -441,6 +443,7 @@ def _fp8_ops(ops: np.ndarray, idx: np.ndarray, plan: Plan, chunk_bytes: int, chu
     copies["chunk"] = chunk[heads] + chunk_base
     copies["kind"] = np.where(seg_sc[heads], C_SCALE, C_FP8)
     copies["key"] = -1
+    copies["unit"] = seg_u[heads]
     copies["tensor"] = ops["tensor"][idx[op_of[heads]]]
     copies["src_offset"] = src_in[heads]
     copies["rows"] = np.bincount(cid, minlength=len(heads))
