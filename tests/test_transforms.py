@@ -67,8 +67,11 @@ def test_quantizer_matches_reference_on_odd_shapes() -> None:
 # The model of these tests: three FSDP sources (dim-0 shards at 100 and 250: not multiples of 128) and
 # two destinations with TP splits.
 
-SHAPES = {"w1": (333, 300), "w2": (200, 130), "c": (37, 50), "n": (50,)}
-SRC_DTYPE = {"w1": torch.float32, "w2": torch.bfloat16, "c": torch.float32, "n": torch.float32}
+# w1, w2: FP8 with tiles across the source shards; t: FP8, the whole tensor one tile (its owner gathers
+# all of it), destination 1 holds only rows 30.. of it; c: cast to bf16; n: cast to fp16, replicated.
+SHAPES = {"w1": (333, 300), "w2": (200, 130), "t": (100, 90), "c": (37, 50), "n": (50,)}
+SRC_DTYPE = {"w1": torch.float32, "w2": torch.bfloat16, "t": torch.float32, "c": torch.float32,
+             "n": torch.float32}
 CUTS = [0, 100, 250]
 
 
@@ -100,20 +103,21 @@ def source_tensors(rank: int, full: dict[str, torch.Tensor], cuts_of_333: list[i
 def destination_want(rank: int, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     q1, s1 = reference_fp8(full["w1"])
     q2, s2 = reference_fp8(full["w2"])
+    qt, st = reference_fp8(full["t"])
     if rank == 0:
         return {"w1": q1[:256], "w1_scale_inv": s1[:2], "w2": q2[:, :128].contiguous(),
-                "w2_scale_inv": s2[:, :1].contiguous(), "c": full["c"].to(torch.bfloat16),
-                "n": full["n"].to(torch.float16)}
+                "w2_scale_inv": s2[:, :1].contiguous(), "t": qt, "t_scale_inv": st,
+                "c": full["c"].to(torch.bfloat16), "n": full["n"].to(torch.float16)}
     return {"w1": q1[256:], "w1_scale_inv": s1[2:], "w2": q2[:, 128:].contiguous(),
-            "w2_scale_inv": s2[:, 1:].contiguous(), "c": full["c"].to(torch.bfloat16),
-            "n": full["n"].to(torch.float16)}
+            "w2_scale_inv": s2[:, 1:].contiguous(), "t": qt[30:], "t_scale_inv": st,
+            "c": full["c"].to(torch.bfloat16), "n": full["n"].to(torch.float16)}
 
 
 def destination_tensors(rank: int, device: str = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
     """Poisoned destination tensors (0x7f bytes: NaN in fp8, a huge value in the others)."""
     shapes = {k: v.shape for k, v in destination_want(rank, full_tensors(0)).items()}
-    dt = {"w1": FP8, "w2": FP8, "w1_scale_inv": torch.float32, "w2_scale_inv": torch.float32,
-          "c": torch.bfloat16, "n": torch.float16}
+    dt = {"w1": FP8, "w2": FP8, "t": FP8, "w1_scale_inv": torch.float32, "w2_scale_inv": torch.float32,
+          "t_scale_inv": torch.float32, "c": torch.bfloat16, "n": torch.float16}
     local = {}
     for k in shapes:
         n = int(np.prod(shapes[k])) * torch.empty(0, dtype=dt[k]).element_size()
@@ -125,6 +129,8 @@ def destination_tensors(rank: int, device: str = "cpu") -> tuple[dict, dict[str,
         "w1_scale_inv": ws.Sharded(local["w1_scale_inv"], (3, 3), (r0 // 128, 0)),
         "w2": ws.Sharded(local["w2"], SHAPES["w2"], (0, c0)),
         "w2_scale_inv": ws.Sharded(local["w2_scale_inv"], (2, 2), (0, c0 // 128)),
+        "t": ws.Sharded(local["t"], SHAPES["t"], (0 if rank == 0 else 30, 0)),
+        "t_scale_inv": local["t_scale_inv"],
         "c": local["c"], "n": local["n"],
     }
     return named, local
