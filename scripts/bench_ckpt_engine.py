@@ -42,9 +42,17 @@ _SHM_PREFIX = "/dev/shm/bench-ce-"
 # The ParameterServer process (one per GPU)
 
 
-def ps_main(conn: Any, rank: int, world: int, port: int, device: str, shards: dict[str, torch.Tensor],
-            env: dict[str, str]) -> None:
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def ps_main(conn: Any, rank: int, world: int, port: int, device: str, flat: torch.Tensor | None,
+            views: list[tuple[str, int, tuple[int, ...]]], env: dict[str, str]) -> None:
     os.environ.update(env)
+    shards = {} if flat is None else {k: flat[o:o + _numel(sh)].view(sh) for k, o, sh in views}
     try:
         if device == "cpu":
             cpu_shim(f"cpu-{os.getpid()}")
@@ -91,7 +99,8 @@ def ps_main(conn: Any, rank: int, world: int, port: int, device: str, shards: di
 
 
 class CkptEngineRank:
-    def __init__(self, rank: int, world: int, port: int, device: str, shards: dict[str, torch.Tensor],
+    def __init__(self, rank: int, world: int, port: int, device: str, flat: torch.Tensor | None,
+                 views: list[tuple[str, int, tuple[int, ...]]],
                  load: Callable[[list[tuple[str, torch.Tensor]]], None], timeout: float) -> None:
         self.device, self.load, self.timeout = device, load, timeout
         if device == "cpu":
@@ -104,7 +113,7 @@ class CkptEngineRank:
             # 2 MiB buckets: the model is tiny, and a bucket size must keep 256-byte alignment (a size
             # of 0.002 GiB is odd, and the second half of the double buffer then starts misaligned)
             env["PS_MAX_BUCKET_SIZE_GB"] = os.environ.get("PS_MAX_BUCKET_SIZE_GB", str(2 / 1024))
-        self.proc = ctx.Process(target=ps_main, args=(child, rank, world, port, device, shards, env),
+        self.proc = ctx.Process(target=ps_main, args=(child, rank, world, port, device, flat, views, env),
                                 daemon=True)
         self.proc.start()
         self._expect("ready")

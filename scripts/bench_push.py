@@ -72,6 +72,9 @@ class Trainer:
     def push(self, version: int) -> dict[str, Any]:
         return ws.push(self.src, version, timeout=120).__dict__
 
+    def close(self) -> None:
+        self.src.close()
+
 
 class Rollout:
     def __init__(self, group: str, rank: int, shapes: dict[str, tuple[int, int]]) -> None:
@@ -81,6 +84,9 @@ class Rollout:
     def checksums(self, version: int) -> dict[str, str]:
         self.dst.wait(version, timeout=60)
         return {k: checksum(v) for k, v in self.tensors.items()}
+
+    def close(self) -> None:
+        self.dst.close()
 
 
 class EngineEnd:
@@ -110,12 +116,68 @@ class EngineEnd:
         self.engine.counter(1).wait(n, timeout=120)
         return int(self.buf[:4096].sum())
 
+    def close(self) -> None:
+        self.engine.close()
 
-def run_group(name: str, shapes: dict[str, tuple[int, int]], pushes: int) -> dict[str, Any]:
+
+class Host:
+    """One actor process that hosts several of the objects above in turn (``--cpu``): four processes for
+    the whole CPU section instead of one per object, because starting a process that imports torch is
+    most of a quick run's time on a 2-core machine."""
+
+    def __init__(self) -> None:
+        self.objs: dict[str, Any] = {}
+
+    def make(self, key: str, cls: Any, *args: Any) -> None:
+        self.objs[key] = cls(*args)
+
+    def call(self, key: str, method: str, *args: Any) -> Any:
+        return getattr(self.objs[key], method)(*args)
+
+    def drop(self, key: str) -> None:
+        obj = self.objs.pop(key, None)
+        if obj is not None and hasattr(obj, "close"):
+            obj.close()
+
+
+class Hosted:
+    """``actor.method.remote(...)`` for an object living in a Host under ``key``."""
+
+    def __init__(self, host: Any, key: str) -> None:
+        self.host, self.key = host, key
+
+    def __getattr__(self, method: str) -> Any:
+        host, key = self.host, self.key
+
+        class _Remote:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                return host.call.remote(key, method, *args)
+
+        return _Remote()
+
+
+def _drop(obj: Any) -> None:
+    if isinstance(obj, Hosted):
+        ray.get(obj.host.drop.remote(obj.key), timeout=60)
+    else:
+        ray.kill(obj)
+
+
+def run_group(name: str, shapes: dict[str, tuple[int, int]], pushes: int,
+              hosts: list[Any] | None = None) -> dict[str, Any]:
     group = ws.Group.create(name, num_sources=2, num_destinations=2)
-    trainers = [ray.remote(num_cpus=0)(Trainer).remote(name, i, 2, shapes) for i in range(2)]
-    rollouts = [ray.remote(num_cpus=0)(Rollout).remote(name, j, shapes) for j in range(2)]
-    ray.get([a.__ray_ready__.remote() for a in trainers + rollouts], timeout=300)
+    # Sources and destinations start at once (each constructor waits for the group's plan).
+    if hosts is None:
+        trainers = [ray.remote(num_cpus=0)(Trainer).remote(name, i, 2, shapes) for i in range(2)]
+        rollouts = [ray.remote(num_cpus=0)(Rollout).remote(name, j, shapes) for j in range(2)]
+        ray.get([a.__ray_ready__.remote() for a in trainers + rollouts], timeout=300)
+    else:
+        made = [hosts[i].make.remote(f"{name}/t{i}", Trainer, name, i, 2, shapes) for i in range(2)]
+        made += [hosts[2 + j].make.remote(f"{name}/r{j}", Rollout, name, j, shapes) for j in range(2)]
+        ray.get(made, timeout=300)
+        trainers = [Hosted(hosts[i], f"{name}/t{i}") for i in range(2)]
+        rollouts = [Hosted(hosts[2 + j], f"{name}/r{j}") for j in range(2)]
     try:
         times, gbps = [], []
         for version in range(1, pushes + 1):
@@ -136,18 +198,25 @@ def run_group(name: str, shapes: dict[str, tuple[int, int]], pushes: int) -> dic
                 "first_s": times[0]}
     finally:
         for a in trainers + rollouts:
-            ray.kill(a)
+            _drop(a)
         group.shutdown()
 
 
-def engine_baseline(nbytes: int, repeat: int) -> dict[str, Any]:
-    end = ray.remote(num_cpus=0)(EngineEnd)
-    a, b = end.remote(nbytes), end.remote(nbytes)
-    address, descriptor = ray.get(b.info.remote())
-    times = ray.get(a.send.remote(address, descriptor, repeat), timeout=600)
-    ray.get(b.received.remote(len(times) * ray.get(a.imm_count.remote())), timeout=60)
-    ray.kill(a)
-    ray.kill(b)
+def engine_baseline(nbytes: int, repeat: int, hosts: list[Any] | None = None) -> dict[str, Any]:
+    if hosts is None:
+        end = ray.remote(num_cpus=0)(EngineEnd)
+        a, b = end.remote(nbytes), end.remote(nbytes)
+    else:
+        ray.get([hosts[0].make.remote("engine/a", EngineEnd, nbytes),
+                 hosts[2].make.remote("engine/b", EngineEnd, nbytes)], timeout=300)
+        a, b = Hosted(hosts[0], "engine/a"), Hosted(hosts[2], "engine/b")
+    try:
+        address, descriptor = ray.get(b.info.remote())
+        times = ray.get(a.send.remote(address, descriptor, repeat), timeout=600)
+        ray.get(b.received.remote(len(times) * ray.get(a.imm_count.remote())), timeout=60)
+    finally:
+        _drop(a)
+        _drop(b)
     best = min(times)
     return {"bytes": nbytes, "median_s": statistics.median(times), "best_gbps": nbytes / best / 1e9,
             "median_gbps": nbytes / statistics.median(times) / 1e9}
@@ -208,22 +277,31 @@ def copy_engine_gbps(nbytes: int, repeat: int) -> dict[str, Any]:
 
 
 class Team:
-    """The T + R worker actors of one scenario; restarted after a failed part (a hung collective)."""
+    """The T + R worker actors of one scenario; restarted after a failed part (a hung collective).
+    With ``hosts`` (the CPU section) the workers live in those long-lived actors instead."""
 
-    def __init__(self, spec: dict[str, Any], model: str, device: str) -> None:
-        self.spec, self.model, self.device = spec, model, device
+    def __init__(self, spec: dict[str, Any], model: str, device: str, hosts: list[Any] | None = None) -> None:
+        self.spec, self.model, self.device, self.hosts = spec, model, device, hosts
         self.workers: list[Any] = []
+        self._started = 0
 
     def start(self, timeout: float) -> list[dict[str, Any]]:
         from scripts.bench_worker import Worker
 
         self.stop()
         T, R = self.spec["T"], self.spec["R"]
-        opts = {"num_gpus": 1, "num_cpus": 0} if self.device == "cuda" else {"num_cpus": 0}
         port = free_port()
-        cls = ray.remote(**opts)(Worker)
-        self.workers = [cls.remote(rank, T, R, self.spec["tp"], self.model, self.device, port)
-                        for rank in range(T + R)]
+        args = [(rank, T, R, self.spec["tp"], self.model, self.device, port) for rank in range(T + R)]
+        self._started += 1
+        if self.hosts is not None:
+            keys = [f"team{id(self)}-{self._started}/w{rank}" for rank in range(T + R)]
+            ray.get([self.hosts[rank].make.remote(keys[rank], Worker, *args[rank]) for rank in range(T + R)],
+                    timeout=timeout)
+            self.workers = [Hosted(self.hosts[rank], keys[rank]) for rank in range(T + R)]
+        else:
+            opts = {"num_gpus": 1, "num_cpus": 0} if self.device == "cuda" else {"num_cpus": 0}
+            cls = ray.remote(**opts)(Worker)
+            self.workers = [cls.remote(*a) for a in args]
         return ray.get([w.info.remote() for w in self.workers], timeout=timeout)
 
     @property
@@ -247,7 +325,10 @@ class Team:
 
     def stop(self) -> None:
         for w in self.workers:
-            ray.kill(w)
+            try:
+                _drop(w)
+            except Exception as exc:  # a worker that is gone already
+                print(f"    (stopping a worker: {type(exc).__name__})", flush=True)
         self.workers = []
 
 
@@ -262,7 +343,8 @@ def _run_part(team: Team, fn: Any, timeout: float) -> dict[str, Any]:
         return {"error": msg[:500]}
 
 
-def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: int) -> dict[str, Any]:
+def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: int,
+                 hosts: list[Any] | None = None) -> dict[str, Any]:
     from scripts.bench_worker import CONFIGS, traffic
 
     spec = SCENARIOS[num]
@@ -280,7 +362,7 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
           f"{out['bound_s'] * 1e3:.2f} ms ({tr['must_bytes'] / 1e9:.2f} GB at {bw_gbps:.1f} GB/s)",
           flush=True)
     tmo = args.call_timeout
-    team = Team(spec, model, args.device)
+    team = Team(spec, model, args.device, hosts)
     t_start = time.perf_counter()
     out["workers"] = team.start(tmo)
     out["start_s"] = time.perf_counter() - t_start
@@ -464,12 +546,13 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     width = 0.8 / len(series)
     for k, (label, get) in enumerate(series):
         xs = [i + k * width for i in range(len(rows))]
-        ys = [(get(r) or 0) * 1e3 for r in rows]
+        ys = [(get(r) or float("nan")) * 1e3 for r in rows]  # a missing figure leaves a gap
         ax.bar(xs, ys, width, label=label)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
     ax.set_xticklabels([f"{r['scenario']}. {r['model']}\n{r['trainers']} -> {r['rollouts']} "
                         f"(TP {r['rollout_tp']})" for r in rows], fontsize=8)
-    ax.set_ylabel("push time, ms (median)")
+    ax.set_yscale("log")  # the baselines span two orders of magnitude
+    ax.set_ylabel("push time, ms (median, log scale)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -592,17 +675,19 @@ def cpu_section(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=args.verbose,
              runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
+    hosts = [ray.remote(num_cpus=0)(Host).remote() for _ in range(4)]
     try:
-        small = run_group("bench-small", model_shapes(1 << 20, 4), 5 if args.quick else args.small_pushes)
+        small = run_group("bench-small", model_shapes(1 << 20, 4), 5 if args.quick else args.small_pushes,
+                          hosts)
         big_bytes = (32 << 20) if args.quick else (1 << 30)
-        big = run_group("bench-big", model_shapes(big_bytes, 8), 2 if args.quick else 5)
+        big = run_group("bench-big", model_shapes(big_bytes, 8), 2 if args.quick else 5, hosts)
         # Each destination receives the whole model, half from each source: per-destination bytes.
-        base = engine_baseline(big["model_bytes"], 2 if args.quick else 3)
+        base = engine_baseline(big["model_bytes"], 2 if args.quick else 3, hosts)
         # Scenario 1 on CPU processes: weightsync over tcp;ofi_rxm loopback against gloo broadcasts (a, b).
         # Its bound uses the engine's own one-write bandwidth measured just above.
         bw = {"gbps": base["median_gbps"], "bytes": base["bytes"],
               "how": "one weightsync engine write between two actors, tcp;ofi_rxm loopback"}
-        s1 = run_scenario(1, args, bw["gbps"], 0) if 1 in args.scenarios else None
+        s1 = run_scenario(1, args, bw["gbps"], 0, hosts) if 1 in args.scenarios else None
     finally:
         ray.shutdown()
     result: dict[str, Any] = {

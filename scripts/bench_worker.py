@@ -70,6 +70,13 @@ class Param:
     pieces: list[Piece] = field(default_factory=list)
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _chunk(size: int, n: int, i: int) -> tuple[int, int]:
     c = -(-size // n)
     lo = min(i * c, size)
@@ -288,7 +295,16 @@ class Worker:
         self.trainer = rank < trainers
         if self.trainer:
             self.params = trainer_params(self.cfg, trainers, rank)
-            self.local = {p.key: torch.empty(p.shape, dtype=DTYPE, device=self.dev) for p in self.params}
+            # One flat buffer with every shard a view into it (as FSDP1's flat parameters): one CUDA IPC
+            # handle shares them all with checkpoint-engine's process. Views start 512-byte aligned, as
+            # the caching allocator would place separate tensors.
+            self.views: list[tuple[str, int, tuple[int, ...]]] = []
+            off = 0
+            for p in self.params:
+                self.views.append((p.key, off, p.shape))
+                off += -(-_numel(p.shape) // 256) * 256
+            self.flat = torch.empty(off, dtype=DTYPE, device=self.dev)
+            self.local = {k: self.flat[o:o + _numel(sh)].view(sh) for k, o, sh in self.views}
         else:
             self.params = rollout_params(self.cfg, tp, (rank - trainers) % tp)
             self.local = {p.key: torch.full(p.shape, float("nan"), dtype=DTYPE, device=self.dev)
@@ -421,14 +437,22 @@ class Worker:
             torch.cuda.empty_cache()
         return seconds
 
+    def close(self) -> None:
+        """Leaves the process as it was (the CPU section hosts several workers in one process in turn)."""
+        self.ws_close()
+        self.ce_stop()
+        self.dist.destroy_process_group()
+
     # -- checkpoint-engine baseline (scripts/bench_ckpt_engine.py) -----------------------------------
     def ce_start(self, port: int, timeout: float) -> None:
         from scripts.bench_ckpt_engine import CkptEngineRank
 
-        # Trainers register their own shards as "<tensor>#<rank>"; rollouts own nothing.
-        shards = {f"{k}#{self.rank}": t for k, t in self.local.items()} if self.trainer else {}
-        self.ce = CkptEngineRank(self.rank, self.T + self.R, port, "cuda" if self.cuda else "cpu", shards,
-                                 self._ce_drop if self.trainer else self._ce_load, timeout)
+        # Trainers register their own shards as "<tensor>#<rank>" (views of the flat buffer, rebuilt in
+        # checkpoint-engine's process); rollouts own nothing.
+        flat = self.flat if self.trainer else None
+        views = [(f"{k}#{self.rank}", o, sh) for k, o, sh in self.views] if self.trainer else []
+        self.ce = CkptEngineRank(self.rank, self.T + self.R, port, "cuda" if self.cuda else "cpu", flat,
+                                 views, self._ce_drop if self.trainer else self._ce_load, timeout)
 
     def ce_register(self) -> float:
         return self.ce.register()
