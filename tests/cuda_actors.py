@@ -84,6 +84,9 @@ class GpuEnd:
             imm_count += t.imm_count
         return {"times": times, "imm_count": imm_count}
 
+    def imm_count(self, nbytes: int, rows: int = 1) -> int:
+        return self.engine.imm_count(nbytes, rows=rows)
+
     def counter_wait(self, imm: int, n: int, timeout: float = 60.0) -> None:
         self.engine.counter(imm).wait(n, timeout)
 

@@ -98,6 +98,36 @@ def test_2d_writes_between_ray_gpu_actors(pair, rows: int, row_bytes: int, src_p
     ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
 
 
+@pytest.mark.parametrize(("piece", "streams"), [(1 << 20, 3), (0, 1), ((7 << 20) + 4096, 2)])
+def test_copy_size_and_streams_settings(pair, piece: int, streams: int) -> None:
+    """However the cuda lane cuts a write into copies, the bytes land exactly and the destination counts
+    the engine's imm_count (the fabric rule), all delivered after the last copy."""
+    src, dst, (_s, dst_info) = pair
+    ray.get(src.reconfigure.remote(cuda_piece=piece, cuda_streams=streams))
+    try:
+        n = (37 << 20) + 5
+        s_id, _ = ray.get(src.alloc.remote(n + 3, seed=50))
+        d_id, d_desc = ray.get(dst.alloc.remote(n + 4097 + 9))
+        out = ray.get(src.write.remote(s_id, 3, dst_info["address"], d_desc, 4097, n, imm=60, repeat=3))
+        assert out["imm_count"] == 3 * ray.get(src.imm_count.remote(n))
+        ray.get(dst.counter_wait.remote(60, out["imm_count"]))
+        result = ray.get(dst.check.remote(d_id, 4097, n, 50, 3))
+        assert result == {"data": True, "before": True, "after": True}, result
+        ray.get(dst.free.remote(d_id))
+        # A 2-D block cut into copies of whole rows: still one immediate.
+        rows, row, pitch = 300, 100_003, 100_100
+        d_id, d_desc = ray.get(dst.alloc.remote(rows * pitch))
+        out = ray.get(src.write.remote(s_id, 0, dst_info["address"], d_desc, 0, row, imm=61, rows=rows,
+                                       src_pitch=row, dst_pitch=pitch))
+        assert out["imm_count"] == 1
+        ray.get(dst.counter_wait.remote(61, 1))
+        result = ray.get(dst.check_rows.remote(d_id, 0, rows, row, pitch, 50, 0, row, n + 3))
+        assert result == {"data": True, "outside": True}, result
+        ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
+    finally:
+        ray.get(src.reconfigure.remote())
+
+
 def test_write_into_deregistered_gpu_region_is_refused(pair) -> None:
     """The destination deregistered the region (and could reuse its memory): the writer checks the
     destination's live table before each copy and fails with an error naming the region."""

@@ -361,7 +361,8 @@ int CudaTransport::post_write(const WriteRequest& req) {
   const bool copies = req.len > 0;
   if (!copies) {
     // Only an immediate (the trailer of a cut-up or 2-D write, whose copies are all done): no event.
-    inflight_.push_back({nullptr, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
+    // Not queued behind other writes' copies: it depends on none of them.
+    ready_.push_back({nullptr, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
     return 0;
   }
   make_current();
@@ -400,11 +401,16 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
   if (got > 0) last_busy_ = std::chrono::steady_clock::now();
   // Streams complete in order; across streams a later copy may finish first, which only delays its
   // report until the ones before it are done. One event query per completion: the front's.
-  while (!inflight_.empty() && got < max) {
-    Inflight f = inflight_.front();
+  while ((!ready_.empty() || !inflight_.empty()) && got < max) {
+    const bool instant = !ready_.empty();
+    Inflight f = instant ? ready_.front() : inflight_.front();
     CUresult rc = f.event ? api_->cuEventQuery(f.event) : CUDA_SUCCESS;
     if (rc == CUDA_ERROR_NOT_READY) break;
-    inflight_.pop_front();
+    if (instant) {
+      ready_.pop_front();
+    } else {
+      inflight_.pop_front();
+    }
     if (f.event) free_events_.push_back(f.event);
     last_busy_ = std::chrono::steady_clock::now();
     Completion c;
@@ -436,7 +442,7 @@ void CudaTransport::wait(int timeout_ms) {
   // timeout passes. Within spin_us of the last copy or immediate, keep polling: a write or immediate
   // that follows soon (a stream of small writes) then costs neither side a futex wake-up.
   const auto idle = std::chrono::steady_clock::now() - last_busy_;
-  if (inflight_.empty() && idle > std::chrono::duration<double, std::micro>(spin_us_)) {
+  if (inflight_.empty() && ready_.empty() && idle > std::chrono::duration<double, std::micro>(spin_us_)) {
     ring_.sleep(int64_t(timeout_ms) * 1000);
   } else {
     // A timed sleep would cost the timer slack (50 us by default) on every completion: yield instead.

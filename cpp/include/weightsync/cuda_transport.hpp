@@ -98,6 +98,7 @@ class CudaTransport final : public Transport {
   std::unordered_map<uint64_t, int> peer_pids_;       // by peer handle: to notice a peer that exited
   uint64_t next_peer_ = 1;
   std::deque<Inflight> inflight_;
+  std::deque<Inflight> ready_;  // zero-length writes: nothing to wait for, reported at the next poll
   std::vector<void*> free_events_;
   // Opened peer allocations, by IPC handle bytes: opening one twice in a context fails.
   std::unordered_map<std::string, uint64_t> opened_;
