@@ -248,15 +248,16 @@ class FP8Trainer:
 
 
 class FP8Rollout:
-    def __init__(self, group: str, rank: int, device: str = "cpu") -> None:
+    def __init__(self, group: str, rank: int, device: str = "cpu", mode: str = "inplace") -> None:
         named, self.local = destination_tensors(rank, device)
-        self.dst = ws.Destination(group, rank=rank, tensors=named, mode="inplace")
+        self.dst = ws.Destination(group, rank=rank, tensors=named, mode=mode)
 
     def wait(self, version: int) -> int:
         return self.dst.wait(version, timeout=60.0)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        # raw bytes: what landed, bit for bit
+        # raw bytes: what landed, bit for bit (staged: made live first)
+        self.dst.apply()
         return {k: v.contiguous().view(torch.uint8).cpu().clone() for k, v in self.local.items()}
 
 
@@ -302,7 +303,8 @@ def test_fp8_push_through_ray_small_watermark(ray_cluster) -> None:
     staging, chunk = 128 << 10, 64 << 10  # 2 slots: more chunks than slots
     group = ws.Group.create(name, num_sources=3, num_destinations=2, allow_cast=True)
     trainers = [ray.remote(num_cpus=0)(FP8Trainer).remote(name, i, staging, chunk) for i in range(3)]
-    rollouts = [ray.remote(num_cpus=0)(FP8Rollout).remote(name, j) for j in range(2)]
+    rollouts = [ray.remote(num_cpus=0)(FP8Rollout).remote(name, j, "cpu", mode)
+                for j, mode in enumerate(["inplace", "staged"])]
     try:
         _push_and_check(ray, name, trainers, rollouts, staging, chunk)
     finally:
