@@ -52,6 +52,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def ps_main(conn: Any, rank: int, world: int, port: int, device: str, flat: torch.Tensor | None,
             views: list[tuple[str, int, tuple[int, ...]]], env: dict[str, str]) -> None:
     os.environ.update(env)
+    _exit_with_parent()
     shards = {} if flat is None else {k: flat[o:o + _numel(sh)].view(sh) for k, o, sh in views}
     try:
         if device == "cpu":
@@ -92,6 +93,19 @@ def ps_main(conn: Any, rank: int, world: int, port: int, device: str, flat: torc
                 return
     except Exception:
         conn.send(("error", traceback.format_exc()))
+
+
+def _exit_with_parent() -> None:
+    """A killed Worker actor (Ray kills with SIGKILL) must not leave its ParameterServer holding GPU memory
+    for the next scenario: exit as soon as the parent is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 # ------------------------------------------------------------------------------------------------
