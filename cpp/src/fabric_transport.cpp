@@ -3,6 +3,7 @@
 #include <rdma/fi_errno.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -21,13 +22,14 @@ constexpr size_t kCqSize = 8192;
 constexpr uint64_t kMrModeHints =
     FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
 
-fi_info* make_hints(const std::string& provider, const std::string& domain) {
+// hmem: also ask for device memory (FI_HMEM), which the provider then registers like host memory.
+fi_info* make_hints(const std::string& provider, const std::string& domain, bool hmem = false) {
   fi_info* hints = fi_allocinfo();
   if (hints == nullptr) throw TransportError("fi_allocinfo failed: out of memory");
-  hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+  hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0);
   hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
   hints->ep_attr->type = FI_EP_RDM;
-  hints->domain_attr->mr_mode = kMrModeHints;
+  hints->domain_attr->mr_mode = kMrModeHints | (hmem ? FI_MR_HMEM : 0);
   hints->domain_attr->threading = FI_THREAD_DOMAIN;  // one worker thread owns each domain
   hints->domain_attr->cq_data_size = 4;
   if (!provider.empty()) hints->fabric_attr->prov_name = strdup(provider.c_str());
@@ -74,29 +76,38 @@ std::string FabricTransport::pick_provider() {
 
 FabricTransport::FabricTransport(const std::string& provider, const std::string& domain)
     : provider_(provider), domain_(domain) {
-  fi_info* hints = make_hints(provider, domain);
-  fi_info* list = nullptr;
-  int rc = fi_getinfo(kFiVersion, nullptr, nullptr, 0, hints, &list);
-  fi_freeinfo(hints);
-  if (rc != 0 || list == nullptr) {
-    throw TransportError("libfabric provider '" + provider + "' has no NIC named '" + domain +
-                         "' with RMA and remote CQ data: " + fi_error(rc));
-  }
   // Several entries can name the same domain (IPv4 and IPv6 on tcp): prefer IPv4, then the first.
   // Layered providers do not always filter on the domain name, so match it here.
-  fi_info* pick = nullptr;
-  for (fi_info* cur = list; cur != nullptr; cur = cur->next) {
-    const char* name = cur->domain_attr->name;
-    if (!domain.empty() && (name == nullptr || domain != name)) continue;
-    if (pick == nullptr || (cur->addr_format == FI_SOCKADDR_IN && pick->addr_format != FI_SOCKADDR_IN)) pick = cur;
-  }
-  if (pick == nullptr) {
+  auto find = [&](bool hmem, int* rc_out) -> fi_info* {
+    fi_info* hints = make_hints(provider, domain, hmem);
+    fi_info* list = nullptr;
+    int rc = fi_getinfo(kFiVersion, nullptr, nullptr, 0, hints, &list);
+    fi_freeinfo(hints);
+    if (rc_out) *rc_out = rc;
+    if (rc != 0 || list == nullptr) return nullptr;
+    fi_info* pick = nullptr;
+    for (fi_info* cur = list; cur != nullptr; cur = cur->next) {
+      const char* name = cur->domain_attr->name;
+      if (!domain.empty() && (name == nullptr || domain != name)) continue;
+      if (pick == nullptr || (cur->addr_format == FI_SOCKADDR_IN && pick->addr_format != FI_SOCKADDR_IN)) pick = cur;
+    }
+    fi_info* out = pick ? fi_dupinfo(pick) : nullptr;
     fi_freeinfo(list);
-    throw TransportError("libfabric provider '" + provider + "' has no NIC named '" + domain + "'");
+    return out;
+  };
+  // GPU memory straight on the NIC (GPUDirect RDMA on EFA or verbs) where the provider offers FI_HMEM;
+  // WEIGHTSYNC_FABRIC_HMEM=0 turns the attempt off. Otherwise GPU memory stays off the fabric lane.
+  const char* env = std::getenv("WEIGHTSYNC_FABRIC_HMEM");
+  if (env == nullptr || std::string(env) != "0") {
+    info_ = find(true, nullptr);
+    hmem_ = info_ != nullptr;
   }
-  info_ = fi_dupinfo(pick);
-  fi_freeinfo(list);
-  if (info_ == nullptr) throw TransportError("fi_dupinfo failed: out of memory");
+  int rc = 0;
+  if (info_ == nullptr) info_ = find(false, &rc);
+  if (info_ == nullptr) {
+    throw TransportError("libfabric provider '" + provider + "' has no NIC named '" + domain +
+                         "' with RMA and remote CQ data" + (rc ? ": " + fi_error(rc) : std::string()));
+  }
   if (info_->domain_attr->name) domain_ = info_->domain_attr->name;
 
   mr_mode_ = info_->domain_attr->mr_mode;
@@ -108,7 +119,7 @@ FabricTransport::FabricTransport(const std::string& provider, const std::string&
     // A write whose immediate travels separately (2-D writes: one immediate after all rows) may only be
     // announced once its bytes are placed at the target; local completion by default only means
     // "sent". Ask whether this provider can complete a write at delivery instead.
-    fi_info* dc_hints = make_hints(provider, domain_);
+    fi_info* dc_hints = make_hints(provider, domain_, hmem_);
     dc_hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
     fi_info* dc = nullptr;
     if (fi_getinfo(kFiVersion, nullptr, nullptr, 0, dc_hints, &dc) == 0) {
@@ -197,11 +208,11 @@ std::string FabricTransport::describe_address(const std::string& address) const 
 }
 
 MemRegistration FabricTransport::register_memory(void* ptr, size_t len, MemKind kind, int device) {
-  (void)device;
-  if (kind != MemKind::kHost) {
-    // GPU memory needs FI_HMEM; until the provider is asked for it the engine stages through host memory.
+  if (kind != MemKind::kHost && !hmem_) {
+    // Without FI_HMEM the NIC cannot reach GPU memory; the engine keeps such regions on the cuda lane
+    // (same-host peers) and refuses fabric writes from or into them.
     throw TransportError("provider " + provider_ + " on NIC " + domain_ +
-                         " was not opened for GPU memory (FI_HMEM)");
+                         " cannot register GPU memory (no FI_HMEM)");
   }
   MemRegistration reg;
   fid_mr* mr = nullptr;
@@ -218,7 +229,20 @@ MemRegistration FabricTransport::register_memory(void* ptr, size_t len, MemKind 
       requested = random_u64();
       if (key_size_ < 8) requested &= ((1ull << (8 * key_size_)) - 1);
     }
-    rc = fi_mr_reg(domain_fid_, base, reg_len, access, 0, requested, 0, &mr, nullptr);
+    if (kind == MemKind::kCuda) {
+      // Device memory: the provider is told which GPU it lives on (the process-local ordinal).
+      iovec iov{base, reg_len};
+      fi_mr_attr attr{};
+      attr.mr_iov = &iov;
+      attr.iov_count = 1;
+      attr.access = access;
+      attr.requested_key = requested;
+      attr.iface = FI_HMEM_CUDA;
+      attr.device.cuda = device;
+      rc = fi_mr_regattr(domain_fid_, &attr, 0, &mr);
+    } else {
+      rc = fi_mr_reg(domain_fid_, base, reg_len, access, 0, requested, 0, &mr, nullptr);
+    }
     if (rc != -FI_ENOKEY) break;
   }
   check(rc, "fi_mr_reg");

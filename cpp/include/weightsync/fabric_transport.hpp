@@ -51,6 +51,7 @@ class FabricTransport final : public Transport {
   void signal() override;
 
   bool delivery_complete() const override { return delivery_complete_; }
+  bool hmem() const { return hmem_; }
   bool orders_writes() const override { return orders_writes_; }
   uint64_t max_write() const override { return max_msg_size_; }
   size_t max_outstanding() const override { return tx_size_; }
@@ -77,6 +78,7 @@ class FabricTransport final : public Transport {
   uint64_t max_msg_size_ = 0;
   size_t tx_size_ = 0;
   bool delivery_complete_ = false;  // the provider accepts FI_DELIVERY_COMPLETE on a write
+  bool hmem_ = false;               // opened with FI_HMEM: GPU memory registers like host memory
   bool orders_writes_ = false;      // FI_ORDER_WAW: writes on one path land in posting order
   // Receive contexts for providers with FI_RX_CQ_DATA.
   std::vector<TransportContext> rx_ctx_;
