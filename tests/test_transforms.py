@@ -507,3 +507,21 @@ def test_llama8b_fp8_push_within_1_3x_of_bf16(ray_cluster) -> None:
     for s in fp8_stats:
         assert s["peak_staging_bytes"] <= s["staging_limit_bytes"]
     assert fp8_s <= 1.3 * bf16_s, (fp8_s, bf16_s)
+
+
+def test_fp8_plan_round_trips_with_boxes_and_gathers() -> None:
+    full = full_tensors(5)
+    srcs = [source_tensors(i, full) for i in range(3)]
+    dsts = [destination_tensors(j) for j in range(2)]
+    p = plan([describe_tensors(s[0]) for s in srcs], [describe_tensors(d[0]) for d in dsts],
+             allow_cast=True, fp8_block=(128, 128))
+    q = ws.Plan.from_msgpack(p.to_msgpack())
+    assert q == p and q.fp8_block == (128, 128) and len(q.boxes) and len(q.gathers)
+    q.gathers["offset"][0] += 16
+    assert q != p
+    part = p.part(sources=[1])
+    mine = (part.gathers["provider"] == 1) | (part.gathers["gatherer"] == 1)
+    boxed = (part.ops["transform"] == T_FP8) | (part.ops["transform"] == T_SCALE)
+    need = set(part.ops["src_key"][boxed].tolist()) | set(part.gathers["box"].tolist()) \
+        | set(part.gathers["pbox"].tolist())
+    assert mine.all() and need == set(part.boxes["id"].tolist())

@@ -3,11 +3,18 @@
 A push, from one source's point of view (every source does this at the same time, SPMD):
 
 1. fetch a new plan part only if the coordinator's epoch moved (membership changed);
-2. pack strided blocks into the staging buffer, then per destination submit one batch: the data
-   writes with immediate ``DATA(epoch, version)`` and a 16-byte *announce* of ``(epoch, version)`` into
-   the destination's mailbox slot with immediate ``ANNOUNCE``;
-3. wait for the local completion of every batch, then for each destination's *ack*: a 16-byte write
-   of ``(version, next buffer)`` into this source's mailbox with immediate ``ACK``.
+2. per destination submit one batch: the direct writes (contiguous, no transform) with immediate
+   ``DATA(epoch, version)`` and a 16-byte *announce* of ``(epoch, version)`` into the destination's
+   mailbox slot with immediate ``ANNOUNCE``;
+3. run the staged chunks (weightsync.writes) through the staging pool: rows of FP8 tiles other sources
+   own go first (into their receive buffers, immediate ``GATHER``), then packed blocks and casts, then
+   FP8 units, each chunk prepared (weightsync.transforms.Preparer, on the tensors' device) while the
+   previous ones are written; a slot is reused once its writes have completed locally. The first FP8
+   unit waits for the rows this source gathers; after the last, it tells each provider (``GATHERED``)
+   that its receive buffer may be overwritten;
+4. wait for the local completion of every batch, then for each destination's *ack*: a 16-byte write
+   of ``(version, next buffer)`` into this source's mailbox with immediate ``ACK`` (and, as a provider
+   of gathers, for the gatherers' ``GATHERED``).
 
 A destination's own thread (never the user's code) waits for announces, then for the expected number
 of data immediates of that version (computed by the coordinator from the same lowering the sources
@@ -560,6 +567,11 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
     phases["plan"] = time.perf_counter() - t0
 
     t = time.perf_counter()
+    if src.device.type == "cuda":
+        import torch
+
+        # The engine reads the tensors outside torch's streams: the caller's last update must be done.
+        torch.cuda.current_stream(src.device).synchronize()
     imm = data_imm(src.epoch, version)
     acks = src.engine.counter(ACK)
     # Forget the previous push's acks before this one can be acked: an ack is recognised by its version,
