@@ -122,7 +122,7 @@ class CkptEngineRank:
         ctx = torch.multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "NCCL_NVLS_ENABLE": "0"}
+               "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
         if device == "cpu":
             # 2 MiB buckets: the model is tiny, and a bucket size must keep 256-byte alignment (a size
             # of 0.002 GiB is odd, and the second half of the double buffer then starts misaligned)

@@ -1,13 +1,46 @@
-"""Push benchmarks. ``--cpu``: the control plane's own cost on this machine, over TCP loopback.
+"""Push benchmarks: weightsync against the broadcasts RL frameworks use (issue #8), and the CPU section.
+
+GPU scenarios (``--device cuda``, one host with four NVLink GPUs; every source and destination a Ray GPU
+actor; random bf16 weights built from public configs, see scripts/bench_worker.py):
+
+1. Llama-3-8B, 2 trainer GPUs (FSDP over 2, dim-0 shards) to 2 rollout GPUs holding full replicas in
+   vLLM's fused layout (``qkv_proj``, ``gate_up_proj``);
+2. the same trainers to one TP-2 rollout (vLLM's TP layout: fused per rank, row-parallel split on dim 1);
+3. 1 trainer GPU to 3 full replicas (fan-out);
+4. Qwen3-30B-A3B, 2 trainers to one rollout with TP-2 attention and expert parallelism over 2 GPUs.
+
+Measured in the same run, on the same tensors:
+
+* weightsync: every trainer calls ``ws.push`` for the same version at once (after a barrier);
+  destinations ``inplace``; one warm-up push (opens the IPC handles), then the median over ``--pushes``
+  of the slowest source's ``push()`` time (ends when every destination acked the complete version);
+* a. gather + bucketed broadcast: per bucket, the trainers all-gather the shards (what FSDP's
+  ``full_tensor()`` does), trainer 0 NCCL-broadcasts the bucket to the rollouts, the rollouts copy each
+  tensor's slices into their fused parameters; every bucket size of ``--buckets-mib``, the best reported;
+* b. the same one parameter at a time (OpenRLHF's way);
+* c. checkpoint-engine (PyPI) in broadcast mode (scripts/bench_ckpt_engine.py);
+* d. the bound: the most bytes any GPU must receive or send, over the copy-engine bandwidth measured at
+  the start of the run (one device-to-device copy GPU 0 -> GPU 1 in the driver). "must" lets relays
+  forward bytes (scenario 3: a trainer must send the model once); "direct" is what direct writes from
+  the holders must move (scenario 3: the model three times from the one trainer).
+
+Every timed run is verified afterwards: each rollout compares every byte of every parameter with its own
+copy of that version's values (trainers update their shards and rollouts poison theirs with NaN before
+each run), so a run that moves wrong bytes fails instead of reporting a figure. Output: a table, one
+JSON line, and with ``--out DIR`` bench_push.md, bench_push.json and bench_push.png. ``--device cpu``
+runs the same code on CPU actors (gloo, TCP loopback; tiny shapes by default) to check it without GPUs.
+
+``--cpu``: the control plane's own cost on this machine, over TCP loopback.
 
 1. Round trip of a push of a small model (all sources push, every destination has the version and has
    acknowledged it): the median over many pushes of the slowest source's ``push()`` time.
 2. GB/s of a large model pushed from 2 sources to 2 full-replica destinations, beside the engine's
    own figure for one write of the same per-destination bytes between two actors, measured in the same
    run: what the control plane costs on top of the data plane.
+3. Scenario 1 at small scale (a 0.25 GB Llama-shaped model; tiny with ``--quick``) against gloo
+   broadcasts (a, b), the bound taken from the engine's one-write figure of 2.
 
-Every pushed version is checked on the destinations (checksums of every tensor against the sources'),
-so a run that moves wrong bytes fails instead of reporting a figure.
+Every pushed version is checked on the destinations, here too.
 """
 
 from __future__ import annotations
@@ -33,7 +66,8 @@ sys.path.insert(0, ROOT)
 import weightsync as ws  # noqa: E402
 
 # NVLink multicast stays off in every process this benchmark starts (the lent GPU hosts require it).
-os.environ["NCCL_NVLS_ENABLE"] = "0"
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(NO_MULTICAST)
 
 
 def model_shapes(total_bytes: int, tensors: int) -> dict[str, tuple[int, int]]:
@@ -585,7 +619,7 @@ def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False,
              log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), "NCCL_NVLS_ENABLE": "0"}})
+             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST}})
     rows: list[dict[str, Any]] = []
     try:
         if bw is None:
@@ -687,7 +721,7 @@ def cpu_section(args: argparse.Namespace) -> None:
     """Control-plane cost over TCP loopback, and scenario 1 at small scale against gloo broadcasts."""
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
+             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST}})
     hosts = [ray.remote(num_cpus=0)(Host).remote() for _ in range(4)]
     try:
         small = run_group("bench-small", model_shapes(1 << 20, 4), 5 if args.quick else args.small_pushes,

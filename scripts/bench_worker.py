@@ -276,7 +276,9 @@ class Worker:
                  port: int) -> None:
         import torch.distributed as dist
 
-        os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent hosts
+        # NVLink multicast stays off on the lent hosts
+        os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                           "NVSHMEM_DISABLE_NVLS": "1"})
         self.rank, self.T, self.R, self.tp = rank, trainers, rollouts, tp
         self.cfg = CONFIGS[model]
         self.cuda = device == "cuda"
