@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from weightsync.errors import PlanError
+from weightsync.errors import LayoutError, PlanError
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan
@@ -47,7 +47,7 @@ def quantize_fp8_blocks(x: Any, block: tuple[int, int] = (128, 128)) -> tuple[An
     import torch
 
     if x.dim() < 2:
-        raise ValueError(f"FP8 block quantization needs a tensor of at least 2 dimensions, got {x.dim()}")
+        raise LayoutError(f"FP8 block quantization needs a tensor of at least 2 dimensions, got {x.dim()}")
     bm, bn = block
     *lead, rows, cols = x.shape
     tr, tc = -(-rows // bm), -(-cols // bn)

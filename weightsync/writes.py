@@ -26,7 +26,7 @@ buffer, like data writes (``kind == K_GATHER``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -70,7 +70,7 @@ class Writes:
     ``writes["staged"] == 0`` reads local tensor ``src_key`` at ``src_offset``; staged writes read chunk
     ``chunk`` at ``src_offset``. Direct writes come first; staged writes are ordered by chunk, and chunks
     in execution order (gathers first, then packs and casts, then FP8 units). ``copies`` fill the chunks,
-    ``units`` are the FP8 quantizations, ``gathers`` the provider-side gather rows C_GATHER copies name.
+    ``units`` are the FP8 quantizations; C_GATHER copies name rows of the ``gathers`` given to ``lower``.
     """
 
     writes: np.ndarray
@@ -78,7 +78,6 @@ class Writes:
     chunks: np.ndarray
     units: np.ndarray
     chunk_bytes: int
-    gathers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def staging_bytes(self) -> int:
@@ -158,8 +157,7 @@ def lower(ops: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, plan: Plan | 
     allch = np.concatenate(chunks) if chunks else np.zeros(0, CHUNK_DTYPE)
     if len(allch) and int(allch["nbytes"].max()) > chunk_bytes:
         raise PlanError("internal: a staging chunk exceeds chunk_bytes")  # construction prevents it
-    g_idx = np.zeros(0, np.int64) if gathers is None else np.arange(len(gathers))
-    return Writes(writes, allc, allch, units, chunk_bytes, g_idx)
+    return Writes(writes, allc, allch, units, chunk_bytes)
 
 
 # ------------------------------------------------------------------------------------------------
