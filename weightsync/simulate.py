@@ -103,7 +103,19 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         src_isz = np.array([DTYPE_SIZES[d] for d in p.src_dtype], np.float64)
         dst_isz = np.array([DTYPE_SIZES[d] for d in p.dst_dtype], np.float64)
         ratio = src_isz[ops["tensor"]] / dst_isz[ops["tensor"]]
-    work = np.where((tr == T_FP8) | (tr == T_CAST), nbytes * ratio, 0.0)
+    work = np.where(tr == T_CAST, nbytes * ratio, 0.0)
+    # FP8: the sender quantizes each tile it owns once, however many destinations take it (replicas
+    # share the quantization; see weightsync.writes): a source's quantization work is the source bytes of
+    # the boxes its FP8 ops read, spread over those ops by their bytes.
+    fp8 = np.flatnonzero(tr == T_FP8)
+    if len(fp8) and len(p.boxes):
+        pos = np.searchsorted(p.boxes["id"], ops["src_key"][fp8])
+        box_bytes = (np.prod(p.boxes["own_shape"].astype(np.float64), axis=1)
+                     * np.array([DTYPE_SIZES[p.src_dtype[int(t)]] for t in p.boxes["tensor"]], np.float64))
+        pair = np.unique(np.stack([src[fp8], pos], axis=1), axis=0)
+        src_work = np.bincount(pair[:, 0], weights=box_bytes[pair[:, 1]], minlength=T)
+        src_fp8 = np.bincount(src[fp8], weights=nbytes[fp8], minlength=T)
+        work[fp8] = src_work[src[fp8]] * nbytes[fp8] / np.maximum(src_fp8[src[fp8]], 1e-300)
     # flows: runs of equal (source, round, destination); ops are sorted by (source, round) and
     # grouped by destination inside a round
     key = (src << 42) + (ops["round"].astype(np.int64) << 21) + dst
