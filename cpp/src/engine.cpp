@@ -177,7 +177,10 @@ void Engine::deregister(const std::shared_ptr<LocalRegion>& region) {
   if (!hold) return;  // already deregistered
   // Peers must not write into it any more: the cuda lane's writers check the live table before every
   // copy; fabric writers find its MRs closed (below, or once the last local write reading from it ends).
-  if (cuda_lane_ >= 0 && !closed_) cuda_transport().set_region_live(region->id, false);
+  if (cuda_lane_ >= 0) {
+    std::lock_guard<std::mutex> lock(regions_mu_);  // close() clears the workers under this lock
+    if (!closed_) cuda_transport().set_region_live(region->id, false);
+  }
   if (hold.use_count() > 1) return;  // writes reading from it are in flight: the last one releases it
   // Nobody else can take a pin now (the region's hold is gone): close the registrations before
   // returning, so that the caller may free the memory at once.
@@ -757,7 +760,14 @@ void Engine::close() {
   for (auto& [id, regs] : live) {
     for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) workers_[i]->transport().deregister(regs[i]);
   }
-  workers_.clear();
+  // Taken out under the lock that deregister() and release_region() check closed_ under; destroyed
+  // outside it, because the pieces they free release their registrations through that lock.
+  std::vector<std::unique_ptr<NicWorker>> workers;
+  {
+    std::lock_guard<std::mutex> lock(regions_mu_);
+    workers.swap(workers_);
+  }
+  workers.clear();
 }
 
 }  // namespace weightsync
