@@ -525,3 +525,47 @@ def test_fp8_plan_round_trips_with_boxes_and_gathers() -> None:
     need = set(part.ops["src_key"][boxed].tolist()) | set(part.gathers["box"].tolist()) \
         | set(part.gathers["pbox"].tolist())
     assert mine.all() and need == set(part.boxes["id"].tolist())
+
+
+def test_wide_tensor_units_split_columns_in_process() -> None:
+    """128 rows of 700 columns exceed a 64 KiB chunk: units are bands of some tile columns. Two
+    sources (cut at row 90), one full replica and one destination holding columns 384.. only."""
+    g = torch.Generator().manual_seed(9)
+    full = torch.randn(200, 700, generator=g).to(torch.bfloat16)
+    srcs = []
+    for a, b in ((0, 90), (90, 200)):
+        loc = full[a:b].clone()
+        srcs.append(({"w": ws.Sharded(loc, full.shape, (a, 0))}, {"w": loc}))
+    q0 = torch.full((200, 700), 0x7F, dtype=torch.uint8).view(FP8)
+    s0 = torch.full((2, 6), float("nan"))
+    q1 = torch.full((200, 316), 0x7F, dtype=torch.uint8).view(FP8)
+    s1 = torch.full((2, 3), float("nan"))
+    d1 = {"w": ws.Sharded(q1, (200, 700), (0, 384)), "w_scale_inv": ws.Sharded(s1, (2, 6), (0, 3))}
+    p = plan([describe_tensors(x[0]) for x in srcs],
+             [describe_tensors({"w": q0, "w_scale_inv": s0}), describe_tensors(d1)], fp8_block=(128, 128))
+    for i in range(2):
+        part = p.part(sources=[i])
+        lw = lower(p.for_source(i), 64 << 10, part, part.gathers[part.gathers["provider"] == i])
+        assert len(lw.units) == 0 or (lw.units["c1"] - lw.units["c0"]).min() < 700  # columns were split
+    run_in_process(p, [x[1] for x in srcs], [{"w": q0, "w_scale_inv": s0}, {"w": q1, "w_scale_inv": s1}],
+                   64 << 10)
+    rq, rs = reference_fp8(full)
+    assert same_bits(q0, rq) and same_bits(s0, rs)
+    assert same_bits(q1, rq[:, 384:].contiguous()) and same_bits(s1, rs[:, 3:].contiguous())
+
+
+def test_cast_rows_larger_than_a_chunk_in_process() -> None:
+    """A cast whose contiguous run (80 000 bf16 bytes) exceeds a 64 KiB chunk is cut inside the run;
+    a strided pack (column slice) goes through staging too."""
+    g = torch.Generator().manual_seed(4)
+    v = torch.randn(40000, generator=g)
+    m = torch.randn(64, 96, generator=g)
+    out_v = torch.full((40000 * 2,), 0x7F, dtype=torch.uint8).view(torch.bfloat16)
+    out_m = torch.full((64 * 48 * 4,), 0x7F, dtype=torch.uint8).view(torch.float32).view(64, 48)
+    dst = {"v": out_v, "m": ws.Sharded(out_m, (64, 96), (0, 48))}
+    p = plan([describe_tensors({"v": v, "m": m})], [describe_tensors(dst)], allow_cast=True)
+    lw = lower(p.for_source(0), 64 << 10, p)
+    assert len(lw.chunks) >= 2 and int(lw.chunks["nbytes"].max()) <= 64 << 10
+    run_in_process(p, [{"v": v, "m": m}], [{"v": out_v, "m": out_m}], 64 << 10)
+    assert same_bits(out_v, v.to(torch.bfloat16))
+    assert torch.equal(out_m, m[:, 48:])
