@@ -368,6 +368,13 @@ class Team:
                 _drop(w)
             except Exception as exc:  # a worker that is gone already
                 print(f"    (stopping a worker: {type(exc).__name__})", flush=True)
+        if self.hosts is None:
+            # Wait until the killed processes are gone, so the next team finds their GPU memory free.
+            for w in self.workers:
+                try:
+                    ray.get(w.__ray_ready__.remote(), timeout=15)
+                except Exception:  # RayActorError once the actor is dead: what we wait for
+                    pass
         self.workers = []
 
 
@@ -539,7 +546,7 @@ def _ms(x: float | None) -> str:
 
 def table(rows: list[dict[str, Any]], bw: dict[str, Any], card: str) -> str:
     lines = [
-        f"Card: {card}; copy-engine bandwidth {bw['gbps']:.1f} GB/s ({bw['how']}); "
+        f"Card: {card}; bound bandwidth {bw['gbps']:.1f} GB/s ({bw['how']}); "
         f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; times are medians in ms.",
         "",
         "| scenario | model GB | max GB per GPU (must / direct) | bound (d) | weightsync | a: gather + "
