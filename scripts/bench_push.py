@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -387,10 +388,12 @@ def _run_part(team: Team, fn: Any, timeout: float, deadline: float | None = None
     try:
         return fn()
     except Exception as exc:  # a failed part must not take the other measurements down with it
-        msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        text = str(exc).strip()
+        msg = f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
         print(f"    FAILED: {msg}", flush=True)
         team.start(timeout)
-        return {"error": msg[:500]}
+        # The whole text (a worker's traceback) goes to the JSON: GPU runs are too few to repeat for it.
+        return {"error": msg[:500], "error_detail": text[-6000:]}
 
 
 def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: int,
@@ -479,7 +482,11 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
         if "b" in args.baselines:
             out["b"] = _run_part(team, lambda: broadcast(0), tmo, args.deadline)
             _say("b: per-parameter broadcast", out["b"])
-        if "c" in args.baselines:
+        if "c" in args.baselines and importlib.util.find_spec("checkpoint_engine") is None:
+            out["c"] = {"error": "checkpoint-engine is not installed here (pip install --no-index --no-deps "
+                                 ".whl/*.whl)"}
+            _say("c: checkpoint-engine", out["c"])
+        elif "c" in args.baselines:
             out["c"] = _run_part(team, lambda: checkpoint_engine(team, args, next_version), tmo,
                                  args.deadline)
             _say("c: checkpoint-engine", out["c"])
