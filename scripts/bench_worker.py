@@ -20,6 +20,7 @@ check what landed against its own copy of the truth.
 from __future__ import annotations
 
 import os
+import re
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -238,6 +239,35 @@ def values(name: str, shape: tuple[int, ...], version: int, device: torch.device
     return torch.randn(shape, generator=g, device=device, dtype=DTYPE)
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class Values:
+    """Version ``version``'s value of any logical tensor, on ``device``.
+
+    Expert weights come from one ``randn`` per layer and kind (``[E, *shape]``, expert ``e`` its slice):
+    Qwen3-30B-A3B has 18,432 of them, and one generator call each made updating and checking a version
+    cost seconds of Python. The last few stacks are kept while the caller walks a layer."""
+
+    def __init__(self, cfg: dict[str, Any], version: int, device: torch.device) -> None:
+        self.experts = int(cfg.get("num_experts") or 0)
+        self.version, self.device = version, device
+        self.stacks: dict[tuple[str, str], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        m = _EXPERT.match(name)
+        if m is None or not self.experts:
+            return values(name, shape, self.version, self.device)
+        key = (m[1], m[3])
+        stack = self.stacks.get(key)
+        if stack is None:
+            if len(self.stacks) >= 3:  # gate, up and down of the layer at hand
+                del self.stacks[next(iter(self.stacks))]
+            stack = self.stacks[key] = values(f"{m[1]}.*.{m[3]}.weight", (self.experts, *shape), self.version,
+                                              self.device)
+        return stack[int(m[2])]
+
+
 def box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))
 
@@ -344,9 +374,10 @@ class Worker:
     def set_version(self, version: int) -> None:
         """Trainers: new values (an optimizer step); rollouts: poison their parameters (NaN)."""
         if self.trainer:
+            vals = Values(self.cfg, version, self.dev)
             for p in self.params:
                 name, g, offs, shape, _ = p.pieces[0]
-                self.local[p.key].copy_(values(name, g, version, self.dev)[box(offs, shape)])
+                self.local[p.key].copy_(vals.get(name, g)[box(offs, shape)])
         else:
             for t in self.local.values():
                 t.fill_(float("nan"))
@@ -357,10 +388,11 @@ class Worker:
         if self.trainer:
             return {"ok": True, "bytes": 0, "bad": []}
         bad, checked = [], 0
+        vals = Values(self.cfg, version, self.dev)
         for p in self.params:
             local = self.local[p.key]
             for pc in p.pieces:
-                want = values(pc[0], pc[1], version, self.dev)[box(pc[2], pc[3])]
+                want = vals.get(pc[0], pc[1])[box(pc[2], pc[3])]
                 got = local_view(local, pc)
                 if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
                     bad.append(f"{p.key} <- {pc[0]}")
