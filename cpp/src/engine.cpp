@@ -405,10 +405,13 @@ void Engine::post_ops(const std::shared_ptr<TransferState>& transfer, const Chec
                       const std::vector<std::shared_ptr<RemoteRegion>>& dsts, const WriteOp* ops, size_t n,
                       bool has_imm) {
   std::vector<std::vector<Piece*>> per_nic(workers_.size() + 1);  // the last: no NIC left for them
+  bool copies_only = n > 0;
   for (size_t i = 0; i < n; ++i) {
     const WriteOp& op = ops[i];
     make_pieces(op, transfer, srcs[op.src], checked.pins[op.src], dsts[op.dst], has_imm, per_nic);
+    copies_only = copies_only && dsts[op.dst]->cuda_addr != 0;
   }
+  if (copies_only) transfer->set_wait_spin(cfg_.cuda_spin_us);
   uint64_t pieces = 0;
   for (const auto& v : per_nic) pieces += v.size();
   // Counted before any piece can complete: nothing is submitted yet.

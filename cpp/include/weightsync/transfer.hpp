@@ -2,10 +2,14 @@
 // delivers to the destination's counter, and the first error if any piece failed for good.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <algorithm>
 
 namespace weightsync {
 
@@ -28,12 +32,16 @@ class TransferState {
       error_ = error;
     }
     pending_ = 0;
+    finished_.store(true, std::memory_order_release);
     cv_.notify_all();
   }
 
   void piece_done() {
     std::lock_guard<std::mutex> lock(mu_);
-    if (pending_ > 0 && --pending_ == 0) cv_.notify_all();
+    if (pending_ > 0 && --pending_ == 0) {
+      finished_.store(true, std::memory_order_release);
+      cv_.notify_all();
+    }
   }
 
   // A piece failed for good (no NIC left to retry on, or an error retrying cannot fix).
@@ -44,11 +52,24 @@ class TransferState {
       error_ = error;
     }
     if (pending_ > 0) --pending_;
+    finished_.store(true, std::memory_order_release);
     cv_.notify_all();
   }
 
+  // Copy-engine writes finish within microseconds: a waiter that polls that long first spares both
+  // threads a futex sleep and wake-up (the engine sets it for writes that went only to the cuda lane).
+  void set_wait_spin(double us) { wait_spin_us_ = us; }
+
   // True once every piece completed or one failed; false on timeout.
   bool wait(double timeout_s) {
+    const double spin = wait_spin_us_.load();
+    if (spin > 0) {
+      const auto until = std::chrono::steady_clock::now() +
+                         std::chrono::duration<double, std::micro>(std::min(spin, timeout_s * 1e6));
+      while (!finished_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) {
+        std::this_thread::yield();
+      }
+    }
     std::unique_lock<std::mutex> lock(mu_);
     auto ready = [&] { return pending_ == 0 || failed_; };
     return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready);
@@ -78,6 +99,8 @@ class TransferState {
   std::mutex mu_;
   std::condition_variable cv_;
   uint64_t pending_;
+  std::atomic<bool> finished_{false};
+  std::atomic<double> wait_spin_us_{0};  // may be set while a waiter runs (a trigger firing)
   const uint64_t imm_count_;
   const uint64_t bytes_;
   bool failed_ = false;
