@@ -718,6 +718,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.scale = "full" if args.device == "cuda" else "tiny"
     if args.buckets_mib is None:
         args.buckets_mib = {"full": "256,512,1024,2048", "small": "16,64,256"}.get(args.scale, "0.25,1")
+        if args.quick:
+            args.buckets_mib = "1"  # a smoke test: one bucket size shows the path works
     args.buckets_mib = [float(x) for x in args.buckets_mib.split(",") if x]
     return args
 
