@@ -383,9 +383,8 @@ class Source(_Participant):
             buffer = prev["buffer"] if prev is not None and prev["address"] == d["address"] else 0
             self._dests[int(rank)] = {**d, "peer": self._peer(d["address"]), "buffer": buffer}
         self._batches = self._prepare_batches()
-        self._chunk_writes = np.searchsorted(self._writes["chunk"][self._writes["staged"] == 1],
-                                             np.arange(len(chunks) + 1))
         self._staged = self._writes[self._writes["staged"] == 1]
+        self._chunk_groups = self._group_chunks(len(chunks))
         self.log.info("source %d: plan epoch %d, %d writes (%d staged in %d chunks), %d bytes to "
                       "destinations %s", self.rank, self.epoch, len(self._writes), len(self._staged),
                       len(chunks), self._bytes, sorted(self._dests))
@@ -422,6 +421,31 @@ class Source(_Participant):
                 "bytes": int(mine["nbytes"].sum()),
             }
         return batches
+
+    def _group_chunks(self, nch: int) -> list[tuple[list[Any], list[Any]]]:
+        """Per staged chunk, its writes as batch columns per target (gatherer sources, destinations),
+        built once per plan so that a push does no per-write Python work."""
+        st = self._staged
+        bounds = np.searchsorted(st["chunk"], np.arange(nch + 1))
+        slot_rank = {d["slot"]: rank for rank, d in self._dests.items()}
+        out: list[tuple[list[Any], list[Any]]] = []
+        for c in range(nch):
+            w = st[bounds[c]:bounds[c + 1]]
+            gathers, data = [], []
+            gw = w[w["kind"] == K_GATHER]
+            for g in np.unique(gw["dst_rank"]).tolist():
+                sel = gw[gw["dst_rank"] == g]
+                gathers.append((int(g), *_u64(sel["src_offset"], sel["dst_offset"], sel["nbytes"])))
+            dw = w[w["kind"] == K_DATA]
+            for slot in np.unique(dw["dst_rank"]).tolist():
+                sel = dw[dw["dst_rank"] == slot]
+                rank = slot_rank[int(slot)]
+                dpos = self._batches[rank]["dpos"]
+                di = np.array([dpos[self._keys[int(k)]] for k in sel["dst_key"]], np.uint32)
+                src_off, dst_off, nbytes = _u64(sel["src_offset"], sel["dst_offset"], sel["nbytes"])
+                data.append((rank, src_off, di, dst_off, nbytes))
+            out.append((gathers, data))
+        return out
 
     def _metrics_record(self, stats: PushStats) -> None:
         try:
@@ -500,34 +524,28 @@ class Source(_Participant):
             out["prepare"] += time.perf_counter() - t
             held += nb
             out["peak"] = max(out["peak"], held)
-            w = self._staged[self._chunk_writes[c]:self._chunk_writes[c + 1]]
             trs: list[tuple[int | None, Any]] = []
             base = slot * slot_bytes
-            gw = w[w["kind"] == K_GATHER]
-            for g in np.unique(gw["dst_rank"]).tolist():
-                sel = gw[gw["dst_rank"] == g]
+            gathers, data = self._chunk_groups[c]
+            for g, src_off, dst_off, nbytes in gathers:
                 if g == self.rank:  # a tile's missing rows held by another region of this rank
-                    for x in sel:
-                        a, n, d = base + int(x["src_offset"]), int(x["nbytes"]), int(x["dst_offset"])
-                        self._recv[d:d + n].copy_(self._pool[a:a + n])
+                    for a, d, n in zip(src_off.tolist(), dst_off.tolist(), nbytes.tolist(), strict=True):
+                        self._recv[d:d + n].copy_(self._pool[base + a:base + a + n])
                     continue
                 peer = self._gatherers[g]["peer"]
+                zeros = np.zeros(len(src_off), np.uint32)
                 trs.append((None, self.engine.write_batch(
                     [self._pool_region], [(peer, self._gatherer_descs[g])],  # type: ignore[index]
-                    np.zeros(len(sel), np.uint32), sel["src_offset"] + base, np.zeros(len(sel), np.uint32),
-                    sel["dst_offset"], sel["nbytes"], g_imm)))
-            dw = w[w["kind"] == K_DATA]
-            for rank, d in self._dests.items():
-                sel = dw[dw["dst_rank"] == d["slot"]]
-                if len(sel) == 0 or rank in failed:
+                    zeros, src_off + base, zeros, dst_off, nbytes, g_imm)))
+            for rank, src_off, di, dst_off, nbytes in data:
+                if rank in failed:
                     continue
-                b = self._batches[rank]
-                descs = [(d["peer"], d["descriptors"][k][d["buffer"]]) for k in b["dkeys"]]
-                di = np.array([b["dpos"][self._keys[int(k)]] for k in sel["dst_key"]], np.uint32)
+                d = self._dests[rank]
+                descs = [(d["peer"], d["descriptors"][k][d["buffer"]]) for k in self._batches[rank]["dkeys"]]
                 try:
-                    tr = self.engine.write_batch([self._pool_region], descs, np.zeros(len(sel), np.uint32),
-                                                 sel["src_offset"] + base, di, sel["dst_offset"],
-                                                 sel["nbytes"], data_imm_)
+                    zeros = np.zeros(len(src_off), np.uint32)
+                    tr = self.engine.write_batch([self._pool_region], descs, zeros, src_off + base, di,
+                                                 dst_off, nbytes, data_imm_)
                     trs.append((rank, tr))
                 except TransportError as exc:
                     failed[rank] = str(exc)
@@ -822,6 +840,10 @@ class Destination(_Participant):
         self._stop.set()
         self._thread.join(5)
         super().close()
+
+
+def _u64(*cols: np.ndarray) -> tuple[np.ndarray, ...]:
+    return tuple(np.ascontiguousarray(c, dtype=np.uint64) for c in cols)
 
 
 def _contiguous(t: Any, key: str) -> Any:
