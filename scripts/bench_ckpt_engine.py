@@ -90,9 +90,12 @@ def ps_main(conn: Any, rank: int, world: int, port: int, device: str, flat: torc
                 conn.send(("done", time.perf_counter() - t0))
             elif cmd == "stop":
                 conn.send(("stopped", 0))
-                return
+                break
     except Exception:
         conn.send(("error", traceback.format_exc()))
+    # No teardown of the process group or the pinned pool: an NCCL teardown can wait on peers that are
+    # gone, and the process's end frees everything anyway.
+    os._exit(0)
 
 
 def _exit_with_parent() -> None:
