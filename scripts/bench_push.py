@@ -661,11 +661,33 @@ def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
         ray.shutdown()
     result = {"card": card, "date": time.strftime("%Y-%m-%d"), "bound_bandwidth": bw, "scenarios": rows,
               "wall_s": time.perf_counter() - t0, "device": args.device, "scale": args.scale}
+    result["goals"] = goals(rows)
     print()
     print(table(rows, bw, card))
+    for line in result["goals"]:
+        print(line)
     if args.out:
         _write(args.out, rows, bw, card, partial=False, result=result)
     return result
+
+
+def goals(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's goals, each with what this run measured."""
+    by = {r["scenario"]: r for r in rows}
+    out = []
+    for s in (1, 2):
+        r = by.get(s, {})
+        x = r.get("ratio_to_bound")
+        out.append(f"goal: scenario {s} within 1.15x of the bound: "
+                   + ("not measured" if x is None else f"{x:.2f}x, {'met' if x <= 1.15 else 'NOT met'}"))
+    r = by.get(1, {})
+    x = r.get("speedup_over_broadcast")
+    out.append("goal: scenario 1 at least 1.7x faster than the best broadcast (a, b): "
+               + ("not measured" if x is None else f"{x:.2f}x, {'met' if x >= 1.7 else 'NOT met'}"))
+    x = r.get("speedup_over_checkpoint_engine")
+    out.append("goal: scenario 1 faster than checkpoint-engine: "
+               + ("not measured" if x is None else f"{x:.2f}x, {'met' if x > 1 else 'NOT met'}"))
+    return out
 
 
 def _write(out: str, rows: list[dict[str, Any]], bw: dict[str, Any], card: str, partial: bool,
