@@ -579,6 +579,28 @@ def table(rows: list[dict[str, Any]], bw: dict[str, Any], card: str) -> str:
             f"{_ms(b.get('median_s')) if 'median_s' in b else _err(b)} | "
             f"{_ms(c.get('median_s')) if 'median_s' in c else _err(c)} | {ratio_s} | "
             f"{'–' if sp is None else f'{sp:.2f}x'} |")
+    lines += ["", "Notes: weightsync destinations `inplace`, median of the slowest source's `push()` after "
+              "one warm-up push; baselines median after one warm-up run each; bound = max bytes a GPU must "
+              "send or receive (direct: with every byte written by the trainer that holds it) / the "
+              "bandwidth above; every timed run verified byte for byte on every rollout afterwards."]
+    for r in rows:
+        bits = []
+        wsr = r.get("weightsync", {})
+        if "median_s" in wsr:
+            bits.append(f"weightsync first push {_ms(wsr.get('first_s'))} ms, {wsr.get('writes')} writes")
+        a = r.get("a") or {}
+        if a:
+            bits.append("a by bucket: " + ", ".join(f"{k} MiB {_ms(v['median_s'])}" if "median_s" in v
+                                                    else f"{k} MiB failed" for k, v in a.items()))
+        c = r.get("c") or {}
+        if "register_median_s" in c:
+            bits.append(f"c register (trainers' shards into pinned host memory, not in c's time) "
+                        f"{_ms(c['register_median_s'])} ms")
+        for part in ("weightsync", "b", "c"):
+            err = (r.get(part) or {}).get("error")
+            if err:
+                bits.append(f"{part} failed: {err[:200]}")
+        lines.append(f"- scenario {r['scenario']} ({r['model']}): " + "; ".join(bits))
     return "\n".join(lines) + "\n"
 
 
