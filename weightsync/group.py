@@ -651,7 +651,7 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
                       phases=phases, epoch=src.epoch, prepare_seconds=staged["prepare"],
                       write_seconds=phases["write"], peak_staging_bytes=int(staged["peak"]),
                       staging_limit_bytes=src.staging_limit, chunks=int(staged["chunks"]),
-                      gather_bytes=int(src._prep.recv_bytes))
+                      gather_bytes=int(src._prep.received["nbytes"].sum()))
     src._metrics_record(stats)
     if failed:
         for r, why in sorted(failed.items()):
