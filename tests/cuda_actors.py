@@ -37,6 +37,14 @@ class GpuEnd:
         self.regions[region.id] = region
         return [region.id, region.descriptor]
 
+    def alloc_host(self, nbytes: int) -> list[Any]:
+        """Poisoned host memory: a destination only the fabric NICs can write (no CUDA IPC handle)."""
+        buf = torch.full((nbytes,), POISON, dtype=torch.uint8)
+        region = self.engine.register(buf)
+        self.buffers[region.id] = buf
+        self.regions[region.id] = region
+        return [region.id, region.descriptor]
+
     def free(self, region: int) -> None:
         self.engine.deregister(self.regions.pop(region))
         del self.buffers[region]
@@ -93,7 +101,7 @@ class GpuEnd:
     def check(self, region: int, off: int, nbytes: int, seed: int, src_off: int) -> dict[str, bool]:
         """The bytes at [off, off+nbytes) equal the source pattern's [src_off, ...); the rest is poison."""
         buf = self.buffers[region]
-        want = pattern(src_off + nbytes, seed)[src_off:]
+        want = pattern(src_off + nbytes, seed)[src_off:].to(buf.device)
         return {
             "data": bool(torch.equal(buf[off:off + nbytes], want)),
             "before": bool((buf[:off] == POISON).all()),

@@ -149,6 +149,23 @@ def test_write_into_deregistered_gpu_region_is_refused(pair) -> None:
     assert ray.get(dst.check.remote(e_id, 0, 1 << 20, 21, 0))["data"]
 
 
+def test_gpu_source_to_host_region_over_fabric(pair) -> None:
+    """A host destination has no IPC handle, so GPU memory reaches it over a fabric NIC: straight where
+    the provider has FI_HMEM, else through the pinned staging slots (device-to-host copy, then write)."""
+    src, dst, (_s, dst_info) = pair
+    n = (40 << 20) + 3
+    s_id, _ = ray.get(src.alloc.remote(n + 5, seed=70))
+    h_id, h_desc = ray.get(dst.alloc_host.remote(n + 4096 + 9))
+    before = sum(s["bytes"] for s in ray.get(src.stats.remote())[:-1])
+    out = ray.get(src.write.remote(s_id, 5, dst_info["address"], h_desc, 4096, n, imm=80, repeat=2))
+    ray.get(dst.counter_wait.remote(80, out["imm_count"]))
+    result = ray.get(dst.check.remote(h_id, 4096, n, 70, 5))
+    assert result == {"data": True, "before": True, "after": True}, result
+    fabric_bytes = sum(s["bytes"] for s in ray.get(src.stats.remote())[:-1]) - before
+    assert fabric_bytes == 2 * n  # over the NICs, not the copy engines
+    ray.get([src.free.remote(s_id), dst.free.remote(h_id)])
+
+
 def test_destination_actor_that_died(pair) -> None:
     """Runs last in the module: it kills the shared destination, then checks the source still works."""
     src, dst, (_s, dst_info) = pair

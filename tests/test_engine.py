@@ -531,3 +531,49 @@ def test_forward_semantics(engine: TransferEngine) -> None:
     engine.close()
     with pytest.raises(ws.TransportError, match="engine closed before it fired"):
         left.transfer.wait(5)
+
+
+# --- staged sources (GPU memory the NICs cannot register) ------------------------------------------------
+
+
+def test_staged_source_pipeline_reaches_fabric_peers(remote: PeerProcess) -> None:
+    """GPU sources without FI_HMEM go through page-locked slots (copy in, write out, slot back). The same
+    pipeline with host memory and memcpy (stage_host_sources): two slots cycled many times, concurrent
+    writes, a 2-D write and a batch, all byte-exact with the engine's immediate counts."""
+    eng = TransferEngine(stall_timeout=2.0, max_piece=MiB, stripe_threshold=256 * 1024, staging_slots=2,
+                         stage_host_sources=True)
+    try:
+        size = 13 * MiB + 12345
+        src = random_bytes(size + 7, seed=40)
+        region = eng.register(src)
+        assert not region._native.on_fabric
+        d_id, d_desc = remote.call("alloc", size=size + 4096 + 3)
+        peer = eng.connect(remote.address)
+        transfers = [eng.write(region, 7, peer, d_desc, 4096, size, imm=70) for _ in range(3)]
+        for t in transfers:
+            t.wait(60)
+            assert t.imm_count == eng.imm_count(size)
+        remote.call("counter_wait", imm=70, n=3 * eng.imm_count(size), timeout=30)
+        assert remote.call("digest", region=d_id, off=4096, size=size) == digest(src[7 : 7 + size])
+        assert remote.call("poisoned_outside", region=d_id, off=4096, size=size)
+
+        remote.call("poison", region=d_id, off=0, size=size + 4096 + 3)
+        rows, row, src_pitch, dst_pitch = 5, 300_001, 310_000, 300_017
+        t = eng.write(region, 3, peer, d_desc, 11, row, imm=71, rows=rows, src_pitch=src_pitch,
+                      dst_pitch=dst_pitch)
+        t.wait(60)
+        remote.call("counter_wait", imm=71, n=1, timeout=30)
+        assert remote.call("rows_digest", region=d_id, off=11, rows=rows, row_bytes=row,
+                           pitch=dst_pitch) == rows_digest(src, 3, rows, row, src_pitch)
+        assert remote.call("poisoned_outside_rows", region=d_id, off=11, rows=rows, row_bytes=row,
+                           pitch=dst_pitch)
+
+        n = 300
+        offs = np.arange(n, dtype=np.uint64) * 4099
+        t = eng.write_batch([region], [(peer, d_desc)], np.zeros(n), offs, np.zeros(n), offs,
+                            np.full(n, 4099), imm=72)
+        t.wait(60)
+        remote.call("counter_wait", imm=72, n=n, timeout=30)
+        assert remote.call("digest", region=d_id, off=0, size=n * 4099) == digest(src[: n * 4099])
+    finally:
+        eng.close()

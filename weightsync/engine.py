@@ -279,6 +279,10 @@ class TransferEngine:
     ordinal of this engine's GPU (default: torch's current device). ``cuda_piece``: bytes per copy on the
     cuda lane (0: one copy per write); ``cuda_streams``: streams the copies are spread over;
     ``cuda_spin_us``: how long the idle cuda worker polls before sleeping.
+    ``staging_slots``: GPU memory the NICs cannot register (no FI_HMEM) is sent to fabric peers through
+    this many page-locked host slots of ``max_piece`` bytes, the device-to-host copy of one piece
+    overlapping the network write of the one before. ``stage_host_sources`` (tests only): host sources
+    take the same path (copied with memcpy), to exercise it without a GPU.
     """
 
     def __init__(
@@ -296,6 +300,8 @@ class TransferEngine:
         cuda_piece: int = 64 << 20,
         cuda_streams: int = 2,
         cuda_spin_us: float = 50.0,
+        staging_slots: int = 4,
+        stage_host_sources: bool = False,
     ) -> None:
         if transport not in ("auto", "fabric", "cuda"):
             raise TransportError(f"unknown transport {transport!r} (have: auto, fabric, cuda)")
@@ -315,6 +321,8 @@ class TransferEngine:
             int(cuda_piece),
             int(cuda_streams),
             float(cuda_spin_us),
+            int(staging_slots),
+            bool(stage_host_sources),
         )
         self.transport = "fabric" if lane < 0 else "fabric+cuda"
         fields = [

@@ -74,6 +74,8 @@ struct CudaApi {
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
   CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, void*);
   CUresult (*cuMemcpy2DAsync)(const CudaMemcpy2D*, void*);
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned);
+  CUresult (*cuMemFreeHost)(void*);
   CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
   CUresult (*cuStreamCreate)(void**, unsigned);
   CUresult (*cuStreamDestroy)(void*);
@@ -117,6 +119,8 @@ const CudaApi* load_api() {
     sym(api.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
     sym(api.cuMemcpyAsync, "cuMemcpyAsync");
     sym(api.cuMemcpy2DAsync, "cuMemcpy2DAsync_v2");
+    sym(api.cuMemHostAlloc, "cuMemHostAlloc");
+    sym(api.cuMemFreeHost, "cuMemFreeHost");
     sym(api.cuDeviceGetAttribute, "cuDeviceGetAttribute");
     sym(api.cuStreamCreate, "cuStreamCreate");
     sym(api.cuStreamDestroy, "cuStreamDestroy_v2");
@@ -313,6 +317,19 @@ void CudaTransport::set_region_live(uint64_t id, bool live) {
     throw TransportError("cannot export more GPU regions on " + name_ + ": " +
                          std::to_string(ImmRing::kLiveSlots) + " are registered; deregister some first");
   }
+}
+
+void* CudaTransport::alloc_pinned(size_t bytes) {
+  make_current();
+  void* p = nullptr;
+  check(api_->cuMemHostAlloc(&p, bytes, 0), "cuMemHostAlloc");
+  return p;
+}
+
+void CudaTransport::free_pinned(void* p) {
+  if (p == nullptr) return;
+  make_current();
+  api_->cuMemFreeHost(p);  // at close: nothing left to report a failure to
 }
 
 int CudaTransport::enqueue_copy(const WriteRequest& req, void* stream) {

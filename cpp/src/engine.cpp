@@ -1,6 +1,8 @@
 #include "weightsync/engine.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -73,7 +75,7 @@ void Engine::start() {
   for (auto& w : workers_) w->start();
   // The doorbell: copy-engine completions reach peers as zero-length writes into it. It must not hold
   // the engine alive (the engine owns it), and close() deregisters it with everything else.
-  doorbell_ = register_memory(doorbell_mem_.data(), doorbell_mem_.size(), MemKind::kHost, -1);
+  doorbell_ = register_memory(doorbell_mem_.data(), doorbell_mem_.size(), MemKind::kHost, -1, true);
   doorbell_->engine.reset();
 }
 
@@ -114,7 +116,8 @@ std::vector<std::string> Engine::nic_addresses() const {
   return out;
 }
 
-std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, MemKind kind, int device) {
+std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, MemKind kind, int device,
+                                                    bool internal) {
   if (closed_) throw TransportError("engine is closed");
   if (ptr == nullptr && len > 0) throw UsageError("cannot register a null buffer of " + std::to_string(len) + " bytes");
   auto region = std::make_shared<LocalRegion>();
@@ -129,6 +132,11 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
   try {
     for (; done < workers_.size(); ++done) {
       MemRegistration* slot = &region->regs[done];
+      if (cfg_.stage_host_sources && !internal && kind == MemKind::kHost && static_cast<int>(done) != cuda_lane_) {
+        region->on_fabric = false;
+        region->fabric_error = "host sources are staged (stage_host_sources, for tests)";
+        continue;
+      }
       try {
         workers_[done]->call([=](Transport& t) { *slot = t.register_memory(ptr, len, kind, device); },
                              kCommandTimeoutS);
@@ -161,6 +169,14 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
   if (cuda_lane_ >= 0 && !region->regs[cuda_lane_].blob.empty()) {
     // Exported to same-host peers: they may copy into it from now until it is deregistered.
     cuda_transport().set_region_live(region->id, true);
+  }
+  if (!region->on_fabric && (cuda_lane_ >= 0 || cfg_.stage_host_sources)) {
+    // It can still be a source towards fabric peers, through the staging slots.
+    try {
+      ensure_staging();
+    } catch (const TransportError& e) {
+      region->fabric_error += std::string("; staging unavailable: ") + e.what();
+    }
   }
   return region;
 }
@@ -376,7 +392,7 @@ Engine::Checked Engine::check_ops(const std::vector<std::shared_ptr<LocalRegion>
                        std::to_string(d.len) + " bytes)");
     }
     const bool by_copy = d.cuda_addr != 0;
-    if (!by_copy && !s.on_fabric) {
+    if (!by_copy && !s.on_fabric && !staging_ready_) {
       throw UsageError(where + "source region " + std::to_string(s.id) + " is GPU memory the fabric NICs " +
                        "could not register, and " + d.peer->label + " is not reachable through CUDA IPC (" +
                        s.fabric_error + ")");
@@ -404,7 +420,8 @@ void Engine::post_ops(const std::shared_ptr<TransferState>& transfer, const Chec
                       const std::vector<std::shared_ptr<LocalRegion>>& srcs,
                       const std::vector<std::shared_ptr<RemoteRegion>>& dsts, const WriteOp* ops, size_t n,
                       bool has_imm) {
-  std::vector<std::vector<Piece*>> per_nic(workers_.size() + 1);  // the last: no NIC left for them
+  // Past the workers: pieces with no NIC left, then pieces to stage first.
+  std::vector<std::vector<Piece*>> per_nic(workers_.size() + 2);
   bool copies_only = n > 0;
   for (size_t i = 0; i < n; ++i) {
     const WriteOp& op = ops[i];
@@ -416,10 +433,11 @@ void Engine::post_ops(const std::shared_ptr<TransferState>& transfer, const Chec
   for (const auto& v : per_nic) pieces += v.size();
   // Counted before any piece can complete: nothing is submitted yet.
   transfer->add_pending(pieces);
-  for (Piece* p : per_nic.back()) piece_failed(p, p->dst->peer->label + " became unreachable on every NIC");
+  for (Piece* p : per_nic[workers_.size()]) piece_failed(p, p->dst->peer->label + " became unreachable on every NIC");
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (!per_nic[i].empty()) workers_[i]->submit(std::move(per_nic[i]));
   }
+  if (!per_nic.back().empty()) stage(std::move(per_nic.back()));
 }
 
 std::pair<uint64_t, std::shared_ptr<TransferState>> Engine::forward(
@@ -636,6 +654,12 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
   }
   for (uint64_t k = 0; k < data.size(); ++k) {
     Piece* p = data[k];
+    if (!src->on_fabric && p->src == src) {
+      // The NICs cannot read this source: the piece goes through a staging slot, its NIC picked then.
+      p->stage = 1;
+      per_nic.back().push_back(p);
+      continue;
+    }
     const int nic = fixed_nic >= 0 ? fixed_nic : pick_nic(*dst->peer, start + k);
     p->nic = nic;
     per_nic[nic < 0 ? workers_.size() : static_cast<size_t>(nic)].push_back(p);
@@ -643,6 +667,107 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
 }
 
 PieceGroup::~PieceGroup() { delete trailer; }
+
+void Engine::ensure_staging() {
+  std::lock_guard<std::mutex> lock(staging_init_mu_);
+  if (staging_) return;
+  auto pool = std::make_unique<StagingPool>();
+  const uint64_t slots = std::max<uint64_t>(cfg_.staging_slots, 1);
+  pool->slot_bytes = cfg_.max_piece;
+  const uint64_t bytes = slots * pool->slot_bytes;
+  if (cuda_lane_ >= 0) {
+    char* base = nullptr;
+    workers_[cuda_lane_]->call(
+        [&](Transport& t) { base = static_cast<char*>(static_cast<CudaTransport&>(t).alloc_pinned(bytes)); },
+        kCommandTimeoutS);
+    pool->base = base;
+    pool->pinned = true;
+  } else {
+    pool->base = static_cast<char*>(std::malloc(bytes));
+    if (pool->base == nullptr) throw TransportError("cannot allocate " + std::to_string(bytes) + " staging bytes");
+  }
+  try {
+    pool->region = register_memory(pool->base, bytes, MemKind::kHost, -1, true);
+  } catch (...) {
+    if (pool->pinned) {
+      workers_[cuda_lane_]->call([&](Transport& t) { static_cast<CudaTransport&>(t).free_pinned(pool->base); },
+                                 kCommandTimeoutS);
+    } else {
+      std::free(pool->base);
+    }
+    throw;
+  }
+  // The engine owns the pool: its region must not hold the engine alive.
+  pool->region->engine.reset();
+  pool->pin = pool->region->pin();
+  for (uint64_t i = 0; i < slots; ++i) pool->free.push_back(static_cast<int>(slots - 1 - i));
+  staging_ = std::move(pool);
+  staging_ready_ = true;
+}
+
+void Engine::stage(std::vector<Piece*> pieces) {
+  {
+    std::lock_guard<std::mutex> lock(staging_->mu);
+    for (Piece* p : pieces) staging_->waiting.push_back(p);
+  }
+  pump_staging();
+}
+
+void Engine::pump_staging() {
+  // Pieces wait for a free slot in submission order; each slot goes back when its write completed.
+  std::vector<Piece*> go, dead;
+  {
+    std::lock_guard<std::mutex> lock(staging_->mu);
+    while (!staging_->waiting.empty() && (closed_ || !staging_->free.empty())) {
+      Piece* p = staging_->waiting.front();
+      staging_->waiting.pop_front();
+      if (closed_) {
+        dead.push_back(p);
+        continue;
+      }
+      p->stage_slot = staging_->free.back();
+      staging_->free.pop_back();
+      p->stage_ptr = staging_->base + uint64_t(p->stage_slot) * staging_->slot_bytes;
+      go.push_back(p);
+    }
+  }
+  for (Piece* p : dead) piece_failed(p, "engine closed with the write queued for staging");
+  for (Piece* p : go) {
+    if (p->transfer->failed()) {
+      piece_failed(p, p->transfer->error());
+    } else if (p->src->kind == MemKind::kCuda && cuda_lane_ >= 0) {
+      // Device to host on the copy engines; completion comes back through piece_done (stage 1).
+      p->nic = cuda_lane_;
+      workers_[cuda_lane_]->submit({p});
+    } else {
+      std::memcpy(p->stage_ptr, static_cast<const char*>(p->src->ptr) + p->src_off, p->len);
+      send_staged(p);
+    }
+  }
+}
+
+void Engine::send_staged(Piece* p) {
+  p->stage = 2;
+  p->src = staging_->region;
+  p->pin = staging_->pin;
+  p->src_off = uint64_t(p->stage_slot) * staging_->slot_bytes;
+  const int nic = pick_nic(*p->dst->peer, rr_++);
+  if (nic < 0) {
+    piece_failed(p, p->dst->peer->label + " became unreachable on every NIC");
+    return;
+  }
+  p->nic = nic;
+  workers_[nic]->submit({p});
+}
+
+void Engine::release_slot(Piece* p) {
+  {
+    std::lock_guard<std::mutex> lock(staging_->mu);
+    staging_->free.push_back(p->stage_slot);
+  }
+  p->stage_slot = -1;
+  pump_staging();
+}
 
 void Engine::group_member_done(Piece* p, bool ok) {
   std::shared_ptr<PieceGroup> group = std::move(p->group);
@@ -669,6 +794,11 @@ void Engine::post_trailer(Piece* t) {
 }
 
 void Engine::piece_done(Piece* p, int nic) {
+  if (p->stage == 1) {
+    send_staged(p);  // in its slot now: on to a NIC
+    return;
+  }
+  if (p->stage_slot >= 0) release_slot(p);
   if (nic == cuda_lane_ && p->signals > 0) {
     send_signals(p);
   } else {
@@ -708,6 +838,7 @@ void Engine::send_signals(Piece* copy) {
 }
 
 void Engine::piece_failed(Piece* p, const std::string& why) {
+  if (p->stage_slot >= 0) release_slot(p);
   p->transfer->piece_failed(p->transfer->what() + " failed: " + why);
   if (p->group) group_member_done(p, false);
   delete p;
@@ -762,6 +893,15 @@ void Engine::close() {
   // Workers are joined: this thread may now touch the transports directly.
   for (auto& [id, regs] : live) {
     for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) workers_[i]->transport().deregister(regs[i]);
+  }
+  if (staging_) {
+    pump_staging();  // fails what still waits for a slot
+    if (staging_->pinned) {
+      cuda_transport().free_pinned(staging_->base);
+    } else {
+      std::free(staging_->base);
+    }
+    staging_->base = nullptr;
   }
   // Taken out under the lock that deregister() and release_region() check closed_ under; destroyed
   // outside it, because the pieces they free release their registrations through that lock.

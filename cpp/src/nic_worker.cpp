@@ -175,7 +175,11 @@ void NicWorker::post_pending() {
     req.len = p->len;
     req.src_desc = p->src->regs[index_].local_desc;
     req.peer = peer.paths[index_];
-    if (cuda_lane_) {
+    if (cuda_lane_ && p->stage == 1) {
+      // A staging copy: device to this host's slot, for a fabric NIC to send afterwards.
+      req.remote_addr = reinterpret_cast<uint64_t>(p->stage_ptr);
+      req.peer = 0;
+    } else if (cuda_lane_) {
       req.remote_addr = p->dst->cuda_addr + p->dst_off;
     } else {
       const int rn = peer.remote_nic[index_];
@@ -191,6 +195,11 @@ void NicWorker::post_pending() {
     req.dst_pitch = p->dst_pitch;
     req.imm_repeat = p->imm_repeat;
     req.remote_region = p->dst->id;
+    if (p->stage == 1) {
+      req.has_imm = false;
+      req.rows = 1;
+      req.remote_region = 0;
+    }
     int rc = transport_->post_write(req);
     if (rc == -EAGAIN) {
       if (blocked_since_ == Clock::time_point{}) blocked_since_ = Clock::now();

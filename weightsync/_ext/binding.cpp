@@ -94,6 +94,7 @@ NB_MODULE(_core, m) {
         return out;
       })
       .def_ro("on_fabric", &ws::LocalRegion::on_fabric)
+      .def_ro("fabric_error", &ws::LocalRegion::fabric_error)
       .def_prop_ro("cuda_blob", [](const ws::LocalRegion& r) {
         for (size_t i = r.fabric_nics; i < r.regs.size(); ++i) {
           if (!r.regs[i].blob.empty()) return to_bytes(r.regs[i].blob);
@@ -136,7 +137,7 @@ NB_MODULE(_core, m) {
           [](const std::string& transport, const std::string& provider, const std::vector<std::string>& nics,
              uint64_t stripe_threshold, uint64_t max_piece, uint64_t window_bytes, uint64_t window_ops,
              double stall_timeout_s, int cuda_device, uint64_t cuda_piece, int cuda_streams,
-             double cuda_spin_us) {
+             double cuda_spin_us, uint64_t staging_slots, bool stage_host_sources) {
             ws::EngineConfig cfg;
             cfg.transport = transport;
             cfg.provider = provider;
@@ -150,12 +151,14 @@ NB_MODULE(_core, m) {
             cfg.cuda_piece = cuda_piece;
             cfg.cuda_streams = cuda_streams;
             cfg.cuda_spin_us = cuda_spin_us;
+            cfg.staging_slots = staging_slots;
+            cfg.stage_host_sources = stage_host_sources;
             nb::gil_scoped_release release;
             return ws::Engine::create(cfg);
           },
           "transport"_a, "provider"_a, "nics"_a, "stripe_threshold"_a, "max_piece"_a, "window_bytes"_a,
           "window_ops"_a, "stall_timeout_s"_a, "cuda_device"_a = -1, "cuda_piece"_a = 64ull << 20,
-          "cuda_streams"_a = 2, "cuda_spin_us"_a = 50.0)
+          "cuda_streams"_a = 2, "cuda_spin_us"_a = 50.0, "staging_slots"_a = 4, "stage_host_sources"_a = false)
       .def_prop_ro("uid", &ws::Engine::uid)
       .def_prop_ro("provider", &ws::Engine::provider)
       .def_prop_ro("transport", &ws::Engine::transport_kind)
@@ -176,6 +179,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("cuda_streams", [](const ws::Engine& e) { return e.config().cuda_streams; })
       .def_prop_ro("closed", &ws::Engine::closed)
       .def("register", [](ws::Engine& e, uintptr_t ptr, uint64_t len, int kind, int device) {
+        // Never internal: only the engine's own buffers bypass test-mode staging.
         return e.register_memory(reinterpret_cast<void*>(ptr), len, static_cast<ws::MemKind>(kind), device);
       }, "ptr"_a, "len"_a, "kind"_a, "device"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("deregister", &ws::Engine::deregister, nb::call_guard<nb::gil_scoped_release>())

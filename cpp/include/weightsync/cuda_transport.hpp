@@ -66,6 +66,9 @@ class CudaTransport final : public Transport {
   // Marks one of our exported regions as writable by peers or not (the live table in our ring). Unlike
   // the rest of the transport, any thread may call it: deregistration must take effect at once.
   void set_region_live(uint64_t id, bool live);
+  // Page-locked host memory for staging (this device's context); on the worker, or once it is joined.
+  void* alloc_pinned(size_t bytes);
+  void free_pinned(void* p);
 
  private:
   void check(int rc, const char* what) const;

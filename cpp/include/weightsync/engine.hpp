@@ -43,6 +43,12 @@ struct EngineConfig {
   int cuda_streams = 2;
   // cuda lane: how long an idle worker keeps polling before it sleeps (a wake-up costs microseconds).
   double cuda_spin_us = 50.0;
+  // GPU sources the NICs cannot register (no FI_HMEM) reach fabric peers through this many pinned host
+  // slots of max_piece bytes: the copy of piece i+1 into a slot overlaps the network write of piece i.
+  uint64_t staging_slots = 4;
+  // Tests only: host sources are kept off the NICs and staged the same way (with memcpy), so the
+  // staging pipeline runs on machines without GPUs.
+  bool stage_host_sources = false;
 };
 
 // What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) alive:
@@ -132,6 +138,10 @@ struct Piece {
   uint64_t rows = 1, src_pitch = 0, dst_pitch = 0;  // cuda lane: a 2-D copy (fabric posts rows singly)
   bool delivery = false;  // fabric: complete only once placed at the target (a trailer announces it)
   std::shared_ptr<PieceGroup> group;
+  // Staged source (GPU memory off the NICs): 1 while copied into its slot, 2 while sent from it.
+  int stage = 0;
+  int stage_slot = -1;
+  void* stage_ptr = nullptr;
   int nic = -1;
   uint64_t signals = 0;  // cuda lane: immediates to deliver over a fabric NIC once the copy is done
   bool stale = false;  // superseded by a retry on another NIC; its completion is ignored
@@ -262,7 +272,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
     return fabric_delivery_complete_ ? "delivery" : fabric_ordered_ ? "ordered" : "";
   }
 
-  std::shared_ptr<LocalRegion> register_memory(void* ptr, uint64_t len, MemKind kind, int device);
+  // internal: the engine's own buffers (doorbell, staging slots), always registered on the NICs.
+  std::shared_ptr<LocalRegion> register_memory(void* ptr, uint64_t len, MemKind kind, int device,
+                                               bool internal = false);
   void deregister(const std::shared_ptr<LocalRegion>& region);
 
   std::shared_ptr<Peer> connect(const std::string& uid, const std::string& provider,
@@ -331,6 +343,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
                 const std::vector<std::shared_ptr<RemoteRegion>>& dsts, const WriteOp* ops, size_t n,
                 bool has_imm);
   void on_immediate(uint32_t imm, uint64_t total);
+  // Staging of sources the NICs cannot read (see EngineConfig::staging_slots).
+  void ensure_staging();
+  void stage(std::vector<Piece*> pieces);
+  void pump_staging();
+  void send_staged(Piece* p);
+  void release_slot(Piece* p);
   void fire(const std::shared_ptr<Trigger>& t);
 
   EngineConfig cfg_;
@@ -345,6 +363,19 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool fabric_delivery_complete_ = true;  // every NIC can complete a write at delivery
   bool fabric_ordered_ = true;            // every NIC places the writes of one path in order
   std::atomic<uint64_t> next_region_{1}, next_peer_{1}, rr_{0};
+  struct StagingPool {
+    std::mutex mu;
+    char* base = nullptr;
+    uint64_t slot_bytes = 0;
+    bool pinned = false;  // cuMemHostAlloc'd (else malloc'd, tests)
+    std::shared_ptr<LocalRegion> region;
+    std::shared_ptr<RegistrationHold> pin;
+    std::vector<int> free;
+    std::deque<Piece*> waiting;
+  };
+  std::mutex staging_init_mu_;
+  std::unique_ptr<StagingPool> staging_;
+  std::atomic<bool> staging_ready_{false};
   std::mutex triggers_mu_;
   std::unordered_multimap<uint32_t, std::shared_ptr<Trigger>> triggers_;  // by immediate
   std::atomic<size_t> trigger_count_{0};  // lets on_immediate skip the lock when there are none
