@@ -37,6 +37,7 @@ constexpr int CU_MEMORYTYPE_UNIFIED = 4;  // the driver tells host from device b
 // Rows per cuMemcpy2DAsync call: the driver documents no limit on Height; staying far below any 32-bit
 // count costs one more call per 64 Ki rows.
 constexpr uint64_t kMaxCopyRows = 1 << 16;
+constexpr int kRingFullTimeoutS = 5;  // longest wait for room in a peer's immediate ring
 
 // CUDA_MEMCPY2D (the _v2 layout, size_t fields), as in cuda.h.
 struct CudaMemcpy2D {
@@ -437,9 +438,23 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
       auto ring = f.has_imm ? peer_rings_.find(f.peer) : peer_rings_.end();
       if (ring != peer_rings_.end()) {
         // The bytes are in place: now the immediates. A full ring means the consumer is a whole ring
-        // behind; it drains in microseconds.
-        for (uint32_t k = 0; k < f.imm_repeat; ++k) {
-          while (!ring->second.push(f.imm)) std::this_thread::sleep_for(std::chrono::microseconds(5));
+        // behind; it drains in microseconds, unless its process is gone or stuck: then the write fails
+        // (bounded, so this worker never hangs on a dead peer).
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kRingFullTimeoutS);
+        for (uint32_t k = 0; k < f.imm_repeat && c.kind == Completion::kLocalDone; ++k) {
+          while (!ring->second.push(f.imm)) {
+            auto pid = peer_pids_.find(f.peer);
+            const bool gone = pid != peer_pids_.end() && kill(pid->second, 0) != 0 && errno == ESRCH;
+            if (gone || std::chrono::steady_clock::now() > deadline) {
+              c.kind = Completion::kLocalError;
+              c.error = gone ? EPIPE : ETIMEDOUT;
+              c.message = gone ? "the peer process exited before its immediate could be delivered"
+                               : "the peer's immediate ring stayed full for " + std::to_string(kRingFullTimeoutS) +
+                                     " s (its engine is not draining it)";
+              break;
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(5));
+          }
         }
       }
     } else {
