@@ -24,6 +24,7 @@ class GpuEnd:
         self.buffers: dict[int, torch.Tensor] = {}
         self.regions: dict[int, Any] = {}
         self.peers: dict[bytes, Any] = {}
+        self.forwards: list[Any] = []
 
     def info(self) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
@@ -56,6 +57,7 @@ class GpuEnd:
         self.regions.clear()
         self.buffers.clear()
         self.peers.clear()
+        self.forwards.clear()
         torch.cuda.empty_cache()
         self.engine = ws.TransferEngine(transport="cuda", **engine_kwargs)
 
@@ -91,6 +93,22 @@ class GpuEnd:
             times.append(time.perf_counter() - t0)
             imm_count += t.imm_count
         return {"times": times, "imm_count": imm_count}
+
+    def forward(self, on_imm: int, count: int, region: int, src_off: int, address: bytes, descriptor: bytes,
+                dst_off: int, nbytes: int, imm: int | None = None, **geometry: int) -> int:
+        """Registers a triggered write; returns the immediates it will deliver (``forward_wait`` waits)."""
+        fwd = self.engine.forward(on_imm, count, self.regions[region], src_off, self._peer(address),
+                                  descriptor, dst_off, nbytes, imm, **geometry)
+        self.forwards.append(fwd)
+        return fwd.transfer.imm_count
+
+    def forward_wait(self, timeout: float = 60.0) -> int:
+        """Waits for every triggered write registered so far; returns how many there were."""
+        for fwd in self.forwards:
+            fwd.transfer.wait(timeout)
+        n = len(self.forwards)
+        self.forwards = []
+        return n
 
     def imm_count(self, nbytes: int, rows: int = 1) -> int:
         return self.engine.imm_count(nbytes, rows=rows)

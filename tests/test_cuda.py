@@ -166,6 +166,38 @@ def test_gpu_source_to_host_region_over_fabric(pair) -> None:
     ray.get([src.free.remote(s_id), dst.free.remote(h_id)])
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="a relay chain needs 3 GPUs")
+def test_relay_chain_over_the_cuda_lane(pair) -> None:
+    """A -> B -> C on three GPUs: B's engine forwards each chunk to C from its cuda worker as soon as
+    the chunk's immediates from A are in (issue #8's relay), byte-exact on C."""
+    src, dst, (_s, b_info) = pair
+    c = ray.remote(num_gpus=1)(GpuEnd).remote()
+    try:
+        c_info = ray.get(c.info.remote(), timeout=120)
+        sizes = [1, 4095, (3 << 20) + 7, 64 << 20, (100 << 20) + 5]
+        offs = [3 + sum(sizes[:k]) for k in range(len(sizes))]
+        total = offs[-1] + sizes[-1]
+        s_id, _ = ray.get(src.alloc.remote(total, seed=90))
+        b_id, b_desc = ray.get(dst.alloc.remote(total))
+        c_id, c_desc = ray.get(c.alloc.remote(total + 64))
+        expected = 0
+        for k, (off, size) in enumerate(zip(offs, sizes, strict=True)):
+            count = ray.get(src.imm_count.remote(size))
+            expected += ray.get(dst.forward.remote(100 + k, count, b_id, off, c_info["address"], c_desc,
+                                                   off + 64, size, 200))
+        for k in reversed(range(len(sizes))):
+            ray.get(src.write.remote(s_id, offs[k], b_info["address"], b_desc, offs[k], sizes[k],
+                                     imm=100 + k))
+        ray.get(c.counter_wait.remote(200, expected))
+        assert ray.get(dst.forward_wait.remote()) == len(sizes)
+        body = total - offs[0]
+        result = ray.get(c.check.remote(c_id, 64 + offs[0], body, 90, offs[0]))
+        assert result == {"data": True, "before": True, "after": True}, result
+        ray.get([src.free.remote(s_id), dst.free.remote(b_id)])
+    finally:
+        ray.kill(c)
+
+
 def test_destination_actor_that_died(pair) -> None:
     """Runs last in the module: it kills the shared destination, then checks the source still works."""
     src, dst, (_s, dst_info) = pair
