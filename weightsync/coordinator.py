@@ -159,7 +159,7 @@ class Coordinator:
             lowered_by.append((part, lowered))
             w = lowered.writes
             imms = imm_count_for(w["nbytes"], src.engine["nics"], src.engine["stripe_threshold"],
-                                 src.engine["max_piece"])
+                                 src.engine["max_piece"], w["rows"])
             data = w["kind"] == K_DATA
             np.add.at(expected, w["dst_rank"][data], imms[data])
             # a gather to oneself is a local copy: no immediate

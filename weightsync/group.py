@@ -33,6 +33,7 @@ is missing (every destination waits for all sources), the push raises ``weightsy
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import socket
@@ -69,6 +70,7 @@ ANNOUNCE = 0xFFFFFFFF
 ACK = 0xFFFFFFFE
 # One mailbox slot. Announce: (epoch, version, shadow written); ack: (version, shadow for the next push, 0).
 _SLOT = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("buffer", "<i8")])
+ROUNDS_IN_FLIGHT = 2  # direct-write rounds a source keeps posted: one running, one queued behind it
 _MAX_SLOTS = 1024  # mailbox slots per participant: peers of the other role, by position in the plan
 
 
@@ -390,36 +392,49 @@ class Source(_Participant):
                       len(chunks), self._bytes, sorted(self._dests))
 
     def _prepare_batches(self) -> dict[int, dict[str, Any]]:
-        """Column arrays for one write_batch of direct writes per destination, built once per plan."""
-        srcs = [self._regions[k] for k in self._keys if k in self._regions] + [self._outbox_region]
+        """Per destination: its descriptors and announce; and the direct writes as one write_batch per
+        plan round (a round is this source's writes to one destination), built once per plan."""
+        srcs = [self._regions[k] for k in self._keys if k in self._regions]
         src_index = {k: i for i, k in enumerate(k for k in self._keys if k in self._regions)}
-        outbox_idx = len(srcs) - 1
         key_to_src = np.array([src_index.get(k, -1) for k in self._keys] or [-1], dtype=np.int64)
         direct = self._writes[(self._writes["staged"] == 0) & (self._writes["kind"] == K_DATA)]
         data = self._writes[self._writes["kind"] == K_DATA]
+        slot_rank = {d["slot"]: rank for rank, d in self._dests.items()}
         batches: dict[int, dict[str, Any]] = {}
         for rank, d in self._dests.items():
-            w = direct[direct["dst_rank"] == d["slot"]]
-            si = key_to_src[w["src_key"]]
-            if (si < 0).any():
-                raise PlanError(f"source {self.rank}: plan reads a tensor this source does not hold")
             # Destination descriptors: one table entry per (dst key, buffer); index chosen per push.
             mine = data[data["dst_rank"] == d["slot"]]
             dkeys = sorted({self._keys[int(k)] for k in np.unique(mine["dst_key"])})
-            dpos = {k: i for i, k in enumerate(dkeys)}
-            di = np.array([dpos[self._keys[int(k)]] for k in w["dst_key"]], dtype=np.uint32)
-            batches[rank] = {
-                "srcs": srcs,
-                "dkeys": dkeys,
-                "dpos": dpos,
-                "src_index": np.append(si, outbox_idx).astype(np.uint32),
-                "src_off": np.append(w["src_offset"], 0).astype(np.uint64),
-                "dst_index": np.append(di, len(dkeys)).astype(np.uint32),
-                "dst_off": np.append(w["dst_offset"], self.rank * _SLOT.itemsize).astype(np.uint64),
-                "nbytes": np.append(w["nbytes"], _SLOT.itemsize).astype(np.uint64),
-                "writes": len(mine),
-                "bytes": int(mine["nbytes"].sum()),
-            }
+            batches[rank] = {"dkeys": dkeys, "dpos": {k: i for i, k in enumerate(dkeys)},
+                             "writes": len(mine), "bytes": int(mine["nbytes"].sum())}
+        si = key_to_src[direct["src_key"]]
+        if (si < 0).any():
+            raise PlanError(f"source {self.rank}: plan reads a tensor this source does not hold")
+        rounds: list[dict[str, Any]] = []
+        order = np.lexsort((direct["dst_rank"], direct["round"]))  # stable: plan order inside a round
+        direct, si = direct[order], si[order]
+        key = direct["round"].astype(np.int64) * (1 << 20) + direct["dst_rank"]
+        cuts = np.concatenate([[0], np.flatnonzero(np.diff(key)) + 1, [len(direct)]])
+        for lo, hi in itertools.pairwise(cuts):
+            if lo == hi:
+                continue
+            w = direct[lo:hi]
+            rank = slot_rank[int(w["dst_rank"][0])]
+            dpos = batches[rank]["dpos"]
+            rows = np.maximum(w["rows"], 1)
+            rounds.append({
+                "rank": rank,
+                "src_index": si[lo:hi].astype(np.uint32),
+                "src_off": w["src_offset"].astype(np.uint64),
+                "dst_index": np.array([dpos[self._keys[int(k)]] for k in w["dst_key"]], dtype=np.uint32),
+                "dst_off": w["dst_offset"].astype(np.uint64),
+                "nbytes": (w["nbytes"] // rows).astype(np.uint64),
+                # 2-D columns only where the round has a strided write: plain batches stay plain
+                "geometry": ((rows.astype(np.uint64), w["src_pitch"].astype(np.uint64),
+                              w["dst_pitch"].astype(np.uint64)) if (rows > 1).any() else (None, None, None)),
+            })
+        self._direct_srcs = srcs
+        self._rounds = rounds
         return batches
 
     def _group_chunks(self, nch: int) -> list[tuple[list[Any], list[Any]]]:
@@ -566,6 +581,14 @@ class Source(_Participant):
         return out
 
 
+def _settle(rank: int, transfer: Any, deadline: float, failed: dict[int, str]) -> None:
+    """Waits for one posted batch to destination ``rank``; a failure marks the destination failed."""
+    try:
+        transfer.wait(max(deadline - time.monotonic(), 0.0))
+    except (TransportError, TimeoutError) as exc:
+        failed.setdefault(rank, str(exc))
+
+
 def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
     """Writes the current contents of ``src``'s tensors to every destination as ``version``.
 
@@ -596,27 +619,40 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
     # and a stale slot must not pass for this push's (it did for version 0 when slots started as zeros).
     for rank in src._batches:
         src._mailbox[rank] = (-1, -1, -1)
-    transfers: dict[int, Any] = {}
     failed: dict[int, str] = {}
+    # Announces first (each destination learns the version and shadow before its data lands), then the
+    # direct writes round by round with at most ROUNDS_IN_FLIGHT posted: the plan's schedule gives each
+    # destination as few writers at a time as it can, and a source that posted every round at once
+    # would undo it (two writers into one GPU share its links: both go at half speed).
+    transfers: list[tuple[int, Any]] = []
     for rank, b in src._batches.items():
         d = src._dests[rank]
         src._outbox[rank] = (src.epoch, version, d["buffer"])
-        b["src_off"][-1] = rank * _SLOT.itemsize
-        descs = [(d["peer"], d["descriptors"][k][d["buffer"]]) for k in b["dkeys"]]
-        descs.append((d["peer"], d["mailbox"]))
-        imms = np.full(len(b["nbytes"]), imm, dtype=np.uint32)
-        imms[-1] = ANNOUNCE
+        b["descs"] = [(d["peer"], d["descriptors"][k][d["buffer"]]) for k in b["dkeys"]]
         try:
-            transfers[rank] = src.engine.write_batch(b["srcs"], descs, b["src_index"], b["src_off"],
-                                                     b["dst_index"], b["dst_off"], b["nbytes"], imms)
+            transfers.append((rank, src.engine.write(src._outbox_region, rank * _SLOT.itemsize, d["peer"],
+                                                     d["mailbox"], src.rank * _SLOT.itemsize, _SLOT.itemsize,
+                                                     imm=ANNOUNCE)))
         except TransportError as exc:
             failed[rank] = str(exc)
-    staged = src._run_chunks(version, deadline, failed)
-    for rank, tr in transfers.items():
+    in_flight: list[tuple[int, Any]] = []
+    for r in src._rounds:
+        rank = r["rank"]
+        if rank in failed:
+            continue
+        while len(in_flight) >= ROUNDS_IN_FLIGHT:
+            _settle(*in_flight.pop(0), deadline, failed)
+        imms = np.full(len(r["nbytes"]), imm, dtype=np.uint32)
         try:
-            tr.wait(max(deadline - time.monotonic(), 0.0))
-        except (TransportError, TimeoutError) as exc:
+            in_flight.append((rank, src.engine.write_batch(
+                src._direct_srcs, src._batches[rank]["descs"], r["src_index"], r["src_off"], r["dst_index"],
+                r["dst_off"], r["nbytes"], imms, *r["geometry"])))
+        except TransportError as exc:
             failed[rank] = str(exc)
+    transfers += in_flight
+    staged = src._run_chunks(version, deadline, failed)
+    for rank, tr in transfers:
+        _settle(rank, tr, deadline, failed)
     phases["write"] = time.perf_counter() - t
     phases["prepare"] = staged["prepare"]
     phases["gather_wait"] = staged["gather_wait"]

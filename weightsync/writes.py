@@ -3,8 +3,9 @@
 A plan op is a block of ``rows`` rows of ``row_bytes`` bytes. On the wire it becomes
 
 * one write when it is contiguous on both sides and needs no transform;
-* one write per row when the destination side is strided and the source is not transformed (a
-  one-sided write cannot scatter);
+* one 2-D write (``rows`` rows, a pitch on each side) when the destination side is strided and the
+  source is not transformed: the engine moves it as one ``cuMemcpy2DAsync`` on the cuda lane or as
+  separate RMA writes over the fabric, and it delivers exactly one immediate either way;
 * otherwise writes from *staging*: the sender prepares the bytes (packs strided rows, casts, quantizes
   FP8 tiles) into a staging chunk, laid out in the order the destination wants them, and writes from
   there (one write per destination-contiguous run).
@@ -46,8 +47,12 @@ C_RAW, C_CAST, C_FP8, C_SCALE, C_GATHER = 0, 1, 2, 3, 4
 
 WRITE_DTYPE = np.dtype([
     ("dst_rank", "<i4"), ("src_key", "<i4"), ("dst_key", "<i4"), ("staged", "u1"), ("kind", "u1"),
-    ("chunk", "<i4"), ("src_offset", "<i8"), ("dst_offset", "<i8"), ("nbytes", "<i8"),
+    ("chunk", "<i4"), ("round", "<i4"), ("src_offset", "<i8"), ("dst_offset", "<i8"), ("nbytes", "<i8"),
+    ("rows", "<i8"), ("src_pitch", "<i8"), ("dst_pitch", "<i8"),
 ])
+# ``nbytes`` counts all bytes of a write; a 2-D write (``rows > 1``) is ``rows`` rows of ``nbytes // rows``
+# bytes, ``src_pitch``/``dst_pitch`` apart. ``round`` is the plan round of a direct write (sources post
+# rounds in order, so that each destination has as few writers at a time as the plan scheduled).
 # A copy into chunk ``chunk`` at ``staging_offset``: ``rows`` rows of ``row_bytes`` bytes read at
 # ``src_offset`` with ``src_pitch`` from local tensor ``key`` (C_RAW, C_CAST: source bytes, cast into
 # ``tensor``'s destination dtype), from FP8 unit ``unit``'s output (C_FP8 values, C_SCALE scale bytes), or
@@ -110,14 +115,14 @@ def lower(ops: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, plan: Plan | 
     src_contig = (rows == 1) | (ops["src_pitch"] == row_bytes)
     plain = tr == T_NONE
     direct = np.flatnonzero(plain & dst_contig & src_contig)
-    rowwise = np.flatnonzero(plain & ~dst_contig)
+    strided = np.flatnonzero(plain & ~dst_contig)
     # strided source, contiguous destination: pack into staging, unless a row alone fills a chunk
     packed = np.flatnonzero(plain & dst_contig & ~src_contig)
     big_rows = packed[row_bytes[packed] > chunk_bytes]
     packed = packed[row_bytes[packed] <= chunk_bytes]
-    rowwise = np.sort(np.concatenate([rowwise, big_rows]))
+    strided = np.sort(np.concatenate([strided, big_rows]))
 
-    parts: list[np.ndarray] = [_direct(ops, direct), _per_row(ops, rowwise)]
+    parts: list[np.ndarray] = [_direct(ops, direct), _two_d(ops, strided)]
     copies: list[np.ndarray] = []
     chunks: list[np.ndarray] = []
     units = np.zeros(0, UNIT_DTYPE)
@@ -152,7 +157,7 @@ def lower(ops: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, plan: Plan | 
         parts.append(w)
         copies.append(c)
         chunks.append(ch)
-    writes = np.concatenate(parts) if parts else np.zeros(0, WRITE_DTYPE)
+    writes = np.concatenate(parts) if parts else _new_writes(0)
     allc = np.concatenate(copies) if copies else np.zeros(0, COPY_DTYPE)
     allch = np.concatenate(chunks) if chunks else np.zeros(0, CHUNK_DTYPE)
     if len(allch) and int(allch["nbytes"].max()) > chunk_bytes:
@@ -164,7 +169,7 @@ def lower(ops: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, plan: Plan | 
 
 
 def _direct(ops: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(idx), WRITE_DTYPE)
+    out = _new_writes(len(idx))
     out["dst_rank"] = ops["dst_rank"][idx]
     out["src_key"] = ops["src_key"][idx]
     out["dst_key"] = ops["dst_key"][idx]
@@ -172,21 +177,22 @@ def _direct(ops: np.ndarray, idx: np.ndarray) -> np.ndarray:
     out["src_offset"] = ops["src_offset"][idx]
     out["dst_offset"] = ops["dst_offset"][idx]
     out["nbytes"] = ops["rows"][idx] * ops["row_bytes"][idx]
+    out["round"] = ops["round"][idx]
     return out
 
 
-def _per_row(ops: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    rows = ops["rows"][idx].astype(np.int64)
-    k = np.repeat(idx, rows)
-    r = np.arange(len(k)) - np.repeat(np.cumsum(rows) - rows, rows)
-    out = np.zeros(len(k), WRITE_DTYPE)
-    out["dst_rank"] = ops["dst_rank"][k]
-    out["src_key"] = ops["src_key"][k]
-    out["dst_key"] = ops["dst_key"][k]
-    out["chunk"] = -1
-    out["src_offset"] = ops["src_offset"][k] + r * ops["src_pitch"][k]
-    out["dst_offset"] = ops["dst_offset"][k] + r * ops["dst_pitch"][k]
-    out["nbytes"] = ops["row_bytes"][k]
+def _two_d(ops: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Destination-strided blocks: one 2-D write each, read straight from the source tensor."""
+    out = _direct(ops, idx)
+    out["rows"] = ops["rows"][idx]
+    out["src_pitch"] = ops["src_pitch"][idx]
+    out["dst_pitch"] = ops["dst_pitch"][idx]
+    return out
+
+
+def _new_writes(n: int) -> np.ndarray:
+    out = np.zeros(n, WRITE_DTYPE)
+    out["rows"] = 1
     return out
 
 
@@ -246,7 +252,7 @@ def _staged_ops(ops: np.ndarray, idx: np.ndarray, s_es: np.ndarray, d_es: np.nda
     r = np.arange(len(kw)) - np.repeat(np.cumsum(nw) - nw, nw)
     ow = o[kw]
     row_len = nel_p[kw] * d_es[k][kw]
-    out = np.zeros(len(kw), WRITE_DTYPE)
+    out = _new_writes(len(kw))
     out["dst_rank"] = ops["dst_rank"][ow]
     out["src_key"] = -1
     out["dst_key"] = ops["dst_key"][ow]
@@ -268,7 +274,7 @@ def _gather_writes(gathers: np.ndarray | None, plan: Plan | None, chunk_bytes: i
     """A provider's gathers: each box, flattened to (rows, last dim), in pieces of whole rows (or of
     part of a row) that fit a chunk, one chunk each (they are few and small)."""
     if gathers is None or len(gathers) == 0:
-        return np.zeros(0, WRITE_DTYPE), np.zeros(0, COPY_DTYPE), np.zeros(0, CHUNK_DTYPE)
+        return _new_writes(0), np.zeros(0, COPY_DTYPE), np.zeros(0, CHUNK_DTYPE)
     assert plan is not None
     es = np.array([DTYPE_SIZES[d] for d in plan.src_dtype], np.int64)[gathers["tensor"]]
     shape = gathers["shape"].astype(np.int64)
@@ -299,7 +305,7 @@ def _gather_writes(gathers: np.ndarray | None, plan: Plan | None, chunk_bytes: i
     copies["row_bytes"] = ncol * es[k]
     copies["col"] = c0
     copies["nbytes"] = size
-    out = np.zeros(len(k), WRITE_DTYPE)
+    out = _new_writes(len(k))
     out["dst_rank"] = gathers["gatherer"][k]
     out["src_key"] = -1
     out["dst_key"] = -1
@@ -456,7 +462,7 @@ def _fp8_ops(ops: np.ndarray, idx: np.ndarray, plan: Plan, chunk_bytes: int, chu
                  & (seg_dst[1:] == seg_dst[:-1] + nbytes[:-1]))
     wid = np.cumsum(~wcont) - 1
     wh = np.flatnonzero(~wcont)
-    out = np.zeros(len(wh), WRITE_DTYPE)
+    out = _new_writes(len(wh))
     out["dst_rank"] = ops["dst_rank"][oi[wh]]
     out["src_key"] = -1
     out["dst_key"] = ops["dst_key"][oi[wh]]
@@ -468,13 +474,18 @@ def _fp8_ops(ops: np.ndarray, idx: np.ndarray, plan: Plan, chunk_bytes: int, chu
     return out, copies, chunks, units
 
 
-def imm_count_for(nbytes: np.ndarray, nics: int, stripe_threshold: int, max_piece: int) -> np.ndarray:
+def imm_count_for(nbytes: np.ndarray, nics: int, stripe_threshold: int, max_piece: int,
+                  rows: np.ndarray | None = None) -> np.ndarray:
     """Immediates each write delivers from an engine with this configuration.
 
     Mirrors the engine's rule (cpp/src/engine.cpp, ``Engine::piece_size``; documented in
-    weightsync/engine.py); tests check the two agree. Every write here carries an immediate.
+    weightsync/engine.py); tests check the two agree. Every write here carries an immediate; a 2-D
+    write (``rows > 1``) delivers exactly one, whatever its size.
     """
     n = np.asarray(nbytes, dtype=np.int64)
+    if rows is not None:
+        two_d = np.asarray(rows, dtype=np.int64) > 1
+        return np.where(two_d, 1, imm_count_for(n, nics, stripe_threshold, max_piece)).astype(np.int64)
     stripe_threshold = min(stripe_threshold, max_piece)
     nics = max(int(nics), 1)
     count = nics * _ceil_div(n, nics * max_piece)
