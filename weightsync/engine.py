@@ -277,7 +277,8 @@ class TransferEngine:
     provider's, or loopback for TCP. ``provider``: e.g. "efa", "verbs;ofi_rxm", "tcp;ofi_rxm"; ``None``
     picks the first of those available (or ``$WEIGHTSYNC_PROVIDER``). ``cuda_device``: the process-local
     ordinal of this engine's GPU (default: torch's current device). ``cuda_piece``: bytes per copy on the
-    cuda lane (0: one copy per write); ``cuda_streams``: streams the copies are spread over;
+    cuda lane (0, the default: one copy per write, which measured best: see docs/BENCHMARKS.md);
+    ``cuda_streams``: streams the copies are spread over;
     ``cuda_spin_us``: how long the idle cuda worker polls before sleeping.
     ``staging_slots``: GPU memory the NICs cannot register (no FI_HMEM) is sent to fabric peers through
     this many page-locked host slots of ``max_piece`` bytes, the device-to-host copy of one piece
@@ -297,7 +298,7 @@ class TransferEngine:
         window_ops: int = 256,
         stall_timeout: float = 5.0,
         cuda_device: int | None = None,
-        cuda_piece: int = 64 << 20,
+        cuda_piece: int = 0,
         cuda_streams: int = 2,
         cuda_spin_us: float = 50.0,
         staging_slots: int = 4,

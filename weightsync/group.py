@@ -293,8 +293,9 @@ class Source(_Participant):
 
     ``staging_bytes`` is the watermark of the staging pool (packed blocks, casts, FP8 tiles and gathers
     are prepared there, one chunk per slot, and written from there): by default 5% of the GPU's memory
-    when the tensors are on a GPU, 256 MiB otherwise. ``chunk_bytes`` (default: 8 MiB, at most half the
-    watermark) is the largest staged write; the coordinator lowers this source's ops with it.
+    when the tensors are on a GPU, 256 MiB otherwise. ``chunk_bytes`` (default: 8 MiB, 256 MiB on a
+    GPU, at most half the watermark) is the largest staged write; the coordinator lowers this source's
+    ops with it.
     """
 
     role = SOURCE
@@ -322,7 +323,7 @@ class Source(_Participant):
         if chunk_bytes is None:
             # On a GPU, fewer and larger chunks: the copy engine and the quantization kernels want
             # large pieces, and each chunk costs a few Python calls and a stream synchronization.
-            default = DEFAULT_CHUNK_BYTES * 8 if self.device.type == "cuda" else DEFAULT_CHUNK_BYTES
+            default = DEFAULT_CHUNK_BYTES * 32 if self.device.type == "cuda" else DEFAULT_CHUNK_BYTES
             chunk_bytes = min(default, self.staging_limit // 2)
         self.chunk_bytes = int(chunk_bytes)
         if self.chunk_bytes < MIN_CHUNK_BYTES or self.chunk_bytes > self.staging_limit:
@@ -519,26 +520,17 @@ class Source(_Participant):
             free.append(slot)
             held -= nb
 
-        for c in range(nch):
-            if not gathered and int(lw.chunks["unit"][c]) >= 0:
-                t = time.perf_counter()
-                self.engine.counter(g_imm).wait(self._gather_expected, max(deadline - time.monotonic(), 0.0))
-                gathered = True
-                out["gather_wait"] += time.perf_counter() - t
-            while not free:
-                release_oldest()
-            slot = free.pop()
-            nb = int(lw.chunks["nbytes"][c])
-            view = self._pool[slot * slot_bytes:slot * slot_bytes + nb]
-            t = time.perf_counter()
-            self._prep.fill(c, view)
-            if cuda:
-                import torch
+        # On a GPU the chunk's kernels run on torch's stream while Python goes on: chunk c is posted
+        # once its event has completed, after chunk c + 1's kernels were queued behind it, so the GPU
+        # prepares the next chunk while this one is handed to the engine (whose copies run on streams
+        # of their own and cannot wait for a torch event themselves).
+        pending: tuple[int, int, int, Any] | None = None  # (chunk, slot, bytes, event) prepared, unposted
 
-                torch.cuda.current_stream(self.device).synchronize()  # the engine reads it next
-            out["prepare"] += time.perf_counter() - t
-            held += nb
-            out["peak"] = max(out["peak"], held)
+        def post(c: int, slot: int, nb: int, event: Any) -> None:
+            if event is not None:
+                t = time.perf_counter()
+                event.synchronize()
+                out["prepare"] += time.perf_counter() - t
             trs: list[tuple[int | None, Any]] = []
             base = slot * slot_bytes
             gathers, data = self._chunk_groups[c]
@@ -565,6 +557,43 @@ class Source(_Participant):
                 except TransportError as exc:
                     failed[rank] = str(exc)
             inflight.append((slot, nb, trs))
+
+        for c in range(nch):
+            if not gathered and int(lw.chunks["unit"][c]) >= 0:
+                if pending is not None:  # the rows this source gathers may come from its own chunk
+                    post(*pending)
+                    pending = None
+                t = time.perf_counter()
+                self.engine.counter(g_imm).wait(self._gather_expected, max(deadline - time.monotonic(), 0.0))
+                gathered = True
+                out["gather_wait"] += time.perf_counter() - t
+            while not free:
+                if pending is not None and not inflight:
+                    post(*pending)
+                    pending = None
+                release_oldest()
+            slot = free.pop()
+            nb = int(lw.chunks["nbytes"][c])
+            view = self._pool[slot * slot_bytes:slot * slot_bytes + nb]
+            t = time.perf_counter()
+            self._prep.fill(c, view)
+            event = None
+            if cuda:
+                import torch
+
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+            out["prepare"] += time.perf_counter() - t
+            held += nb
+            out["peak"] = max(out["peak"], held)
+            if pending is not None:
+                post(*pending)
+            pending = (c, slot, nb, event)
+            if not cuda:  # on the CPU the preparation is already done: nothing to overlap it with
+                post(*pending)
+                pending = None
+        if pending is not None:
+            post(*pending)
         while inflight:
             release_oldest()
         if not gathered:

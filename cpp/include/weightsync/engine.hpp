@@ -39,7 +39,7 @@ struct EngineConfig {
   int cuda_device = -1;          // >= 0: add a cuda lane (copy engines) for same-host GPU peers
   // cuda lane: a 1-D write is cut into copies of this size (0: one copy per write), spread over
   // `cuda_streams` streams. Copy engines need no NIC-sized pieces; fewer, larger copies cost less.
-  uint64_t cuda_piece = 64ull << 20;
+  uint64_t cuda_piece = 0;  // one copy per write: measured best on H100 (docs/BENCHMARKS.md)
   int cuda_streams = 2;
   // cuda lane: how long an idle worker keeps polling before it sleeps (a wake-up costs microseconds).
   double cuda_spin_us = 50.0;
