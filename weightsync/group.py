@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -70,6 +71,7 @@ ANNOUNCE = 0xFFFFFFFF
 ACK = 0xFFFFFFFE
 # One mailbox slot. Announce: (epoch, version, shadow written); ack: (version, shadow for the next push, 0).
 _SLOT = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("buffer", "<i8")])
+_CUDA_GRAPHS = os.environ.get("WEIGHTSYNC_CUDA_GRAPHS", "1") != "0"
 ROUNDS_IN_FLIGHT = 2  # direct-write rounds a source keeps posted: one running, one queued behind it
 _MAX_SLOTS = 1024  # mailbox slots per participant: peers of the other role, by position in the plan
 
@@ -363,6 +365,8 @@ class Source(_Participant):
                                  device=self.device)
         self._pool_region = self.engine.register(self._pool, name=f"source {self.rank} staging")
         self._prep = Preparer(self._locals, self._plan_part, self._lowered, self.rank)
+        self._graphs: dict[tuple[int, int], Any] = {}  # (chunk, slot) -> captured preparation
+        self._eager_pushes = 0
         recv_bytes = self._prep.recv_bytes
         self._recv = torch.empty(max(recv_bytes, 1), dtype=torch.uint8, device=self.device)
         self._prep.recv = self._recv
@@ -462,6 +466,41 @@ class Source(_Participant):
                 data.append((rank, src_off, di, dst_off, nbytes))
             out.append((gathers, data))
         return out
+
+    def _fill_on_gpu(self, c: int, slot: int, view: Any) -> None:
+        """Prepares chunk ``c`` into ``view`` on the GPU, replaying a CUDA graph of it after the first push.
+
+        A chunk's preparation is a few hundred small torch ops (quantize a unit: reductions, a division,
+        a cast; copy slices into staging) whose addresses never change within a plan epoch: local
+        tensors, the staging pool and the receive buffer are all registered and fixed. Launching them
+        one by one from Python costs more than the GPU work itself, so each chunk's ops are captured
+        once (the second push; the first runs them eagerly, which also loads every kernel) and replayed
+        as one launch. Graphs share one memory pool and are captured and replayed in the same order, so
+        a unit quantized in one chunk's graph is still in place when the next chunk's graph reads it.
+        ``WEIGHTSYNC_CUDA_GRAPHS=0`` turns this off.
+        """
+        import torch
+
+        g = self._graphs.get((c, slot))
+        if g is None:
+            # Capture only a whole push's chunks in order from chunk 0 (replays must run in capture order
+            # for the shared pool to hold what the next graph reads); a chunk missing later (the slots
+            # came out differently) runs eagerly and the graphs are captured afresh next push.
+            if c == 0 and _CUDA_GRAPHS and self._eager_pushes >= 1:
+                self._graphs = {}
+                self._graph_pool = torch.cuda.graph_pool_handle()
+                self._capturing = True
+            if not getattr(self, "_capturing", False):
+                if self._graphs:
+                    self._graphs_stale = True
+                self._prep.fill(c, view)
+                return
+            g = torch.cuda.CUDAGraph()
+            # thread_local: the engine's cuda worker keeps polling its own streams while this thread captures
+            with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
+                self._prep.fill(c, view)
+            self._graphs[(c, slot)] = g
+        g.replay()
 
     def _metrics_record(self, stats: PushStats) -> None:
         try:
@@ -576,7 +615,10 @@ class Source(_Participant):
             nb = int(lw.chunks["nbytes"][c])
             view = self._pool[slot * slot_bytes:slot * slot_bytes + nb]
             t = time.perf_counter()
-            self._prep.fill(c, view)
+            if cuda:
+                self._fill_on_gpu(c, slot, view)
+            else:
+                self._prep.fill(c, view)
             event = None
             if cuda:
                 import torch
@@ -594,6 +636,11 @@ class Source(_Participant):
                 pending = None
         if pending is not None:
             post(*pending)
+        if cuda:
+            self._eager_pushes += 1
+            self._capturing = False
+            if getattr(self, "_graphs_stale", False):
+                self._graphs, self._graphs_stale = {}, False
         while inflight:
             release_oldest()
         if not gathered:
