@@ -231,11 +231,11 @@ def test_three_dimensional_fp8_in_process() -> None:
 
 class FP8Trainer:
     def __init__(self, group: str, rank: int, staging_bytes: int | None, chunk_bytes: int | None,
-                 cuts: list[int] = CUTS, device: str = "cpu") -> None:
+                 cuts: list[int] = CUTS, device: str = "cpu", one_writer: bool | None = None) -> None:
         self.rank, self.cuts, self.device = rank, cuts, device
         named, self.local = source_tensors(rank, full_tensors(100), cuts, device)
         self.src = ws.Source(group, rank=rank, tensors=named, staging_bytes=staging_bytes,
-                             chunk_bytes=chunk_bytes)
+                             chunk_bytes=chunk_bytes, one_writer_at_a_time=one_writer)
 
     def push(self, version: int) -> dict:
         # Update in place (as an optimizer step would), then push.
@@ -295,12 +295,16 @@ def _push_and_check(ray: object, name: str, trainers: list, rollouts: list, stag
         assert sum(s["gather_bytes"] for s in stats) > 0  # tiles across shard edges that are not 128k
 
 
-def test_fp8_push_through_ray_small_watermark(ray_cluster) -> None:
+@pytest.mark.parametrize("one_writer", [False, True])
+def test_fp8_push_through_ray_small_watermark(ray_cluster, one_writer: bool) -> None:
+    """One pass over the chunks writing every destination (the CPU default), and one pass per
+    destination (the GPU default: each destination has one writer at a time)."""
     ray = ray_cluster
-    name = "fp8-e2e"
+    name = f"fp8-e2e-{one_writer}"
     staging, chunk = 128 << 10, 64 << 10  # 2 slots: more chunks than slots
     group = ws.Group.create(name, num_sources=3, num_destinations=2, allow_cast=True)
-    trainers = [ray.remote(num_cpus=0)(FP8Trainer).remote(name, i, staging, chunk) for i in range(3)]
+    trainers = [ray.remote(num_cpus=0)(FP8Trainer).remote(name, i, staging, chunk, CUTS, "cpu", one_writer)
+                for i in range(3)]
     rollouts = [ray.remote(num_cpus=0)(FP8Rollout).remote(name, j, "cpu", mode)
                 for j, mode in enumerate(["inplace", "staged"])]
     try:

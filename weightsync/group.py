@@ -47,7 +47,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from weightsync.coordinator import DESTINATION, SOURCE, Coordinator
+from weightsync.coordinator import DESTINATION, RELAY_CHUNK_BYTES, SOURCE, Coordinator
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import LayoutError, PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.layout import describe_tensors
@@ -131,14 +131,22 @@ class Group:
 
     @classmethod
     def create(cls, name: str, num_sources: int, num_destinations: int, *, allow_cast: bool = False,
-               fp8_block: tuple[int, int] | None = (128, 128)) -> Group:
+               fp8_block: tuple[int, int] | None = (128, 128), relay: bool | None = None,
+               relay_chunk_bytes: int = RELAY_CHUNK_BYTES) -> Group:
         """Starts the coordinator as a named actor in the caller's Ray namespace.
 
         Destinations say what they want by the dtype of their tensors. ``fp8_block``: a destination
         tensor in ``float8_e4m3fn`` with a float32 ``<name>_scale_inv`` beside it receives FP8 block
         quantization with these tiles (None refuses FP8 destinations). ``allow_cast``: a destination
         may hold another float dtype than the sources (fp32 to bf16, bf16 to fp16, ...), cast on the
-        sender; off by default so that an accidental dtype difference is an error."""
+        sender; off by default so that an accidental dtype difference is an error.
+
+        ``relay`` (fan-out): the sources write only into the first destination (the chain's head) and
+        every destination's engine forwards each chunk (a write of at most ``relay_chunk_bytes``) to the
+        next destination as soon as that chunk has landed, from the engine's own thread, so every link
+        carries the model about once. None (default): relay when destinations outnumber sources and
+        all destinations hold identical layouts (full replicas); True: whenever the layouts are
+        identical; False: never. ``status()["relay"]`` and ``["chain"]`` say what the current plan does."""
         import ray
         from ray.experimental import internal_kv
 
@@ -150,7 +158,8 @@ class Group:
         actor = (
             ray.remote(num_cpus=0, max_concurrency=1024)(Coordinator)
             .options(name=_actor_name(name))
-            .remote(name, num_sources, num_destinations, secret, allow_cast, fp8_block)
+            .remote(name, num_sources, num_destinations, secret, allow_cast, fp8_block, relay,
+                    int(relay_chunk_bytes))
         )
         ray.get(actor.current_epoch.remote())
         # The secret travels through Ray's own store: members of this Ray cluster can join, others not.
@@ -193,6 +202,7 @@ class PushStats:
     staging_limit_bytes: int = 0      # the watermark
     chunks: int = 0                   # staged chunks written
     gather_bytes: int = 0             # FP8 tile rows this source received from other sources
+    relayed: list[int] = field(default_factory=list)  # destinations reached through the relay chain
 
 
 class _Participant:
@@ -304,7 +314,8 @@ class Source(_Participant):
 
     def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], *, timeout: float = 120.0,
                  engine: TransferEngine | None = None, secret: str | None = None,
-                 staging_bytes: int | None = None, chunk_bytes: int | None = None) -> None:
+                 staging_bytes: int | None = None, chunk_bytes: int | None = None,
+                 one_writer_at_a_time: bool | None = None) -> None:
         import torch
 
         super().__init__(group, rank, tensors, timeout, engine, secret)
@@ -322,6 +333,9 @@ class Source(_Participant):
             else:
                 staging_bytes = DEFAULT_CPU_STAGING
         self.staging_limit = int(staging_bytes)
+        # Staged chunks in one pass per destination (see _run_chunks); default: on GPUs only.
+        self.one_writer_at_a_time = (self.device.type == "cuda" if one_writer_at_a_time is None
+                                     else bool(one_writer_at_a_time))
         if chunk_bytes is None:
             # On a GPU, fewer and larger chunks: the copy engine and the quantization kernels want
             # large pieces, and each chunk costs a few Python calls and a stream synchronization.
@@ -346,6 +360,10 @@ class Source(_Participant):
         import torch
 
         self._writes = np.frombuffer(part["writes"], dtype=WRITE_DTYPE)
+        # Relay: per write, the immediate of its relay chunk (0: the version's shared data immediate).
+        self._imms = np.frombuffer(part["imms"], dtype=np.uint32) if part.get("imms") else np.zeros(
+            len(self._writes), np.uint32)
+        self._relay: list[int] = list(part.get("relay", []))
         copies = np.frombuffer(part["copies"], dtype=COPY_DTYPE)
         chunks = np.frombuffer(part["chunks"], dtype=CHUNK_DTYPE)
         units = np.frombuffer(part["units"], dtype=UNIT_DTYPE)
@@ -367,6 +385,7 @@ class Source(_Participant):
         self._prep = Preparer(self._locals, self._plan_part, self._lowered, self.rank)
         self._graphs: dict[tuple[int, int], Any] = {}  # (chunk, slot) -> captured preparation
         self._eager_pushes = 0
+        self._fills = 0  # chunk preparations so far in this push
         recv_bytes = self._prep.recv_bytes
         self._recv = torch.empty(max(recv_bytes, 1), dtype=torch.uint8, device=self.device)
         self._prep.recv = self._recv
@@ -391,6 +410,7 @@ class Source(_Participant):
             self._dests[int(rank)] = {**d, "peer": self._peer(d["address"]), "buffer": buffer}
         self._batches = self._prepare_batches()
         self._staged = self._writes[self._writes["staged"] == 1]
+        self._staged_imms = self._imms[self._writes["staged"] == 1]
         self._chunk_groups = self._group_chunks(len(chunks))
         self.log.info("source %d: plan epoch %d, %d writes (%d staged in %d chunks), %d bytes to "
                       "destinations %s", self.rank, self.epoch, len(self._writes), len(self._staged),
@@ -402,7 +422,9 @@ class Source(_Participant):
         srcs = [self._regions[k] for k in self._keys if k in self._regions]
         src_index = {k: i for i, k in enumerate(k for k in self._keys if k in self._regions)}
         key_to_src = np.array([src_index.get(k, -1) for k in self._keys] or [-1], dtype=np.int64)
-        direct = self._writes[(self._writes["staged"] == 0) & (self._writes["kind"] == K_DATA)]
+        direct_mask = (self._writes["staged"] == 0) & (self._writes["kind"] == K_DATA)
+        direct = self._writes[direct_mask]
+        direct_imms = self._imms[direct_mask]
         data = self._writes[self._writes["kind"] == K_DATA]
         slot_rank = {d["slot"]: rank for rank, d in self._dests.items()}
         batches: dict[int, dict[str, Any]] = {}
@@ -417,7 +439,7 @@ class Source(_Participant):
             raise PlanError(f"source {self.rank}: plan reads a tensor this source does not hold")
         rounds: list[dict[str, Any]] = []
         order = np.lexsort((direct["dst_rank"], direct["round"]))  # stable: plan order inside a round
-        direct, si = direct[order], si[order]
+        direct, si, direct_imms = direct[order], si[order], direct_imms[order]
         key = direct["round"].astype(np.int64) * (1 << 20) + direct["dst_rank"]
         cuts = np.concatenate([[0], np.flatnonzero(np.diff(key)) + 1, [len(direct)]])
         for lo, hi in itertools.pairwise(cuts):
@@ -434,6 +456,7 @@ class Source(_Participant):
                 "dst_index": np.array([dpos[self._keys[int(k)]] for k in w["dst_key"]], dtype=np.uint32),
                 "dst_off": w["dst_offset"].astype(np.uint64),
                 "nbytes": (w["nbytes"] // rows).astype(np.uint64),
+                "imms": direct_imms[lo:hi].copy() if self._relay else None,
                 # 2-D columns only where the round has a strided write: plain batches stay plain
                 "geometry": ((rows.astype(np.uint64), w["src_pitch"].astype(np.uint64),
                               w["dst_pitch"].astype(np.uint64)) if (rows > 1).any() else (None, None, None)),
@@ -451,19 +474,22 @@ class Source(_Participant):
         out: list[tuple[list[Any], list[Any]]] = []
         for c in range(nch):
             w = st[bounds[c]:bounds[c + 1]]
+            w_imms = self._staged_imms[bounds[c]:bounds[c + 1]]
             gathers, data = [], []
             gw = w[w["kind"] == K_GATHER]
             for g in np.unique(gw["dst_rank"]).tolist():
                 sel = gw[gw["dst_rank"] == g]
                 gathers.append((int(g), *_u64(sel["src_offset"], sel["dst_offset"], sel["nbytes"])))
-            dw = w[w["kind"] == K_DATA]
+            dmask = w["kind"] == K_DATA
+            dw, d_imms = w[dmask], w_imms[dmask]
             for slot in np.unique(dw["dst_rank"]).tolist():
                 sel = dw[dw["dst_rank"] == slot]
+                imms = d_imms[dw["dst_rank"] == slot].copy() if self._relay else None
                 rank = slot_rank[int(slot)]
                 dpos = self._batches[rank]["dpos"]
                 di = np.array([dpos[self._keys[int(k)]] for k in sel["dst_key"]], np.uint32)
                 src_off, dst_off, nbytes = _u64(sel["src_offset"], sel["dst_offset"], sel["nbytes"])
-                data.append((rank, src_off, di, dst_off, nbytes))
+                data.append((rank, src_off, di, dst_off, nbytes, imms))
             out.append((gathers, data))
         return out
 
@@ -486,7 +512,7 @@ class Source(_Participant):
             # Capture only a whole push's chunks in order from chunk 0 (replays must run in capture order
             # for the shared pool to hold what the next graph reads); a chunk missing later (the slots
             # came out differently) runs eagerly and the graphs are captured afresh next push.
-            if c == 0 and _CUDA_GRAPHS and self._eager_pushes >= 1:
+            if not self._fills and _CUDA_GRAPHS and self._eager_pushes >= 1:
                 self._graphs = {}
                 self._graph_pool = torch.cuda.graph_pool_handle()
                 self._capturing = True
@@ -494,6 +520,7 @@ class Source(_Participant):
                 if self._graphs:
                     self._graphs_stale = True
                 self._prep.fill(c, view)
+                self._fills += 1
                 return
             g = torch.cuda.CUDAGraph()
             # thread_local: the engine's cuda worker keeps polling its own streams while this thread captures
@@ -501,6 +528,7 @@ class Source(_Participant):
                 self._prep.fill(c, view)
             self._graphs[(c, slot)] = g
         g.replay()
+        self._fills += 1
 
     def _metrics_record(self, stats: PushStats) -> None:
         try:
@@ -531,6 +559,7 @@ class Source(_Participant):
         nch = len(lw.chunks)
         out = {"prepare": 0.0, "gather_wait": 0.0, "peak": 0, "chunks": nch}
         self._prep.reset()
+        self._fills, self._capturing = 0, False  # also after a push that failed half-way
         if nch == 0:
             return out
         if self._gatherers and self._gatherer_descs is None:
@@ -565,7 +594,7 @@ class Source(_Participant):
         # of their own and cannot wait for a torch event themselves).
         pending: tuple[int, int, int, Any] | None = None  # (chunk, slot, bytes, event) prepared, unposted
 
-        def post(c: int, slot: int, nb: int, event: Any) -> None:
+        def post(c: int, slot: int, nb: int, event: Any, only: int | None, first: bool) -> None:
             if event is not None:
                 t = time.perf_counter()
                 event.synchronize()
@@ -573,7 +602,7 @@ class Source(_Participant):
             trs: list[tuple[int | None, Any]] = []
             base = slot * slot_bytes
             gathers, data = self._chunk_groups[c]
-            for g, src_off, dst_off, nbytes in gathers:
+            for g, src_off, dst_off, nbytes in (gathers if first else []):
                 if g == self.rank:  # a tile's missing rows held by another region of this rank
                     for a, d, n in zip(src_off.tolist(), dst_off.tolist(), nbytes.tolist(), strict=True):
                         self._recv[d:d + n].copy_(self._pool[base + a:base + a + n])
@@ -583,60 +612,78 @@ class Source(_Participant):
                 trs.append((None, self.engine.write_batch(
                     [self._pool_region], [(peer, self._gatherer_descs[g])],  # type: ignore[index]
                     zeros, src_off + base, zeros, dst_off, nbytes, g_imm)))
-            for rank, src_off, di, dst_off, nbytes in data:
-                if rank in failed:
+            for rank, src_off, di, dst_off, nbytes, imms in data:
+                if rank in failed or (only is not None and rank != only):
                     continue
                 d = self._dests[rank]
                 descs = [(d["peer"], d["descriptors"][k][d["buffer"]]) for k in self._batches[rank]["dkeys"]]
                 try:
                     zeros = np.zeros(len(src_off), np.uint32)
                     tr = self.engine.write_batch([self._pool_region], descs, zeros, src_off + base, di,
-                                                 dst_off, nbytes, data_imm_)
+                                                 dst_off, nbytes, data_imm_ if imms is None else imms)
                     trs.append((rank, tr))
                 except TransportError as exc:
                     failed[rank] = str(exc)
             inflight.append((slot, nb, trs))
 
-        for c in range(nch):
-            if not gathered and int(lw.chunks["unit"][c]) >= 0:
-                if pending is not None:  # the rows this source gathers may come from its own chunk
+        # On a GPU with several destinations, one pass over the chunks per destination, each source
+        # starting with a different one: like the direct writes' rounds, this gives every destination
+        # one writer at a time instead of all sources at once (which halves everyone's speed). A pass
+        # prepares its chunks again, which the CUDA graphs make cheap; on the CPU, preparation is the
+        # expensive part and the NICs are shared anyway, so one pass writes every destination.
+        order = sorted(self._dests)
+        passes: list[int | None] = [None]
+        if self.one_writer_at_a_time and len(order) > 1:
+            k = self.rank % len(order)
+            passes = list(order[k:] + order[:k])
+        with_data = [c for c in range(nch) if self._chunk_groups[c][1]]
+        for pi, only in enumerate(passes):
+            first = pi == 0
+            for c in (range(nch) if first else with_data):
+                if not gathered and int(lw.chunks["unit"][c]) >= 0:
+                    if pending is not None:  # the rows this source gathers may come from its own chunk
+                        post(*pending)
+                        pending = None
+                    t = time.perf_counter()
+                    self.engine.counter(g_imm).wait(self._gather_expected,
+                                                    max(deadline - time.monotonic(), 0.0))
+                    gathered = True
+                    out["gather_wait"] += time.perf_counter() - t
+                # Chunk c always takes slot c mod slots, so that its CUDA graph (captured with that
+                # slot's address) replays in every pass and push.
+                slot = c % self._slots
+                if pending is not None and pending[1] == slot:
                     post(*pending)
                     pending = None
+                while slot not in free:
+                    release_oldest()
+                free.remove(slot)
+                nb = int(lw.chunks["nbytes"][c])
+                view = self._pool[slot * slot_bytes:slot * slot_bytes + nb]
                 t = time.perf_counter()
-                self.engine.counter(g_imm).wait(self._gather_expected, max(deadline - time.monotonic(), 0.0))
-                gathered = True
-                out["gather_wait"] += time.perf_counter() - t
-            while not free:
-                if pending is not None and not inflight:
+                if cuda:
+                    self._fill_on_gpu(c, slot, view)
+                else:
+                    self._prep.fill(c, view)
+                event = None
+                if cuda:
+                    import torch
+
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(self.device))
+                out["prepare"] += time.perf_counter() - t
+                held += nb
+                out["peak"] = max(out["peak"], held)
+                if pending is not None:
+                    post(*pending)
+                pending = (c, slot, nb, event, only, first)
+                if not cuda:  # on the CPU the preparation is already done: nothing to overlap it with
                     post(*pending)
                     pending = None
-                release_oldest()
-            slot = free.pop()
-            nb = int(lw.chunks["nbytes"][c])
-            view = self._pool[slot * slot_bytes:slot * slot_bytes + nb]
-            t = time.perf_counter()
-            if cuda:
-                self._fill_on_gpu(c, slot, view)
-            else:
-                self._prep.fill(c, view)
-            event = None
-            if cuda:
-                import torch
-
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
-            out["prepare"] += time.perf_counter() - t
-            held += nb
-            out["peak"] = max(out["peak"], held)
-            if pending is not None:
-                post(*pending)
-            pending = (c, slot, nb, event)
-            if not cuda:  # on the CPU the preparation is already done: nothing to overlap it with
-                post(*pending)
-                pending = None
         if pending is not None:
             post(*pending)
         if cuda:
+            self._fills = 0
             self._eager_pushes += 1
             self._capturing = False
             if getattr(self, "_graphs_stale", False):
@@ -703,7 +750,9 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
     transfers: list[tuple[int, Any]] = []
     for rank, b in src._batches.items():
         d = src._dests[rank]
-        src._outbox[rank] = (src.epoch, version, d["buffer"])
+        # Relay: bit 1 is the shadow the next chain member receives into (this member forwards there).
+        succ = src._dests.get(d.get("successor", -1))
+        src._outbox[rank] = (src.epoch, version, d["buffer"] | ((succ["buffer"] if succ else 0) << 1))
         b["descs"] = [(d["peer"], d["descriptors"][k][d["buffer"]]) for k in b["dkeys"]]
         try:
             transfers.append((rank, src.engine.write(src._outbox_region, rank * _SLOT.itemsize, d["peer"],
@@ -718,7 +767,7 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
             continue
         while len(in_flight) >= ROUNDS_IN_FLIGHT:
             _settle(*in_flight.pop(0), deadline, failed)
-        imms = np.full(len(r["nbytes"]), imm, dtype=np.uint32)
+        imms = np.full(len(r["nbytes"]), imm, dtype=np.uint32) if r["imms"] is None else r["imms"]
         try:
             in_flight.append((rank, src.engine.write_batch(
                 src._direct_srcs, src._batches[rank]["descs"], r["src_index"], r["src_off"], r["dst_index"],
@@ -763,7 +812,8 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
                       phases=phases, epoch=src.epoch, prepare_seconds=staged["prepare"],
                       write_seconds=phases["write"], peak_staging_bytes=int(staged["peak"]),
                       staging_limit_bytes=src.staging_limit, chunks=int(staged["chunks"]),
-                      gather_bytes=int(src._prep.received["nbytes"].sum()))
+                      gather_bytes=int(src._prep.received["nbytes"].sum()),
+                      relayed=[r for r in src._relay[1:] if r in src._batches])
     src._metrics_record(stats)
     if failed:
         for r, why in sorted(failed.items()):
@@ -771,6 +821,11 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
         # Writes that failed are evidence against the destination; a missing ack only when others acked
         # (otherwise a source may be what is missing).
         dead = sorted(r for r in failed if r not in waiting or acked)
+        if src._relay and acked:
+            # A chain member that did not confirm starves the ones after it: only the first of them is
+            # evidence of a failure (its predecessor confirmed); the others are healthy and stay.
+            missing = [r for r in src._relay if r in failed and r in waiting]
+            dead = sorted({r for r in failed if r not in waiting} | set(missing[:1]))
         if dead:
             src._coord.report_dead.remote(f"source {src.rank}", DESTINATION, dead, src.epoch)
         if not acked:
@@ -802,14 +857,19 @@ class Destination(_Participant):
         self._buffers: dict[str, list[Any]] = {}
         descriptors: dict[str, list[bytes]] = {}
         self._regions: list[Region] = []
+        self._key_regions: dict[str, list[Region]] = {}  # per key, per shadow (inplace: the live one twice)
         for key, live in self._live.items():
             bufs = [live] if mode == "inplace" else [live.clone() for _ in range(2)]
             self._buffers[key] = bufs
             regs = [self.engine.register(b, name=f"{key}[{i}]") for i, b in enumerate(bufs)]
             self._regions += regs
+            self._key_regions[key] = regs * (2 if mode == "inplace" else 1)
             descriptors[key] = [r.descriptor for r in regs] * (2 if mode == "inplace" else 1)
         self._sources: dict[int, dict[str, Any]] = {}
         self._expected = 0
+        self._relay: dict[str, Any] | None = None  # this member's place in the relay chain, if any
+        self._forwards: list[Any] = []  # triggers armed for the next push (relay)
+        self._armed: int | None = None  # the plan epoch the triggers were armed for (None: not armed)
         self._stop = threading.Event()
         self._join(descriptors)
         self._thread = threading.Thread(target=self._run, name=f"weightsync-{group}-dst{rank}", daemon=True)
@@ -818,8 +878,95 @@ class Destination(_Participant):
     def _apply_part(self, part: dict[str, Any]) -> None:
         self._expected = part["expected"]
         self._sources = {int(r): {**s, "peer": self._peer(s["address"])} for r, s in part["sources"].items()}
-        self.log.info("destination %d: plan epoch %d, expecting %d immediates from sources %s", self.rank,
-                      self.epoch, self._expected, sorted(self._sources))
+        self._disarm()  # the previous plan's triggers name immediates no one sends any more
+        relay = part.get("relay")
+        self._relay = None
+        if relay is not None:
+            imms = np.frombuffer(relay["imm"], np.uint32)
+            succ = relay["successor"]
+            self._relay = {
+                "position": int(relay["position"]), "chain": list(relay["chain"]),
+                "imm": imms.tolist(), "pieces": np.frombuffer(relay["pieces"], np.int64).tolist(),
+                "counters": [self.engine.counter(int(i)) for i in imms.tolist()],
+                "keys": list(relay["keys"]), "offset": np.frombuffer(relay["offset"], np.int64).tolist(),
+                "row_bytes": np.frombuffer(relay["row_bytes"], np.int64).tolist(),
+                "rows": np.frombuffer(relay["rows"], np.int64).tolist(),
+                "pitch": np.frombuffer(relay["pitch"], np.int64).tolist(),
+                "successor": None if succ is None else {**succ, "peer": self._peer(succ["address"])},
+            }
+            unknown = sorted(set(self._relay["keys"]) - set(self._key_regions))
+            if unknown:
+                raise PlanError(f"destination {self.rank}: relay chunks name tensors {unknown[:3]} it "
+                                "does not hold")
+            if self.mode == "inplace":
+                # Inplace forwards read the live tensors: nothing to choose per push, arm now.
+                self._arm(0, 0)
+        self.log.info("destination %d: plan epoch %d, expecting %d immediates from sources %s%s", self.rank,
+                      self.epoch, self._expected, sorted(self._sources),
+                      "" if self._relay is None else
+                      f", relay position {self._relay['position']} of chain {self._relay['chain']}")
+
+    # -- relay ------------------------------------------------------------------------------------
+    def _used(self, counter: Any) -> int:
+        """Immediates of ``counter`` consumed (or dropped) so far: total minus credits still held, read
+        so that no arrival falls between the two reads (only this thread consumes them)."""
+        while True:
+            before = counter.value
+            total = counter.total
+            if counter.value == before:
+                return total - before
+
+    def _arm(self, own_buffer: int, succ_buffer: int) -> None:
+        """Arms, for the next push, one trigger per relay chunk: once all of the chunk's pieces of that
+        push have landed here (the counter's total reaches what was consumed so far plus one push's
+        pieces: absolute, so a trigger armed after its data arrived fires at once), the engine's own
+        thread writes the chunk from the shadow it landed in to the same place in the successor's
+        shadow ``succ_buffer``, with the same immediate, so the successor counts and forwards alike."""
+        r = self._relay
+        self._disarm()
+        if r is None or r["successor"] is None:
+            self._armed = self.epoch
+            return
+        succ = r["successor"]
+        peer, descs = succ["peer"], succ["descriptors"]
+        forwards = []
+        try:
+            for c, imm in enumerate(r["imm"]):
+                key, off, rows = r["keys"][c], r["offset"][c], r["rows"][c]
+                pitch = r["pitch"][c] if rows > 1 else 0
+                due = self._used(r["counters"][c]) + r["pieces"][c]
+                forwards.append(self.engine.forward(
+                    imm, due, self._key_regions[key][own_buffer], off, peer, descs[key][succ_buffer], off,
+                    r["row_bytes"][c], imm=imm, rows=rows, src_pitch=pitch, dst_pitch=pitch))
+        except TransportError as exc:
+            for f in forwards:
+                f.cancel()
+            raise TransportError(f"destination {self.rank}: arming relay to destination {succ['rank']} "
+                                 f"failed: {exc}") from None
+        self._forwards = forwards
+        self._armed = self.epoch
+
+    def _disarm(self) -> None:
+        for f in self._forwards:
+            f.cancel()
+        self._forwards = []
+        self._armed = None
+
+    def _wait_relay(self, deadline: float) -> bool:
+        """Every relay chunk of this push has landed here (one push's pieces of each, consumed)."""
+        r = self._relay
+        assert r is not None
+        for counter, pieces in zip(r["counters"], r["pieces"], strict=True):
+            while True:
+                left = deadline - time.monotonic()
+                if self._stop.is_set() or left <= 0:
+                    return False
+                try:
+                    counter.wait(pieces, timeout=min(0.2, max(left, 0.01)))
+                    break
+                except TimeoutError:
+                    continue
+        return True
 
     # -- what users observe ---------------------------------------------------------------------
     @property
@@ -897,7 +1044,9 @@ class Destination(_Participant):
         if len(current) == 0:
             return
         newest = int(np.argmax(current["version"]))
-        target, buffer = int(current["version"][newest]), int(current["buffer"][newest])
+        # buffer: bit 0 the shadow this push lands in; bit 1 (relay) the one the successor receives into
+        target, raw = int(current["version"][newest]), int(current["buffer"][newest])
+        buffer, succ_buffer = raw & 1, (raw >> 1) & 1
         with self._lock:
             if target <= self._version:
                 return
@@ -905,7 +1054,12 @@ class Destination(_Participant):
         counter = self.engine.counter(data_imm(self.epoch, target))
         deadline = time.monotonic() + self._push_timeout
         complete = False
-        while not self._stop.is_set() and time.monotonic() < deadline:
+        if self._relay is not None:
+            if self._armed != self.epoch:
+                # Staged: the shadows are known only now; or the first push after a failed one.
+                self._arm(buffer, succ_buffer)
+            complete = self._wait_relay(deadline)
+        while self._relay is None and not self._stop.is_set() and time.monotonic() < deadline:
             try:
                 counter.wait(self._expected, timeout=min(0.2, max(deadline - time.monotonic(), 0.01)))
                 complete = True
@@ -916,6 +1070,11 @@ class Destination(_Participant):
             with self._lock:
                 self._landing = None
             counter.reset()
+            if self._relay is not None:
+                # Forget this push's triggers and pieces; the next push re-arms from the totals then.
+                self._disarm()
+                for c in self._relay["counters"]:
+                    c.reset()
             self.log.warning("destination %d: version %d incomplete after %s s (a source failed?)", self.rank,
                              target, self._push_timeout)
             return
@@ -932,6 +1091,14 @@ class Destination(_Participant):
                 next_buffer = 0
             self._lock.notify_all()
         self._ack(target, next_buffer)
+        if self._relay is not None:
+            # After the ack (it is on the sources' critical path): inplace arms the next push's triggers
+            # now (a trigger whose data has already arrived fires at once); staged arms at the announce,
+            # which names the shadows.
+            if self.mode == "inplace":
+                self._arm(0, 0)
+            else:
+                self._disarm()
 
     def _ack(self, version: int, next_buffer: int) -> None:
         self._outbox[0] = (version, next_buffer, 0)
