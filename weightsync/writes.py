@@ -95,10 +95,15 @@ class Writes:
 
 
 def lower(ops: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, plan: Plan | None = None,
-          gathers: np.ndarray | None = None) -> Writes:
+          gathers: np.ndarray | None = None, pack_strided: bool = True) -> Writes:
     """Turns plan ops (``weightsync.plan.OP_DTYPE`` rows of one source) into writes, staging copies and
     FP8 units. ``plan`` (or a part of it holding these ops) gives dtypes, boxes and the FP8 block for
-    transformed ops; ``gathers`` are the ``Plan.gathers`` rows this source provides."""
+    transformed ops; ``gathers`` are the ``Plan.gathers`` rows this source provides.
+
+    ``pack_strided=False`` writes source-strided blocks as 2-D writes straight from the tensor instead of
+    packing them into staging first: right for sources whose writes go over the cuda lane, where one
+    ``cuMemcpy2DAsync`` reads the strided rows at copy-engine speed (packing costs a kernel, staging
+    and a wait); over a NIC every row would be a message of its own, so NIC sources pack."""
     from weightsync.plan import T_CAST, T_FP8, T_NONE, T_SCALE
 
     chunk_bytes = int(chunk_bytes)
@@ -118,8 +123,8 @@ def lower(ops: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES, plan: Plan | 
     strided = np.flatnonzero(plain & ~dst_contig)
     # strided source, contiguous destination: pack into staging, unless a row alone fills a chunk
     packed = np.flatnonzero(plain & dst_contig & ~src_contig)
-    big_rows = packed[row_bytes[packed] > chunk_bytes]
-    packed = packed[row_bytes[packed] <= chunk_bytes]
+    big_rows = packed[(row_bytes[packed] > chunk_bytes) | (not pack_strided)]
+    packed = packed[(row_bytes[packed] <= chunk_bytes) & pack_strided]
     strided = np.sort(np.concatenate([strided, big_rows]))
 
     parts: list[np.ndarray] = [_direct(ops, direct), _two_d(ops, strided)]
