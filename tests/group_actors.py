@@ -131,3 +131,91 @@ class Rollout:
 
     def version(self) -> int:
         return self.dst.version
+
+
+# -- full replicas (relay tests) ----------------------------------------------------------------------
+# Sizes chosen so that relay chunks are cut (with a small relay_chunk_bytes), and "col" is held by
+# column shards when there are two sources, which makes its writes into a replica 2-D (strided).
+REPLICA_SHAPES = {"emb": (256, 512), "w": (64, 96), "col": (32, 64), "norm": (96,)}
+
+
+def replica_tensors(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5000 + version)
+    return {name: torch.randn(shape, generator=g) for name, shape in REPLICA_SHAPES.items()}
+
+
+def _replica_box(name: str, rank: int, world: int) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """The slice of ``name`` source ``rank`` holds, and its offsets: "col" by columns, the rest by rows."""
+    shape = REPLICA_SHAPES[name]
+    if len(shape) == 1:
+        return (slice(None),), (0,)
+    if name == "col":
+        n = shape[1] // world
+        return (slice(None), slice(rank * n, (rank + 1) * n)), (0, rank * n)
+    n = shape[0] // world
+    return (slice(rank * n, (rank + 1) * n), slice(None)), (rank * n, 0)
+
+
+class ReplicaTrainer:
+    def __init__(self, group: str, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        full = replica_tensors(0)
+        self.locals: dict[str, torch.Tensor] = {}
+        tensors: dict[str, Any] = {}
+        for name, t in full.items():
+            sl, offs = _replica_box(name, rank, world)
+            local = self.locals[name] = t[sl].clone()
+            tensors[name] = local if len(t.shape) == 1 else ws.Sharded(local, t.shape, offs)
+        self.src = ws.Source(group, rank=rank, tensors=tensors, timeout=60)
+
+    def push(self, version: int, timeout: float = 30.0) -> dict[str, Any]:
+        full = replica_tensors(version)
+        for name, local in self.locals.items():
+            local.copy_(full[name][_replica_box(name, self.rank, self.world)[0]])
+        return ws.push(self.src, version=version, timeout=timeout).__dict__
+
+
+class ReplicaRollout:
+    def __init__(self, group: str, rank: int, mode: str) -> None:
+        self.tensors = {k: torch.full_like(v, float("nan")) for k, v in replica_tensors(0).items()}
+        self.dst = ws.Destination(group, rank=rank, tensors=dict(self.tensors), mode=mode, timeout=60,
+                                  push_timeout=30)
+        self.mixed: list[str] = []
+        self.reads = 0
+        self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def poison(self) -> None:
+        """NaN into the live tensors (between pushes): every byte must be written again."""
+        for t in self.tensors.values():
+            t.fill_(float("nan"))
+
+    def wait(self, version: int, timeout: float = 30.0) -> int:
+        return self.dst.wait(version, timeout)
+
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+        self.dst.apply()
+        return self.dst.live_version, {k: v.clone() for k, v in self.tensors.items()}
+
+    def start_reader(self) -> None:
+        """Staged: a generation loop applying the newest version and checking it is whole."""
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                version = self.dst.apply()
+                if version < 0:
+                    continue
+                want = replica_tensors(version)
+                for k, t in self.tensors.items():
+                    if not torch.equal(t, want[k]):
+                        self.mixed.append(f"{k} differs from version {version}")
+                self.reads += 1
+
+        self._reader = threading.Thread(target=loop, daemon=True)
+        self._reader.start()
+
+    def stop_reader(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join(10)
+        return {"reads": self.reads, "mixed": self.mixed[:5]}

@@ -22,11 +22,52 @@ import numpy as np
 from weightsync.errors import LayoutError, PlanError, WeightSyncError
 from weightsync.layout import Layout
 from weightsync.plan import plan as make_plan
-from weightsync.writes import DEFAULT_CHUNK_BYTES, K_DATA, K_GATHER, imm_count_for, lower
+from weightsync.writes import DEFAULT_CHUNK_BYTES, K_DATA, K_GATHER, WRITE_DTYPE, imm_count_for, lower
 
 log = logging.getLogger("weightsync.coordinator")
 
 SOURCE, DESTINATION = "source", "destination"
+# Relay: the largest write a chain member forwards at once. Each relay chunk is forwarded as soon as it
+# has landed, so a chunk is the pipeline's step: smaller chunks shorten the chain's fill time, larger
+# ones cost fewer triggers (32 MiB: about 90 us on NVLink, 500 triggers for a 16 GB model).
+RELAY_CHUNK_BYTES = 32 << 20
+_RELAY_MAX_CHUNKS = 1 << 24  # chunk index bits of a relay immediate
+
+
+def relay_imm(epoch: int, chunk: int) -> int:
+    """The immediate of relay chunk ``chunk``: tag 0b101 in the top bits, so never equal to a data
+    immediate (top bit 0), a gather (0b100), gathered (0b110), ANNOUNCE or ACK (0xFF...)."""
+    return 0xA0000000 | ((epoch & 0x1F) << 24) | (chunk & 0xFFFFFF)
+
+
+def split_writes(w: np.ndarray, cap: int) -> np.ndarray:
+    """Data writes larger than ``cap`` bytes cut into consecutive writes of at most ``cap`` (2-D writes
+    by whole rows), in place in the order: a relay forwards a chunk once all of it landed, so a chunk is
+    the pipeline's step. Staged writes keep their staging chunk (their offsets move inside it)."""
+    rows = np.maximum(w["rows"].astype(np.int64), 1)
+    row_bytes = w["nbytes"].astype(np.int64) // rows
+    one_d = rows == 1
+    per_rows = np.where(one_d, 1, np.maximum(cap // np.maximum(row_bytes, 1), 1))  # rows per piece (2-D)
+    pieces_1d = np.maximum(-(-w["nbytes"].astype(np.int64) // cap), 1)
+    n = np.where(w["kind"] != K_DATA, 1, np.where(one_d, pieces_1d, -(-rows // per_rows)))
+    if (n == 1).all():
+        return w
+    k = np.repeat(np.arange(len(w)), n)
+    j = np.arange(len(k)) - np.repeat(np.cumsum(n) - n, n)
+    out = w[k].copy()
+    od = one_d[k]
+    total = w["nbytes"][k].astype(np.int64)
+    # 1-D: bytes j*cap.. ; 2-D: rows j*per_rows..
+    start_b = j * cap
+    nb_1d = np.minimum(cap, total - start_b)
+    r0 = j * per_rows[k]
+    nr = np.minimum(per_rows[k], rows[k] - r0)
+    for side in ("src", "dst"):
+        base = w[f"{side}_offset"][k]
+        out[f"{side}_offset"] = np.where(od, base + start_b, base + r0 * w[f"{side}_pitch"][k])
+    out["nbytes"] = np.where(od, nb_1d, nr * row_bytes[k])
+    out["rows"] = np.where(od, 1, nr)
+    return out.astype(WRITE_DTYPE)
 
 
 @dataclass
@@ -47,8 +88,14 @@ class Coordinator:
     """Runs as ``ray.remote(max_concurrency=...)(Coordinator)``; methods are called by participants."""
 
     def __init__(self, name: str, num_sources: int, num_destinations: int, secret: str,
-                 allow_cast: bool = False, fp8_block: tuple[int, int] | None = (128, 128)) -> None:
+                 allow_cast: bool = False, fp8_block: tuple[int, int] | None = (128, 128),
+                 relay: bool | None = None, relay_chunk_bytes: int = RELAY_CHUNK_BYTES) -> None:
         self.name = name
+        # None: relay when destinations outnumber sources and all hold the same layout (full replicas);
+        # True: relay whenever the destinations' layouts are identical; False: never.
+        self.relay = relay
+        self.relay_chunk_bytes = int(relay_chunk_bytes)
+        self._chain: list[int] = []  # destination ranks of the current plan's relay chain (empty: direct)
         self.allow_cast = allow_cast
         self.fp8_block = None if fp8_block is None else (int(fp8_block[0]), int(fp8_block[1]))
         # Per plan epoch: the receive-buffer descriptor each gathering source published (FP8 tiles).
@@ -126,42 +173,73 @@ class Coordinator:
             self._error = {"type": type(exc).__name__, "message": str(exc)}
             self.epoch += 1
             self._parts = {}
+            self._chain = []
             log.error("group %s: planning failed: %s", self.name, exc)
         else:
             self._error = None
             self.epoch += 1
-            self._parts = parts
+            self._parts, self._chain = parts
             log.info("group %s: plan epoch %d for %d sources and %d destinations", self.name, self.epoch,
                      len(sources), len(dests))
         self._cv.notify_all()
 
-    def _plan(self, sources: list[Member], dests: list[Member]) -> dict[tuple[str, int], bytes]:
+    def _use_relay(self, sources: list[Member], dests: list[Member]) -> bool:
+        if self.relay is False or len(dests) < 2:
+            return False
+        if self.relay is None and len(dests) <= len(sources):
+            return False
+        # Full replicas only: a chain member forwards what it received at the same keys and offsets.
+        return all(d.layout == dests[0].layout for d in dests[1:])
+
+    def _plan(self, sources: list[Member], dests: list[Member]
+              ) -> tuple[dict[tuple[str, int], bytes], list[int]]:
+        relay = self._use_relay(sources, dests)
+        # With relay the sources write only into the head of the chain; the others get it by forwarding.
+        targets = dests[:1] if relay else dests
         src_layouts = [Layout.from_msgpack(m.layout) for m in sources]
-        dst_layouts = [Layout.from_msgpack(m.layout) for m in dests]
+        dst_layouts = [Layout.from_msgpack(m.layout) for m in targets]
         p = make_plan(src_layouts, dst_layouts, source_hosts=[m.host for m in sources],
-                      destination_hosts=[m.host for m in dests], allow_cast=self.allow_cast,
+                      destination_hosts=[m.host for m in targets], allow_cast=self.allow_cast,
                       fp8_block=self.fp8_block)
         epoch = self.epoch + 1
-        expected = np.zeros(len(dests), dtype=np.int64)
-        dst_bytes = p.bytes_per_destination() if len(p.ops) else np.zeros(len(dests), np.int64)
-        writers: list[set[int]] = [set() for _ in dests]
+        expected = np.zeros(len(targets), dtype=np.int64)
+        dst_bytes = p.bytes_per_destination() if len(p.ops) else np.zeros(len(targets), np.int64)
+        writers: list[set[int]] = [set() for _ in targets]
         parts: dict[tuple[str, int], bytes] = {}
         # Sources are all present when planning, so plan index i is source rank i.
         gather_expected = np.zeros(len(sources), dtype=np.int64)
         providers: list[set[int]] = [set() for _ in sources]
         gatherers: list[set[int]] = [set() for _ in sources]
         lowered_by: list[Any] = []
+        relay_imms: list[np.ndarray] = []
+        chunk_writes: list[np.ndarray] = []  # relay: the head's incoming data writes, in chunk order
+        chunk_base = 0
         for i, src in enumerate(sources):
             part = p.part(sources=[i])
             provided = part.gathers[part.gathers["provider"] == i]
             chunk = src.engine.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
             lowered = lower(p.for_source(i), chunk, part, provided)
+            if relay:
+                lowered.writes = split_writes(lowered.writes, self.relay_chunk_bytes)
             lowered_by.append((part, lowered))
             w = lowered.writes
             imms = imm_count_for(w["nbytes"], src.engine["nics"], src.engine["stripe_threshold"],
                                  src.engine["max_piece"], w["rows"])
             data = w["kind"] == K_DATA
-            np.add.at(expected, w["dst_rank"][data], imms[data])
+            ri = np.zeros(len(w), np.uint32)
+            if relay:
+                # Every data write into the head is a relay chunk with an immediate of its own.
+                idx = np.flatnonzero(data)
+                if chunk_base + len(idx) > _RELAY_MAX_CHUNKS:
+                    raise PlanError(f"group {self.name!r}: {chunk_base + len(idx)} relay chunks, more than "
+                                    f"{_RELAY_MAX_CHUNKS} (raise relay_chunk_bytes)")
+                ri[idx] = [relay_imm(epoch, chunk_base + c) for c in range(len(idx))]
+                chunk_base += len(idx)
+                cw = w[idx]
+                chunk_writes.append(cw)
+            else:
+                np.add.at(expected, w["dst_rank"][data], imms[data])
+            relay_imms.append(ri)
             # a gather to oneself is a local copy: no immediate
             remote = (w["kind"] == K_GATHER) & (w["dst_rank"] != i)
             np.add.at(gather_expected, w["dst_rank"][remote], imms[remote])
@@ -170,26 +248,38 @@ class Coordinator:
                 providers[int(g)].add(i)
             for j in np.unique(w["dst_rank"][data]):
                 writers[int(j)].add(src.rank)
+        chain = [d.rank for d in dests] if relay else []
         for i, src in enumerate(sources):
             part, lowered = lowered_by[i]
             w = lowered.writes
             data = w["kind"] == K_DATA
             used = {int(j) for j in np.unique(w["dst_rank"][data])}
+            destinations = {dests[j].rank: {
+                "slot": j,
+                "address": dests[j].address,
+                "descriptors": dests[j].descriptors,
+                "mailbox": dests[j].mailbox,
+            } for j in sorted(used)}
+            if relay and used:
+                # A source that writes into the head announces to and waits for every chain member
+                # (slot -1: no write of this source names them).
+                for j, d in enumerate(dests):
+                    if j:
+                        destinations[d.rank] = {"slot": -1, "address": d.address,
+                                                "descriptors": d.descriptors, "mailbox": d.mailbox}
+                    destinations[d.rank]["successor"] = dests[j + 1].rank if j + 1 < len(dests) else -1
             parts[(SOURCE, src.rank)] = msgpack.packb({
                 "epoch": epoch,
                 "writes": w.tobytes(),
+                "imms": relay_imms[i].tobytes(),
+                "relay": chain if used else [],
                 "copies": lowered.copies.tobytes(),
                 "chunks": lowered.chunks.tobytes(),
                 "units": lowered.units.tobytes(),
                 "chunk_bytes": lowered.chunk_bytes,
                 "plan": part.to_msgpack(),
                 "keys": p.keys,
-                "destinations": {dests[j].rank: {
-                    "slot": j,
-                    "address": dests[j].address,
-                    "descriptors": dests[j].descriptors,
-                    "mailbox": dests[j].mailbox,
-                } for j in sorted(used)},
+                "destinations": destinations,
                 "bytes": int(w["nbytes"][data].sum()),
                 "gather_expected": int(gather_expected[i]),
                 "gatherers": {sources[g].rank: {"address": sources[g].address, "mailbox": sources[g].mailbox}
@@ -197,6 +287,52 @@ class Coordinator:
                 "providers": {sources[g].rank: {"address": sources[g].address, "mailbox": sources[g].mailbox}
                               for g in sorted(providers[i])},
             }, use_bin_type=True)
+        if relay:
+            cw = np.concatenate(chunk_writes) if chunk_writes else np.zeros(0, WRITE_DTYPE)
+            cimm = np.concatenate([ri[ri != 0] for ri in relay_imms]).astype(np.uint32)
+            # What the head receives per chunk from its source, and each later member from its predecessor:
+            # the same write, so the same bytes, counted with the sending engine's piece rule.
+            src_of = np.concatenate([np.full(len(c), i, np.int64) for i, c in enumerate(chunk_writes)]
+                                    ) if chunk_writes else np.zeros(0, np.int64)
+            head_pieces = np.zeros(len(cw), np.int64)
+            for i, src in enumerate(sources):
+                sel = src_of == i
+                head_pieces[sel] = imm_count_for(cw["nbytes"][sel], src.engine["nics"],
+                                                 src.engine["stripe_threshold"], src.engine["max_piece"],
+                                                 cw["rows"][sel])
+            rows = np.maximum(cw["rows"].astype(np.int64), 1)
+            keys = [p.keys[int(k)] for k in cw["dst_key"]]
+            head_writers = sorted(writers[0])
+            for j, dst in enumerate(dests):
+                if j == 0:
+                    pieces = head_pieces
+                else:
+                    e = dests[j - 1].engine
+                    pieces = imm_count_for(cw["nbytes"], e["nics"], e["stripe_threshold"], e["max_piece"],
+                                           cw["rows"])
+                succ = dests[j + 1] if j + 1 < len(dests) else None
+                parts[(DESTINATION, dst.rank)] = msgpack.packb({
+                    "epoch": epoch,
+                    "expected": 0,
+                    "bytes": int(dst_bytes[0]),
+                    "sources": {s.rank: {"address": s.address, "mailbox": s.mailbox}
+                                for s in sources if s.rank in head_writers},
+                    "relay": {
+                        "chain": chain,
+                        "position": j,
+                        "successor": None if succ is None else {
+                            "rank": succ.rank, "address": succ.address, "descriptors": succ.descriptors},
+                        "imm": cimm.tobytes(),
+                        "pieces": pieces.astype(np.int64).tobytes(),
+                        "keys": keys,
+                        "offset": cw["dst_offset"].astype(np.int64).tobytes(),
+                        "row_bytes": (cw["nbytes"].astype(np.int64) // rows).tobytes(),
+                        "rows": rows.tobytes(),
+                        "pitch": cw["dst_pitch"].astype(np.int64).tobytes(),
+                    },
+                }, use_bin_type=True)
+            log.info("group %s: relay chain %s, %d chunks", self.name, chain, len(cw))
+            return parts, chain
         for j, dst in enumerate(dests):
             parts[(DESTINATION, dst.rank)] = msgpack.packb({
                 "epoch": epoch,
@@ -205,7 +341,7 @@ class Coordinator:
                 "sources": {s.rank: {"address": s.address, "mailbox": s.mailbox}
                             for s in sources if s.rank in writers[j]},
             }, use_bin_type=True)
-        return parts
+        return parts, chain
 
     # -- participants fetch their part ------------------------------------------------------------
     def part(self, secret: str, role: str, rank: int, after_epoch: int, timeout: float) -> bytes:
@@ -280,4 +416,6 @@ class Coordinator:
                 "destinations": sorted(r for (role, r) in self._members if role == DESTINATION),
                 "dead": sorted(f"{role} {r}" for role, r in self._dead),
                 "error": self._error,
+                "relay": bool(self._chain),
+                "chain": list(self._chain),  # relay: destination ranks in forwarding order (head first)
             }

@@ -1,0 +1,108 @@
+"""Relay for fan-out on CPU with Ray over TCP loopback: sources write into the head of a chain of full
+replicas, each replica's engine forwards every chunk to the next one as soon as it has landed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+
+import weightsync as ws
+from tests.group_actors import ReplicaRollout, ReplicaTrainer, replica_tensors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_CHUNK = 64 << 10  # "emb" (512 KiB) is forwarded in 8 chunks
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield
+    ray.shutdown()
+
+
+def _start(name: str, sources: int, replicas: int, mode: str, **kw) -> tuple[ws.Group, list, list]:
+    group = ws.Group.create(name, num_sources=sources, num_destinations=replicas, **kw)
+    rollouts = [ray.remote(num_cpus=0)(ReplicaRollout).remote(name, j, mode) for j in range(replicas)]
+    trainers = [ray.remote(num_cpus=0)(ReplicaTrainer).remote(name, i, sources) for i in range(sources)]
+    ray.get([a.__ray_ready__.remote() for a in trainers + rollouts], timeout=120)
+    return group, trainers, rollouts
+
+
+def _stop(group: ws.Group, actors: list) -> None:
+    for a in actors:
+        ray.kill(a)
+    group.shutdown()
+
+
+def _check(rollouts: list, version: int) -> None:
+    assert ray.get([r.wait.remote(version) for r in rollouts], timeout=60) == [version] * len(rollouts)
+    want = replica_tensors(version)
+    for j, (live, got) in enumerate(ray.get([r.snapshot.remote() for r in rollouts], timeout=60)):
+        assert live == version, f"replica {j}: live version {live}, expected {version}"
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"replica {j}: {k} differs at version {version}"
+
+
+@pytest.mark.parametrize("mode", ["inplace", "staged"])
+@pytest.mark.parametrize(("sources", "replicas"), [(1, 3), (2, 4)])
+def test_relay_chain_bit_identical(ray_cluster, sources: int, replicas: int, mode: str) -> None:
+    name = f"relay-{sources}x{replicas}-{mode}"
+    group, trainers, rollouts = _start(name, sources, replicas, mode, relay_chunk_bytes=SMALL_CHUNK)
+    try:
+        model_bytes = sum(t.numel() * 4 for t in replica_tensors(0).values())
+        for version in range(10):
+            ray.get([r.poison.remote() for r in rollouts], timeout=30)
+            stats = ray.get([t.push.remote(version) for t in trainers], timeout=120)
+            for s in stats:
+                assert s["failed_destinations"] == [], s
+                assert s["destinations"] == list(range(replicas))
+                assert s["relayed"] == list(range(1, replicas))  # only the head is written by sources
+            assert sum(s["bytes"] for s in stats) == model_bytes  # the model leaves the sources once
+            _check(rollouts, version)
+        status = group.status()
+        assert status["relay"] and status["chain"] == list(range(replicas)), status
+    finally:
+        _stop(group, trainers + rollouts)
+
+
+def test_relay_back_to_back_staged_never_mixed(ray_cluster) -> None:
+    """Pushes one after the other with no pause; readers apply and check at every safe point."""
+    group, trainers, rollouts = _start("relay-b2b", 1, 3, "staged")
+    try:
+        ray.get([r.start_reader.remote() for r in rollouts])
+        for version in range(15):
+            stats = ray.get([t.push.remote(version) for t in trainers], timeout=120)
+            assert all(s["failed_destinations"] == [] for s in stats), stats
+        readers = ray.get([r.stop_reader.remote() for r in rollouts], timeout=30)
+        for rd in readers:
+            assert rd["mixed"] == [], rd
+            assert rd["reads"] > 0
+        _check(rollouts, 14)
+        assert group.status()["relay"]
+    finally:
+        _stop(group, trainers + rollouts)
+
+
+def test_relay_off_and_auto_direct(ray_cluster) -> None:
+    """relay=False pushes to every replica directly; auto stays direct when sources >= destinations."""
+    group, trainers, rollouts = _start("relay-off", 1, 3, "inplace", relay=False)
+    try:
+        for version in range(2):
+            stats = ray.get([t.push.remote(version) for t in trainers], timeout=120)
+            assert stats[0]["relayed"] == [] and stats[0]["failed_destinations"] == []
+            _check(rollouts, version)
+        assert not group.status()["relay"]
+    finally:
+        _stop(group, trainers + rollouts)
+    group, trainers, rollouts = _start("relay-auto-direct", 2, 2, "inplace")
+    try:
+        stats = ray.get([t.push.remote(0) for t in trainers], timeout=120)
+        assert all(s["relayed"] == [] for s in stats)
+        _check(rollouts, 0)
+        assert not group.status()["relay"]
+    finally:
+        _stop(group, trainers + rollouts)
