@@ -4,13 +4,17 @@ replicas, each replica's engine forwards every chunk to the next one as soon as 
 from __future__ import annotations
 
 import os
+import time
 
+import numpy as np
 import pytest
 import ray
 import torch
 
 import weightsync as ws
 from tests.group_actors import ReplicaRollout, ReplicaTrainer, replica_tensors
+from weightsync.coordinator import split_writes
+from weightsync.writes import K_DATA, K_GATHER, WRITE_DTYPE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_CHUNK = 64 << 10  # "emb" (512 KiB) is forwarded in 8 chunks
@@ -106,3 +110,48 @@ def test_relay_off_and_auto_direct(ray_cluster) -> None:
         assert not group.status()["relay"]
     finally:
         _stop(group, trainers + rollouts)
+
+
+def test_relay_dead_member_is_dropped_and_the_rest_of_the_chain_completes(ray_cluster) -> None:
+    """A replica in the middle of the chain dies: the source reports only it (the ones behind it were
+    starved, not dead); the next push re-plans the chain without it and reaches every other replica."""
+    group, trainers, rollouts = _start("relay-dead", 1, 3, "inplace")
+    try:
+        ray.get(trainers[0].push.remote(0), timeout=60)
+        _check(rollouts, 0)
+        ray.kill(rollouts[1])
+        with pytest.raises(ray.exceptions.RayActorError):  # gone before the push starts
+            ray.get(rollouts[1].__ray_ready__.remote(), timeout=30)
+        stats = ray.get(trainers[0].push.remote(1, 5.0), timeout=60)
+        assert stats["failed_destinations"] == [1, 2], stats
+        deadline = time.monotonic() + 30
+        while group.status()["chain"] != [0, 2]:
+            assert time.monotonic() < deadline, group.status()
+            time.sleep(0.1)
+        assert group.status()["dead"] == ["destination 1"]
+        stats = ray.get(trainers[0].push.remote(2), timeout=60)
+        assert stats["failed_destinations"] == [] and stats["destinations"] == [0, 2], stats
+        assert stats["relayed"] == [2]
+        _check([rollouts[0], rollouts[2]], 2)
+    finally:
+        _stop(group, trainers + rollouts)
+
+
+def test_split_writes_covers_the_same_bytes() -> None:
+    """Relay chunks: 1-D writes cut by bytes, 2-D writes by whole rows, gathers left alone."""
+    w = np.zeros(4, WRITE_DTYPE)
+    w["rows"] = [1, 1, 10, 1]
+    w["kind"] = [K_DATA, K_DATA, K_DATA, K_GATHER]
+    w["nbytes"] = [1000, 100, 10 * 64, 5000]
+    w["src_offset"] = [7, 3000, 5000, 0]
+    w["dst_offset"] = [11, 4000, 9000, 0]
+    w["src_pitch"] = [0, 0, 64, 0]
+    w["dst_pitch"] = [0, 0, 256, 0]
+    out = split_writes(w, 300)
+    assert list(out["nbytes"]) == [300, 300, 300, 100, 100, 256, 256, 128, 5000]
+    assert list(out["src_offset"][:4]) == [7, 307, 607, 907]
+    assert list(out["dst_offset"][:4]) == [11, 311, 611, 911]
+    assert list(out["rows"][5:8]) == [4, 4, 2]
+    assert list(out["src_offset"][5:8]) == [5000, 5000 + 4 * 64, 5000 + 8 * 64]
+    assert list(out["dst_offset"][5:8]) == [9000, 9000 + 4 * 256, 9000 + 8 * 256]
+    assert out["kind"][-1] == K_GATHER and out["nbytes"][-1] == 5000

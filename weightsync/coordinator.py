@@ -56,6 +56,7 @@ def split_writes(w: np.ndarray, cap: int) -> np.ndarray:
     j = np.arange(len(k)) - np.repeat(np.cumsum(n) - n, n)
     out = w[k].copy()
     od = one_d[k]
+    cut = w["kind"][k] == K_DATA  # other writes (gathers) stay whole
     total = w["nbytes"][k].astype(np.int64)
     # 1-D: bytes j*cap.. ; 2-D: rows j*per_rows..
     start_b = j * cap
@@ -64,9 +65,10 @@ def split_writes(w: np.ndarray, cap: int) -> np.ndarray:
     nr = np.minimum(per_rows[k], rows[k] - r0)
     for side in ("src", "dst"):
         base = w[f"{side}_offset"][k]
-        out[f"{side}_offset"] = np.where(od, base + start_b, base + r0 * w[f"{side}_pitch"][k])
-    out["nbytes"] = np.where(od, nb_1d, nr * row_bytes[k])
-    out["rows"] = np.where(od, 1, nr)
+        out[f"{side}_offset"] = np.where(cut, np.where(od, base + start_b, base + r0 * w[f"{side}_pitch"][k]),
+                                         base)
+    out["nbytes"] = np.where(cut, np.where(od, nb_1d, nr * row_bytes[k]), total)
+    out["rows"] = np.where(cut, np.where(od, 1, nr), w["rows"][k])
     return out.astype(WRITE_DTYPE)
 
 

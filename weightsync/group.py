@@ -965,7 +965,12 @@ class Destination(_Participant):
                     counter.wait(pieces, timeout=min(0.2, max(left, 0.01)))
                     break
                 except TimeoutError:
-                    continue
+                    # A newer plan announced: a member before this one failed and this push cannot
+                    # complete here (it starves behind it); give up now rather than at the deadline.
+                    if int(self._mailbox["epoch"].max()) > self.epoch:
+                        self.log.warning("destination %d: relay push abandoned for plan epoch %d", self.rank,
+                                         int(self._mailbox["epoch"].max()))
+                        return False
         return True
 
     # -- what users observe ---------------------------------------------------------------------
