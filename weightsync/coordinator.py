@@ -28,9 +28,11 @@ log = logging.getLogger("weightsync.coordinator")
 
 SOURCE, DESTINATION = "source", "destination"
 # Relay: the largest write a chain member forwards at once. Each relay chunk is forwarded as soon as it
-# has landed, so a chunk is the pipeline's step: smaller chunks shorten the chain's fill time, larger
-# ones cost fewer triggers (32 MiB: about 90 us on NVLink, 500 triggers for a 16 GB model).
-RELAY_CHUNK_BYTES = 32 << 20
+# has landed, so a chunk is the pipeline's step: smaller chunks shorten the chain's fill time (64 MiB:
+# about 170 us per hop on NVLink), larger ones cost fewer copies and triggers (the cuda lane reached
+# 0.89-0.92 of the copy bound with 16 MiB copies, 0.96-0.97 with 64 MiB, 0.99 from 256 MiB:
+# docs/BENCHMARKS.md).
+RELAY_CHUNK_BYTES = 64 << 20
 _RELAY_MAX_CHUNKS = 1 << 24  # chunk index bits of a relay immediate
 
 
