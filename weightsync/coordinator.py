@@ -222,7 +222,8 @@ class Coordinator:
             part = p.part(sources=[i])
             provided = part.gathers[part.gathers["provider"] == i]
             chunk = src.engine.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
-            lowered = lower(p.for_source(i), chunk, part, provided)
+            lowered = lower(p.for_source(i), chunk, part, provided,
+                            pack_strided=bool(src.engine.get("pack_strided", 1)))
             if relay:
                 lowered.writes = split_writes(lowered.writes, self.relay_chunk_bytes)
             lowered_by.append((part, lowered))

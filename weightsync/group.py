@@ -353,7 +353,10 @@ class Source(_Participant):
         self._join({})
 
     def _engine_info(self) -> dict[str, int]:
-        return {**super()._engine_info(), "chunk_bytes": self.chunk_bytes}
+        # A GPU source's writes go over the cuda lane, where a 2-D copy reads strided rows at full speed:
+        # no packing into staging for it (weightsync/writes.py, ``pack_strided``).
+        return {**super()._engine_info(), "chunk_bytes": self.chunk_bytes,
+                "pack_strided": int(self.device.type != "cuda")}
 
     def _apply_part(self, part: dict[str, Any]) -> None:
         import ray
