@@ -33,6 +33,7 @@ is missing (every destination waits for all sources), the push raises ``weightsy
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -43,6 +44,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakSet
 
 import msgpack
 import numpy as np
@@ -231,6 +233,7 @@ class _Participant:
         self._outbox = np.zeros(_MAX_SLOTS, dtype=_SLOT)
         self._outbox_region = self.engine.register(self._outbox, name=f"{self.role} {rank} outbox")
         self._peers: dict[bytes, Any] = {}
+        _LIVE.add(self)
 
     @staticmethod
     def _read_secret(group: str) -> str:
@@ -1127,6 +1130,21 @@ class Destination(_Participant):
         self._stop.set()
         self._thread.join(5)
         super().close()
+
+
+_LIVE: WeakSet[_Participant] = WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stops receiving threads and engines before the interpreter finalizes: a daemon thread still
+    inside a native wait when Python tears down is ended by a forced unwind through the binding's
+    GIL guard, which aborts the process (seen when Ray ends a worker that holds a Destination)."""
+    for participant in list(_LIVE):
+        try:
+            participant.close()
+        except Exception:  # exiting anyway: one participant's failure must not stop the others
+            pass
 
 
 def _u64(*cols: np.ndarray) -> tuple[np.ndarray, ...]:
