@@ -336,9 +336,10 @@ class Source(_Participant):
             else:
                 staging_bytes = DEFAULT_CPU_STAGING
         self.staging_limit = int(staging_bytes)
-        # Staged chunks in one pass per destination (see _run_chunks); default: on GPUs only.
-        self.one_writer_at_a_time = (self.device.type == "cuda" if one_writer_at_a_time is None
-                                     else bool(one_writer_at_a_time))
+        # Staged chunks in one pass per destination (see _run_chunks). Off by default: on 4 x H100 the
+        # 8B FP8 push took 103 ms with it against 65 ms without (the second pass re-prepares every
+        # chunk and waits for its slot), more than the contention it avoids (docs/BENCHMARKS.md).
+        self.one_writer_at_a_time = bool(one_writer_at_a_time)
         if chunk_bytes is None:
             # On a GPU, fewer and larger chunks: the copy engine and the quantization kernels want
             # large pieces, and each chunk costs a few Python calls and a stream synchronization.
@@ -632,11 +633,10 @@ class Source(_Participant):
                     failed[rank] = str(exc)
             inflight.append((slot, nb, trs))
 
-        # On a GPU with several destinations, one pass over the chunks per destination, each source
-        # starting with a different one: like the direct writes' rounds, this gives every destination
-        # one writer at a time instead of all sources at once (which halves everyone's speed). A pass
-        # prepares its chunks again, which the CUDA graphs make cheap; on the CPU, preparation is the
-        # expensive part and the NICs are shared anyway, so one pass writes every destination.
+        # With one_writer_at_a_time, one pass over the chunks per destination, each source starting
+        # with a different one: like the direct writes' rounds, every destination then has one writer
+        # at a time. Each pass prepares its chunks again; measured slower than one pass that writes
+        # every destination, so it is an option, not the default.
         order = sorted(self._dests)
         passes: list[int | None] = [None]
         if self.one_writer_at_a_time and len(order) > 1:
