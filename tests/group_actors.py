@@ -9,6 +9,7 @@ Every version's values come from a seed, so the test builds its reference indepe
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -101,9 +102,16 @@ class Rollout:
     def wait(self, version: int, timeout: float = 30.0) -> int:
         return self.dst.wait(version, timeout)
 
-    def snapshot(self, apply: bool = True) -> tuple[int, dict[str, torch.Tensor]]:
+    def snapshot(self, apply: bool = True, version: int = -1, timeout: float = 30.0
+                 ) -> tuple[int, dict[str, torch.Tensor]]:
+        """The live tensors. ``apply=False`` while the reader runs: it is the one generation loop that
+        applies (a second caller of ``apply`` would change the tensors under the reader's reads), so wait
+        for it to have made ``version`` live instead."""
         if apply:
             self.dst.apply()
+        deadline = time.monotonic() + timeout
+        while self.dst.live_version < version and time.monotonic() < deadline:
+            time.sleep(0.005)
         return self.dst.live_version, {k: v.clone() for k, v in self.tensors.items()}
 
     def start_reader(self) -> None:

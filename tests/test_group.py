@@ -53,7 +53,8 @@ def test_twenty_pushes_bit_identical(ray_cluster, mode: str) -> None:
             assert ray.get([r.wait.remote(version) for r in rollouts]) == [version] * 3
             full = full_tensors(version)
             for (layout, tp), r in zip(DESTS, rollouts, strict=True):
-                live_version, got = ray.get(r.snapshot.remote())
+                # staged: the reader thread is the generation loop that applies; inplace: nothing to apply
+                live_version, got = ray.get(r.snapshot.remote(apply=mode != "staged", version=version))
                 assert live_version == version
                 want = destination_view(layout, tp, full)
                 assert got.keys() == want.keys()
