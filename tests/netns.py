@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 
 
@@ -54,10 +55,27 @@ class TwoHosts:
                          f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "200ms"],
                         check=True, capture_output=True, text=True,
                     )
+            self._wait_up()
         except BaseException:
             self.remove()
             raise
         return self
+
+    def _wait_up(self, timeout: float = 10.0) -> None:
+        """Waits for every veth end to have its carrier: libfabric lists only running interfaces, and a
+        veth pair reports ``state UP`` a moment after both ends were set up (an engine started in that
+        moment found no NIC ``ws0``)."""
+        deadline = time.monotonic() + timeout
+        for ns in (self.a, self.b):
+            for nic in self.nic_names:
+                while True:
+                    out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "dev", nic],
+                                         capture_output=True, text=True).stdout
+                    if "state UP" in out and "LOWER_UP" in out:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{nic} in namespace {ns} not up after {timeout} s: {out.strip()}")
+                    time.sleep(0.02)
 
     def set_link(self, nic: int, up: bool) -> None:
         _ip("-n", self.a, "link", "set", self.nic_names[nic], "up" if up else "down")
