@@ -75,7 +75,43 @@ class Trainer:
         return stats.__dict__
 
 
-class Rollout:
+class _Reader:
+    """A staged rollout's generation loop in a thread: at each safe point apply the newest version, then
+    check every tensor against what that version must hold (``_want``); reads of a mixed version are
+    recorded."""
+
+    def __init__(self) -> None:
+        self.mixed: list[str] = []
+        self.reads = 0
+        self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def _want(self, version: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def start_reader(self) -> None:
+        def loop() -> None:
+            while not self._stop.is_set():
+                version = self.dst.apply()  # type: ignore[attr-defined]
+                if version < 0:
+                    continue
+                want = self._want(version)
+                for k, t in self.tensors.items():  # type: ignore[attr-defined]
+                    if not torch.equal(t, want[k]):
+                        self.mixed.append(f"{k} differs from version {version}")
+                self.reads += 1
+
+        self._reader = threading.Thread(target=loop, daemon=True)
+        self._reader.start()
+
+    def stop_reader(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join(10)
+        return {"reads": self.reads, "mixed": self.mixed[:5]}
+
+
+class Rollout(_Reader):
     def __init__(self, group: str, rank: int, layout: str, tp_rank: int, mode: str) -> None:
         self.layout, self.tp_rank = layout, tp_rank
         poison = {k: torch.full_like(v, float("nan")) for k, v in destination_view(layout, tp_rank,
@@ -94,10 +130,7 @@ class Rollout:
                 "norm": poison["norm"],
             }
         self.dst = ws.Destination(group, rank=rank, tensors=named, mode=mode)
-        self.mixed: list[str] = []
-        self.reads = 0
-        self._stop = threading.Event()
-        self._reader: threading.Thread | None = None
+        _Reader.__init__(self)
 
     def wait(self, version: int, timeout: float = 30.0) -> int:
         return self.dst.wait(version, timeout)
@@ -114,28 +147,8 @@ class Rollout:
             time.sleep(0.005)
         return self.dst.live_version, {k: v.clone() for k, v in self.tensors.items()}
 
-    def start_reader(self) -> None:
-        """A generation loop: at each safe point apply the newest version, then read every tensor."""
-
-        def loop() -> None:
-            while not self._stop.is_set():
-                version = self.dst.apply()
-                if version < 0:
-                    continue
-                want = destination_view(self.layout, self.tp_rank, full_tensors(version))
-                for k, t in self.tensors.items():
-                    if not torch.equal(t, want[k]):
-                        self.mixed.append(f"{k} differs from version {version}")
-                self.reads += 1
-
-        self._reader = threading.Thread(target=loop, daemon=True)
-        self._reader.start()
-
-    def stop_reader(self) -> dict[str, Any]:
-        self._stop.set()
-        if self._reader is not None:
-            self._reader.join(10)
-        return {"reads": self.reads, "mixed": self.mixed[:5]}
+    def _want(self, version: int) -> dict[str, torch.Tensor]:
+        return destination_view(self.layout, self.tp_rank, full_tensors(version))
 
     def version(self) -> int:
         return self.dst.version
@@ -183,15 +196,12 @@ class ReplicaTrainer:
         return ws.push(self.src, version=version, timeout=timeout).__dict__
 
 
-class ReplicaRollout:
+class ReplicaRollout(_Reader):
     def __init__(self, group: str, rank: int, mode: str) -> None:
         self.tensors = {k: torch.full_like(v, float("nan")) for k, v in replica_tensors(0).items()}
         self.dst = ws.Destination(group, rank=rank, tensors=dict(self.tensors), mode=mode, timeout=60,
                                   push_timeout=30)
-        self.mixed: list[str] = []
-        self.reads = 0
-        self._stop = threading.Event()
-        self._reader: threading.Thread | None = None
+        _Reader.__init__(self)
 
     def poison(self) -> None:
         """NaN into the live tensors (between pushes): every byte must be written again."""
@@ -205,25 +215,5 @@ class ReplicaRollout:
         self.dst.apply()
         return self.dst.live_version, {k: v.clone() for k, v in self.tensors.items()}
 
-    def start_reader(self) -> None:
-        """Staged: a generation loop applying the newest version and checking it is whole."""
-
-        def loop() -> None:
-            while not self._stop.is_set():
-                version = self.dst.apply()
-                if version < 0:
-                    continue
-                want = replica_tensors(version)
-                for k, t in self.tensors.items():
-                    if not torch.equal(t, want[k]):
-                        self.mixed.append(f"{k} differs from version {version}")
-                self.reads += 1
-
-        self._reader = threading.Thread(target=loop, daemon=True)
-        self._reader.start()
-
-    def stop_reader(self) -> dict[str, Any]:
-        self._stop.set()
-        if self._reader is not None:
-            self._reader.join(10)
-        return {"reads": self.reads, "mixed": self.mixed[:5]}
+    def _want(self, version: int) -> dict[str, torch.Tensor]:
+        return replica_tensors(version)
