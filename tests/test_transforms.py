@@ -297,8 +297,8 @@ def _push_and_check(ray: object, name: str, trainers: list, rollouts: list, stag
 
 @pytest.mark.parametrize("one_writer", [False, True])
 def test_fp8_push_through_ray_small_watermark(ray_cluster, one_writer: bool) -> None:
-    """One pass over the chunks writing every destination (the CPU default), and one pass per
-    destination (the GPU default: each destination has one writer at a time)."""
+    """One pass over the chunks writing every destination (the default), and one pass per destination
+    (``one_writer_at_a_time``: each destination has one writer at a time)."""
     ray = ray_cluster
     name = f"fp8-e2e-{one_writer}"
     staging, chunk = 128 << 10, 64 << 10  # 2 slots: more chunks than slots

@@ -216,25 +216,34 @@ def _greedy_chunks(sizes: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]
     return chunk, off
 
 
-def _staged_ops(ops: np.ndarray, idx: np.ndarray, s_es: np.ndarray, d_es: np.ndarray, is_cast: np.ndarray,
-                chunk_bytes: int, chunk_base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Packs and casts: each op cut into pieces of whole rows (or, where one row is larger than a
-    chunk, of part of a row) that fit a chunk; pieces packed into chunks in op order."""
-    rows = ops["rows"][idx].astype(np.int64)
-    rb = ops["row_bytes"][idx].astype(np.int64)  # destination bytes
-    nel = rb // d_es
+def _cut_rows(rows: np.ndarray, nel: np.ndarray, es: np.ndarray, chunk_bytes: int
+              ) -> tuple[np.ndarray, ...]:
+    """Blocks of ``rows`` rows of ``nel`` elements of ``es`` bytes, cut into pieces that fit a chunk:
+    whole rows where a row fits (as many as fit), else parts of one row. Returns per piece: its block
+    ``k``, whether it holds whole rows, first row, rows, first element and elements per row."""
+    rb = nel * es
     whole = rb <= chunk_bytes
     per = np.where(whole, np.maximum(chunk_bytes // np.maximum(rb, 1), 1), 1)  # rows per piece
-    el_per = np.where(whole, nel, chunk_bytes // d_es)  # elements per piece row
+    el_per = np.where(whole, nel, chunk_bytes // es)  # elements per piece row
     splits = np.where(whole, 1, -(-nel // np.maximum(el_per, 1)))
     npieces = np.where(whole, -(-rows // per), rows * splits)
-    k = np.repeat(np.arange(len(idx)), npieces)
+    k = np.repeat(np.arange(len(rows)), npieces)
     j = np.arange(len(k)) - np.repeat(np.cumsum(npieces) - npieces, npieces)
     w_ = whole[k]
     row0 = np.where(w_, j * per[k], j // splits[k])
     nrow = np.where(w_, np.minimum(per[k], rows[k] - row0), 1)
     el0 = np.where(w_, 0, (j % splits[k]) * el_per[k])
     nel_p = np.where(w_, nel[k], np.minimum(el_per[k], nel[k] - el0))
+    return k, w_, row0, nrow, el0, nel_p
+
+
+def _staged_ops(ops: np.ndarray, idx: np.ndarray, s_es: np.ndarray, d_es: np.ndarray, is_cast: np.ndarray,
+                chunk_bytes: int, chunk_base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Packs and casts: each op cut into pieces of whole rows (or, where one row is larger than a
+    chunk, of part of a row) that fit a chunk; pieces packed into chunks in op order."""
+    rows = ops["rows"][idx].astype(np.int64)
+    rb = ops["row_bytes"][idx].astype(np.int64)  # destination bytes
+    k, w_, row0, nrow, el0, nel_p = _cut_rows(rows, rb // d_es, d_es, chunk_bytes)
     size = nrow * nel_p * d_es[k]
     ch, soff = _greedy_chunks(size, chunk_bytes)
     o = idx[k]
@@ -285,19 +294,7 @@ def _gather_writes(gathers: np.ndarray | None, plan: Plan | None, chunk_bytes: i
     shape = gathers["shape"].astype(np.int64)
     cols = shape[:, -1]
     m = np.prod(shape[:, :-1], axis=1)
-    rb = cols * es
-    whole = rb <= chunk_bytes
-    per = np.where(whole, np.maximum(chunk_bytes // np.maximum(rb, 1), 1), 1)
-    el_per = np.where(whole, cols, chunk_bytes // es)
-    splits = np.where(whole, 1, -(-cols // el_per))
-    npieces = np.where(whole, -(-m // per), m * splits)
-    k = np.repeat(np.arange(len(gathers)), npieces)
-    j = np.arange(len(k)) - np.repeat(np.cumsum(npieces) - npieces, npieces)
-    w_ = whole[k]
-    row0 = np.where(w_, j * per[k], j // splits[k])
-    nrow = np.where(w_, np.minimum(per[k], m[k] - row0), 1)
-    c0 = np.where(w_, 0, (j % splits[k]) * el_per[k])
-    ncol = np.where(w_, cols[k], np.minimum(el_per[k], cols[k] - c0))
+    k, _, row0, nrow, c0, ncol = _cut_rows(m, cols, es, chunk_bytes)
     size = nrow * ncol * es[k]
     copies = np.zeros(len(k), COPY_DTYPE)
     copies["chunk"] = np.arange(len(k))
