@@ -318,7 +318,7 @@ class Source(_Participant):
     def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], *, timeout: float = 120.0,
                  engine: TransferEngine | None = None, secret: str | None = None,
                  staging_bytes: int | None = None, chunk_bytes: int | None = None,
-                 one_writer_at_a_time: bool | None = None) -> None:
+                 one_writer_at_a_time: bool = False) -> None:
         import torch
 
         super().__init__(group, rank, tensors, timeout, engine, secret)
@@ -391,6 +391,8 @@ class Source(_Participant):
         self._pool_region = self.engine.register(self._pool, name=f"source {self.rank} staging")
         self._prep = Preparer(self._locals, self._plan_part, self._lowered, self.rank)
         self._graphs: dict[tuple[int, int], Any] = {}  # (chunk, slot) -> captured preparation
+        self._capturing = False  # this push captures its chunks' graphs
+        self._graphs_stale = False  # a chunk ran eagerly beside captured graphs: capture afresh next push
         self._eager_pushes = 0
         self._fills = 0  # chunk preparations so far in this push
         recv_bytes = self._prep.recv_bytes
@@ -523,7 +525,7 @@ class Source(_Participant):
                 self._graphs = {}
                 self._graph_pool = torch.cuda.graph_pool_handle()
                 self._capturing = True
-            if not getattr(self, "_capturing", False):
+            if not self._capturing:
                 if self._graphs:
                     self._graphs_stale = True
                 self._prep.fill(c, view)
@@ -692,7 +694,7 @@ class Source(_Participant):
             self._fills = 0
             self._eager_pushes += 1
             self._capturing = False
-            if getattr(self, "_graphs_stale", False):
+            if self._graphs_stale:
                 self._graphs, self._graphs_stale = {}, False
         while inflight:
             release_oldest()
