@@ -94,6 +94,21 @@ class GpuEnd:
             imm_count += t.imm_count
         return {"times": times, "imm_count": imm_count}
 
+    def write_batch(self, region: int, address: bytes, descriptor: bytes, ops: list[tuple[int, ...]],
+                    imm: int, timeout: float = 60.0) -> int:
+        """One write_batch of ``ops`` = (src_off, dst_off, row bytes, rows, src_pitch, dst_pitch) into one
+        destination region; returns the immediates it delivers."""
+        import numpy as np
+
+        torch.cuda.synchronize()
+        cols = np.array(ops, dtype=np.int64).reshape(-1, 6).T
+        zeros = np.zeros(len(ops), dtype=np.uint32)
+        dst = [(self._peer(address), descriptor)]
+        t = self.engine.write_batch([self.regions[region]], dst, zeros, cols[0], zeros, cols[1], cols[2], imm,
+                                    cols[3], cols[4], cols[5])
+        t.wait(timeout)
+        return t.imm_count
+
     def forward(self, on_imm: int, count: int, region: int, src_off: int, address: bytes, descriptor: bytes,
                 dst_off: int, nbytes: int, imm: int | None = None, **geometry: int) -> int:
         """Registers a triggered write; returns the immediates it will deliver (``forward_wait`` waits)."""
@@ -142,6 +157,29 @@ class GpuEnd:
             "data": bool(torch.equal(buf[got_idx], want[want_idx])),
             "outside": bool((buf[mask] == POISON).all()),
         }
+
+    def check_ops(self, region: int, ops: list[tuple[int, ...]], seed: int, src_len: int) -> dict[str, bool]:
+        """Each (src_off, dst_off, row, rows, src_pitch, dst_pitch) landed: its rows equal the source's."""
+        buf = self.buffers[region]
+        want = pattern(src_len, seed)
+        for so, do, row, rows, sp, dp in ops:
+            for r in range(rows):
+                if not torch.equal(buf[do + r * dp:do + r * dp + row], want[so + r * sp:so + r * sp + row]):
+                    return {"data": False, "op": [so, do, row, rows, sp, dp], "row": r}
+        return {"data": True}
+
+    def outside_ops(self, region: int, ops: list[tuple[int, ...]]) -> bool:
+        """Every byte no op wrote is still poison."""
+        buf = self.buffers[region]
+        mask = torch.ones(buf.numel(), dtype=torch.bool, device="cuda")
+        for _so, do, row, rows, _sp, dp in ops:
+            if rows == 1:
+                mask[do:do + row] = False
+            else:
+                idx = (do + torch.arange(rows, device="cuda").unsqueeze(1) * dp
+                       + torch.arange(row, device="cuda").unsqueeze(0)).flatten()
+                mask[idx] = False
+        return bool((buf[mask] == POISON).all())
 
     def stats(self) -> list[dict[str, Any]]:
         return self.engine.stats()
