@@ -95,19 +95,20 @@ class GpuEnd:
         return {"times": times, "imm_count": imm_count}
 
     def write_batch(self, region: int, address: bytes, descriptor: bytes, ops: list[tuple[int, ...]],
-                    imm: int, timeout: float = 60.0) -> int:
+                    imm: int, timeout: float = 60.0) -> dict[str, Any]:
         """One write_batch of ``ops`` = (src_off, dst_off, row bytes, rows, src_pitch, dst_pitch) into one
-        destination region; returns the immediates it delivers."""
+        destination region: the immediates it delivers, and seconds from submit to completion."""
         import numpy as np
 
         torch.cuda.synchronize()
         cols = np.array(ops, dtype=np.int64).reshape(-1, 6).T
         zeros = np.zeros(len(ops), dtype=np.uint32)
         dst = [(self._peer(address), descriptor)]
+        t0 = time.perf_counter()
         t = self.engine.write_batch([self.regions[region]], dst, zeros, cols[0], zeros, cols[1], cols[2], imm,
                                     cols[3], cols[4], cols[5])
         t.wait(timeout)
-        return t.imm_count
+        return {"imm_count": t.imm_count, "seconds": time.perf_counter() - t0}
 
     def forward(self, on_imm: int, count: int, region: int, src_off: int, address: bytes, descriptor: bytes,
                 dst_off: int, nbytes: int, imm: int | None = None, **geometry: int) -> int:

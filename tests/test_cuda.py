@@ -155,7 +155,7 @@ def test_batched_copy_kernel_writes(pair) -> None:
     before = sum(s.get("batched_writes", 0) for s in ray.get(src.stats.remote()))
     s_id, _ = ray.get(src.alloc.remote(s_at + 64, seed=77))
     d_id, d_desc = ray.get(dst.alloc.remote(d_at + 64))
-    got = ray.get(src.write_batch.remote(s_id, dst_info["address"], d_desc, ops, imm=70))
+    got = ray.get(src.write_batch.remote(s_id, dst_info["address"], d_desc, ops, imm=70))["imm_count"]
     assert got == len(ops)  # one immediate per write, 2-D ones included
     ray.get(dst.counter_wait.remote(70, got))
     batched = sum(s.get("batched_writes", 0) for s in ray.get(src.stats.remote())) - before
