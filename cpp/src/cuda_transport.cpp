@@ -264,7 +264,7 @@ CudaTransport::~CudaTransport() {
     if (b.device) api_->cuMemFree(b.device);
     if (b.host) api_->cuMemFreeHost(b.host);
   }
-  if (kernel_stream_) api_->cuStreamDestroy(kernel_stream_);
+  for (void* st : kernel_streams_) api_->cuStreamDestroy(st);
   if (kernel_module_) api_->cuModuleUnload(kernel_module_);
   for (auto& [handle, base] : opened_) api_->cuIpcCloseMemHandle(base);
   for (void* s : streams_) api_->cuStreamDestroy(s);
@@ -463,10 +463,12 @@ void CudaTransport::load_kernel(int kernel_blocks) {
   }
   rc = api_->cuModuleGetFunction(&kernel_fn_, kernel_module_, "ws_copy");
   if (rc != CUDA_SUCCESS) return off("cuModuleGetFunction: " + cu_error(api_, rc));
-  rc = api_->cuStreamCreate(&kernel_stream_, CU_STREAM_NON_BLOCKING);
-  if (rc != CUDA_SUCCESS) {
-    kernel_stream_ = nullptr;
-    return off("cuStreamCreate: " + cu_error(api_, rc));
+  // Two streams, launches alternating: the next batch starts while the last blocks of one finish.
+  for (int k = 0; k < 2; ++k) {
+    void* st = nullptr;
+    rc = api_->cuStreamCreate(&st, CU_STREAM_NON_BLOCKING);
+    if (rc != CUDA_SUCCESS) return off("cuStreamCreate: " + cu_error(api_, rc));
+    kernel_streams_.push_back(st);
   }
   if (kernel_blocks <= 0) {
     CUdevice dev = 0;
@@ -537,14 +539,15 @@ int CudaTransport::launch_batch() {
   Batch& b = batches_[open_batch_];
   open_batch_ = -1;
   make_current();
-  CUresult rc = api_->cuMemcpyHtoDAsync(b.device, b.host, b.writes * sizeof(CopyDesc), kernel_stream_);
+  void* stream = kernel_streams_[next_kernel_stream_++ % kernel_streams_.size()];
+  CUresult rc = api_->cuMemcpyHtoDAsync(b.device, b.host, b.writes * sizeof(CopyDesc), stream);
   if (rc == CUDA_SUCCESS) {
     CUdeviceptr descs = b.device;
     int n = static_cast<int>(b.writes);
     unsigned long long tiles = b.tiles;
     void* args[] = {&descs, &n, &tiles};
     const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>(kernel_blocks_, b.tiles));
-    rc = api_->cuLaunchKernel(kernel_fn_, blocks, 1, 1, kKernelThreads, 1, 1, 0, kernel_stream_, args, nullptr);
+    rc = api_->cuLaunchKernel(kernel_fn_, blocks, 1, 1, kKernelThreads, 1, 1, 0, stream, args, nullptr);
   }
   if (rc != CUDA_SUCCESS) {
     // The launch was refused (nothing ran): the same copies on the copy engines, on this stream, so the
@@ -561,10 +564,10 @@ int CudaTransport::launch_batch() {
       r.rows = d.rows;
       r.src_pitch = d.src_pitch;
       r.dst_pitch = d.dst_pitch;
-      rc = enqueue_copy(r, kernel_stream_);
+      rc = enqueue_copy(r, stream);
     }
   }
-  if (rc == CUDA_SUCCESS) rc = api_->cuEventRecord(b.event, kernel_stream_);
+  if (rc == CUDA_SUCCESS) rc = api_->cuEventRecord(b.event, stream);
   b.error = rc;
   batched_writes_ += b.writes;
   return rc;

@@ -120,7 +120,8 @@ class CudaTransport final : public Transport {
   };
   void* kernel_module_ = nullptr;
   void* kernel_fn_ = nullptr;
-  void* kernel_stream_ = nullptr;
+  std::vector<void*> kernel_streams_;
+  size_t next_kernel_stream_ = 0;
   uint64_t kernel_below_ = 0;
   int kernel_blocks_ = 0;
   std::string kernel_note_;  // why the kernel is off (set in the constructor only)
