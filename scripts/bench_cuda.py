@@ -10,7 +10,7 @@
   the completion including the immediate's delivery);
 * a push round made of many tensors (``--shards``): the shards an FSDP-2 trainer of Llama-3-8B holds
   (291 tensors, 8.03 GB, 4 MiB to 501 MiB) as one ``write_batch`` into another GPU, with the batched
-  copy kernel off (one copy-engine copy per tensor) and on (``cuda_kernel_below``, default 64 MiB),
+  copy kernel off (one copy-engine copy per tensor) and on for writes below each ``--kernel-below-mib``,
   against one copy of the same total bytes; verified byte for byte.
 
 The cuda lane's settings can be swept in one run: ``--cuda-piece-mib 16,64,256,0 --cuda-streams 1,2,4
@@ -93,7 +93,10 @@ def shards_round(args: argparse.Namespace, card: str) -> dict[str, Any]:
                            "bound_how": bound["how"]}
     print(f"{len(sizes)} tensors, {total / 1e9:.2f} GB; one {at / 1e9:.2f} GB copy: {bound['gbps']:.1f} GB/s",
           flush=True)
-    for name, below in (("copy engines, one copy per tensor", 0), ("batched copy kernel", 64 * MiB)):
+    for below in parse_list(args.kernel_below_mib):
+        below *= MiB
+        name = ("copy engines, one copy per tensor" if below == 0
+                else f"batched copy kernel below {below // MiB} MiB")
         src, dst = end.remote(cuda_kernel_below=below), end.remote(cuda_kernel_below=below)
         dst_info = ray.get(dst.info.remote())
         s_id, _ = ray.get(src.alloc.remote(at, seed=11))
@@ -132,6 +135,8 @@ def main() -> None:
     ap.add_argument("--spin-us", default="50", help="comma-separated idle polling times to sweep (us)")
     ap.add_argument("--latency-samples", type=int, default=200)
     ap.add_argument("--shards", action="store_true", help="only the many-tensor round (kernel off vs on)")
+    ap.add_argument("--kernel-below-mib", default="0,64,2048",
+                    help="--shards: cuda_kernel_below settings to compare, in MiB (0: copy engines only)")
     args = ap.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     gpus = torch.cuda.device_count()
