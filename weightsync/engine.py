@@ -47,7 +47,7 @@ from weightsync.errors import TimeoutError, TransportError  # noqa: A004
 
 log = logging.getLogger("weightsync.engine")
 
-_DESCRIPTOR_VERSION = 1
+_DESCRIPTOR_VERSION = 2  # 2: landing index and slot size
 _ADDRESS_VERSION = 1
 _KIND_HOST = 0
 _KIND_CUDA = 1
@@ -124,6 +124,8 @@ class Region:
             [[b, k] for b, k in zip(native.bases, native.keys, strict=True)],
             native.on_fabric,
             native.cuda_blob,
+            native.landing,
+            native.landing_slot_bytes,
         ]
         self.descriptor: bytes = msgpack.packb([*fields, _crc(fields)], use_bin_type=True)
 
@@ -284,6 +286,17 @@ class TransferEngine:
     this many page-locked host slots of ``max_piece`` bytes, the device-to-host copy of one piece
     overlapping the network write of the one before. ``stage_host_sources`` (tests only): host sources
     take the same path (copied with memcpy), to exercise it without a GPU.
+    ``landing_slots``, ``landing_slot_bytes``: GPU memory the NICs cannot register is still a destination
+    for fabric peers (a *landing* region): each NIC keeps a ring of ``landing_slots`` page-locked host
+    buffers of ``landing_slot_bytes`` (0: ``max_piece``) posted as tagged receives; a writer sends its
+    bytes as tagged messages of at most that size, and this engine copies each into GPU memory on its
+    cuda lane, counting a message's immediate only once its copy (and every copy before it on that NIC)
+    is done. The immediates a write delivers are the same as into any other region (``imm_count``).
+    ``land_host_regions`` (tests only): host regions are landing regions too (the ring is plain memory,
+    copied out with memcpy), to run the protocol without a GPU. ``cuda_peers``: False keeps the cuda lane
+    for staging and landing copies only: peers on this host are written over the fabric NICs, and this
+    engine's address offers no cuda lane to them either (two GPU processes of one host then talk over
+    the NICs, e.g. TCP).
     """
 
     def __init__(
@@ -303,6 +316,10 @@ class TransferEngine:
         cuda_spin_us: float = 50.0,
         staging_slots: int = 4,
         stage_host_sources: bool = False,
+        landing_slots: int = 8,
+        landing_slot_bytes: int = 0,
+        land_host_regions: bool = False,
+        cuda_peers: bool = True,
     ) -> None:
         if transport not in ("auto", "fabric", "cuda"):
             raise TransportError(f"unknown transport {transport!r} (have: auto, fabric, cuda)")
@@ -324,6 +341,10 @@ class TransferEngine:
             float(cuda_spin_us),
             int(staging_slots),
             bool(stage_host_sources),
+            int(landing_slots),
+            int(landing_slot_bytes),
+            bool(land_host_regions),
+            bool(cuda_peers),
         )
         self.transport = "fabric" if lane < 0 else "fabric+cuda"
         fields = [
@@ -331,7 +352,8 @@ class TransferEngine:
             self.uid,
             self.provider,
             list(self._native.nic_addresses),
-            self._native.cuda_address,
+            # Without cuda_peers, peers on this host do not see the cuda lane: they write over the NICs.
+            self._native.cuda_address if cuda_peers else b"",
             list(self._native.doorbell_bases),
             list(self._native.doorbell_keys),
         ]
@@ -379,21 +401,24 @@ class TransferEngine:
             remote = peer._imported.get(descriptor)
         if remote is not None:
             return remote
-        fields = _unpack_checked(descriptor, "region descriptor", 8)
-        version, engine_uid, region_id, nbytes, _kind, nics, on_fabric, cuda_blob = fields
+        fields = _unpack_checked(descriptor, "region descriptor", 10)
+        version, engine_uid, region_id, nbytes, _kind, nics, on_fabric, cuda_blob, landing, slot_bytes = (
+            fields
+        )
         if version != _DESCRIPTOR_VERSION:
             raise TransportError(f"region descriptor of version {version}, expected {_DESCRIPTOR_VERSION}")
         if engine_uid != peer.uid:
             raise TransportError(
                 f"descriptor of region {region_id} belongs to engine {engine_uid[:8]}, not to {peer.label}"
             )
-        if not on_fabric and not (peer._native.cuda and cuda_blob):
+        if not on_fabric and landing < 0 and not (peer._native.cuda and cuda_blob):
             raise TransportError(
                 f"region {region_id} of {peer.label} is GPU memory its NICs could not register, and this "
                 "engine cannot reach it through CUDA IPC (another host, or no cuda lane here)"
             )
         remote = self._native.import_region(
-            peer._native, region_id, nbytes, [int(b) for b, _ in nics], [int(k) for _, k in nics], cuda_blob
+            peer._native, region_id, nbytes, [int(b) for b, _ in nics], [int(k) for _, k in nics], cuda_blob,
+            int(landing), int(slot_bytes),
         )
         with peer._lock:
             peer._imported[descriptor] = remote
@@ -526,7 +551,9 @@ class TransferEngine:
         return ImmCounter(self, _imm(imm))
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per NIC: bytes and writes completed, immediates received, errors, rerouted pieces."""
+        """Per NIC: bytes and writes completed, immediates received, errors, rerouted pieces, and messages
+        landed in landing regions (``landed``, ``landed_bytes``) or dropped (``landing_dropped``: the
+        region was deregistered, or the message did not fit it)."""
         return list(self._native.stats())
 
     def close(self) -> None:
