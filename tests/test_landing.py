@@ -66,9 +66,10 @@ def test_landing_region_descriptor() -> None:
         assert region._native.landing >= 0 and region._native.landing_slot_bytes == SLOT
         other = eng.register(np.zeros(100, dtype=np.uint8))
         assert other._native.landing != region._native.landing
-        plain = TransferEngine()
+        plain = TransferEngine(cuda_peers=False)  # accepted without a cuda lane too (nothing to keep off)
         try:
             assert plain.register(np.zeros(100, dtype=np.uint8))._native.landing == -1
+            assert not plain._native.cuda_peers
         finally:
             plain.close()
     finally:

@@ -21,6 +21,11 @@ carrying the immediate follows once all of them completed. So ``imm_count(n, row
 The cuda lane cuts a 1-D write into copies of ``cuda_piece`` bytes of its own, but delivers the count
 above (all of it once the write's last copy is done), so the count never depends on the lane.
 
+Into a *landing* region (GPU memory its engine's NICs cannot register, see ``TransferEngine``) the
+count is the same: each piece above travels as tagged messages of at most the region's slot size, all
+of a write on one NIC; a piece cut into several messages (and a 2-D write) announces its immediate with
+one more, empty message after them, counted only once every byte before it is in GPU memory.
+
 The count depends only on ``n``, ``rows`` and the sending engine's configuration (never on which NICs
 are up), so the planner can compute expected counts ahead of time with ``TransferEngine.imm_count``.
 A piece whose NIC fails is re-posted whole on another NIC and still delivers exactly one immediate,
