@@ -357,3 +357,24 @@ def test_landing_needs_no_peer_process_loopback() -> None:
                 eng.write(s_region, 0, me, d_region.descriptor, 0, 100, imm=4).wait(10)
     finally:
         eng.close()
+
+
+def test_forward_fires_on_landed_immediates_into_another_landing_region() -> None:
+    """A relay on landing regions: the immediates of a write landed through the ring fire a triggered
+    write (from the NIC worker that landed them) out of that region into another landing region."""
+    eng = TransferEngine(**LANDING)
+    try:
+        me = eng.connect(eng.address)
+        size = 3 * SLOT + 17
+        src = random_bytes(size, seed=10)
+        mid = np.full(size, POISON, dtype=np.uint8)
+        out = np.full(size + 8, POISON, dtype=np.uint8)
+        s_region, m_region, o_region = eng.register(src), eng.register(mid), eng.register(out)
+        fwd = eng.forward(11, eng.imm_count(size), m_region, 0, me, o_region.descriptor, 8, size, imm=12)
+        assert not fwd.fired
+        eng.write(s_region, 0, me, m_region.descriptor, 0, size, imm=11).wait(10)
+        fwd.transfer.wait(10)
+        eng.counter(12).wait(fwd.transfer.imm_count, timeout=10)
+        assert np.array_equal(mid, src) and np.array_equal(out[8:], src) and (out[:8] == POISON).all()
+    finally:
+        eng.close()
