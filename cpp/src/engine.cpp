@@ -1321,12 +1321,6 @@ void Engine::close() {
     }
     staging_->base = nullptr;
   }
-  if (landing_base_ != nullptr && landing_pinned_) {
-    // Page-locked memory goes back through the cuda lane's context, which goes with the workers below.
-    // Its MRs closed above with the other live regions, and its workers no longer poll.
-    cuda_transport().free_pinned(landing_base_);
-    landing_base_ = nullptr;
-  }
   // Taken out under the lock that deregister() and release_region() check closed_ under; destroyed
   // outside it, because the pieces they free release their registrations through that lock.
   std::vector<std::unique_ptr<NicWorker>> workers;
@@ -1334,10 +1328,18 @@ void Engine::close() {
     std::lock_guard<std::mutex> lock(regions_mu_);
     workers.swap(workers_);
   }
+  // The fabric endpoints go first: receives are posted into the landing ring until they are closed.
+  // Then the ring (page-locked memory goes back through the cuda lane's context), then the cuda lane.
+  for (size_t i = 0; i < fabric_nics_ && i < workers.size(); ++i) workers[i].reset();
+  if (landing_base_ != nullptr) {
+    if (landing_pinned_) {
+      static_cast<CudaTransport&>(workers[cuda_lane_]->transport()).free_pinned(landing_base_);
+    } else {
+      std::free(landing_base_);
+    }
+    landing_base_ = nullptr;
+  }
   workers.clear();
-  // malloc'd ring (tests): freed only once the endpoints its receives were posted on are closed.
-  std::free(landing_base_);
-  landing_base_ = nullptr;
 }
 
 }  // namespace weightsync
