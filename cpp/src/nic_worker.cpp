@@ -357,8 +357,8 @@ void NicWorker::start_landing(char* base, uint64_t slot_bytes, uint32_t count, v
   }
   for (uint32_t i = 0; i < count; ++i) {
     LandingBuf& b = *land_bufs_[i];
-    int rc = transport_->post_recv(land_base_ + uint64_t(i) * land_slot_bytes_, land_slot_bytes_, land_desc_,
-                                   &b.tctx);
+    // The buffer itself is the context (its TransportContext first, the provider's scratch space).
+    int rc = transport_->post_recv(land_base_ + uint64_t(i) * land_slot_bytes_, land_slot_bytes_, land_desc_, &b);
     if (rc != 0) {
       // Nothing was received yet: give the ring up whole, so the engine reports the registration.
       throw TransportError("posting landing buffer " + std::to_string(i) + " on NIC " + transport_->nic_name() +
@@ -370,8 +370,8 @@ void NicWorker::start_landing(char* base, uint64_t slot_bytes, uint32_t count, v
 }
 
 void NicWorker::landing_received(const Completion& c) {
-  // The context is the buffer's TransportContext, the first member of its LandingBuf.
-  auto* b = reinterpret_cast<LandingBuf*>(c.context);
+  // The context is the LandingBuf the receive was posted with.
+  auto* b = static_cast<LandingBuf*>(c.context);
   if (b == nullptr || b->slot >= land_bufs_.size() || land_bufs_[b->slot].get() != b || b->state != LandingBuf::kPosted) {
     errors_++;
     return;
@@ -405,7 +405,7 @@ void NicWorker::drain_landing() {
   while (!land_repost_.empty()) {
     LandingBuf& b = *land_bufs_[land_repost_.front()];
     int rc = transport_->post_recv(land_base_ + uint64_t(b.slot) * land_slot_bytes_, land_slot_bytes_,
-                                   land_desc_, &b.tctx);
+                                   land_desc_, &b);
     if (rc == -EAGAIN) return;  // tried again with the next completion or command
     land_repost_.pop_front();
     if (rc != 0) {
