@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -60,6 +61,18 @@ class GpuEnd:
         self.forwards.clear()
         torch.cuda.empty_cache()
         self.engine = ws.TransferEngine(transport="cuda", **engine_kwargs)
+
+    def setenv(self, key: str, value: str | None) -> None:
+        """Sets (or with None removes) an environment variable of this actor's process, for the next
+        engine ``reconfigure`` makes (e.g. WEIGHTSYNC_FABRIC_HMEM=0: no GPU memory on the NICs)."""
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+    def landing(self, region: int) -> int:
+        """The region's landing index (-1: not a landing region)."""
+        return self.regions[region]._native.landing
 
     def deregister(self, region: int) -> None:
         """Deregisters a region but keeps (and re-poisons) its memory, so a stray write would show."""

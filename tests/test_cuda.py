@@ -1,4 +1,5 @@
-"""The cuda lane between Ray GPU actors (each sees only its GPU as cuda:0). Skips without two GPUs."""
+"""The cuda lane between Ray GPU actors (each sees only its GPU as cuda:0). Skips without a GPU; the tests
+on ``pair`` skip without two."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import msgpack
 import pytest
 
 torch = pytest.importorskip("torch")
-if torch.cuda.device_count() < 2:
-    pytest.skip(f"needs 2 CUDA GPUs (this machine has {torch.cuda.device_count()})", allow_module_level=True)
+if torch.cuda.device_count() < 1:
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import ray  # noqa: E402
 
@@ -23,14 +24,82 @@ GiB = 1 << 30
 
 
 @pytest.fixture(scope="module")
-def pair():
+def ray_session():
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pair(ray_session):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs (this machine has {torch.cuda.device_count()})")
     end = ray.remote(num_gpus=1)(GpuEnd)
     src, dst = end.remote(), end.remote()
     info = ray.get([src.info.remote(), dst.info.remote()])
     yield src, dst, info
-    ray.shutdown()
+
+
+def test_gpu_to_gpu_over_fabric_tcp_through_landing_ring(ray_session) -> None:
+    """Two GPU processes of one host forced onto the NICs: cuda_peers=False on both, and no GPU memory on
+    the NICs (WEIGHTSYNC_FABRIC_HMEM=0, as on a provider without FI_HMEM). The source is staged through
+    pinned slots; the destination is a landing region: tagged messages into its pinned ring, each copied
+    to the GPU before its immediate counts. Byte-exact from 1 B to 1 GiB at odd offsets, and a 2-D write.
+
+    First in the module, with half-GPU actors of its own (one GPU is enough: no CUDA IPC here), gone
+    before ``pair`` takes whole GPUs."""
+    end = ray.remote(num_gpus=0.5)(GpuEnd)
+    src, dst = end.remote(), end.remote()
+    try:
+        ray.get([src.info.remote(), dst.info.remote()], timeout=120)
+        ray.get([e.setenv.remote("WEIGHTSYNC_FABRIC_HMEM", "0") for e in (src, dst)])
+        ray.get([e.reconfigure.remote(cuda_peers=False) for e in (src, dst)])
+        address = ray.get(dst.info.remote())["address"]
+        assert ray.get(src.transport_to.remote(address)) == "fabric"
+        landed0 = sum(s["landed_bytes"] for s in ray.get(dst.stats.remote()))
+        moved = 0
+        src_off, dst_off, pad = 5, 4097, 513
+        for k, nbytes in enumerate([1, 4095, (16 << 20) + 1, (64 << 20) + 7, GiB]):
+            s_id, _ = ray.get(src.alloc.remote(nbytes + src_off, seed=k + 1))
+            d_id, d_desc = ray.get(dst.alloc.remote(nbytes + dst_off + pad))
+            assert ray.get(dst.landing.remote(d_id)) >= 0, "the destination is not a landing region"
+            start = time.perf_counter()
+            out = ray.get(src.write.remote(s_id, src_off, address, d_desc, dst_off, nbytes, imm=90 + k,
+                                           timeout=120.0))
+            ray.get(dst.counter_wait.remote(90 + k, out["imm_count"], 120.0))
+            elapsed = time.perf_counter() - start
+            result = ray.get(dst.check.remote(d_id, dst_off, nbytes, k + 1, src_off))
+            assert result == {"data": True, "before": True, "after": True}, (nbytes, result)
+            moved += nbytes
+            if nbytes == GiB:
+                print(f"GPU -> GPU over fabric TCP through the landing ring: 1 GiB in {elapsed:.3f} s, "
+                      f"{nbytes / elapsed / 1e9:.2f} GB/s (submit to last immediate, incl. Ray calls)")
+            ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
+
+        rows, row, src_pitch, dst_pitch = 64, (1 << 20) + 3, (1 << 20) + 100, (1 << 20) + 7
+        src_len = src_off + (rows - 1) * src_pitch + row + 5
+        s_id, _ = ray.get(src.alloc.remote(src_len, seed=77))
+        d_id, d_desc = ray.get(dst.alloc.remote(dst_off + (rows - 1) * dst_pitch + row + pad))
+        out = ray.get(src.write.remote(s_id, src_off, address, d_desc, dst_off, row, imm=99, repeat=2,
+                                       rows=rows, src_pitch=src_pitch, dst_pitch=dst_pitch))
+        assert out["imm_count"] == 2  # one immediate per 2-D write, through the landing ring too
+        ray.get(dst.counter_wait.remote(99, 2))
+        time.sleep(0.2)
+        with pytest.raises(ray.exceptions.RayTaskError, match="TimeoutError"):
+            ray.get(dst.counter_wait.remote(99, 1, 0.2))  # and not one more
+        result = ray.get(dst.check_rows.remote(d_id, dst_off, rows, row, dst_pitch, 77, src_off, src_pitch,
+                                               src_len))
+        assert result == {"data": True, "outside": True}, result
+        moved += 2 * rows * row
+        ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
+
+        stats = ray.get(dst.stats.remote())
+        assert sum(s["landed_bytes"] for s in stats) - landed0 == moved  # all of it through the ring
+        assert sum(s["landing_dropped"] for s in stats) == 0
+    finally:
+        for e in (src, dst):
+            ray.kill(e)
 
 
 @pytest.mark.parametrize("nbytes", [1, 4095, 64 << 20, GiB + 3, 8 * GiB])

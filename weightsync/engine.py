@@ -21,6 +21,11 @@ carrying the immediate follows once all of them completed. So ``imm_count(n, row
 The cuda lane cuts a 1-D write into copies of ``cuda_piece`` bytes of its own, but delivers the count
 above (all of it once the write's last copy is done), so the count never depends on the lane.
 
+Into a *landing* region (GPU memory its engine's NICs cannot register, see ``TransferEngine``) the
+count is the same: each piece above travels as tagged messages of at most the region's slot size, all
+of a write on one NIC; a piece cut into several messages (and a 2-D write) announces its immediate with
+one more, empty message after them, counted only once every byte before it is in GPU memory.
+
 The count depends only on ``n``, ``rows`` and the sending engine's configuration (never on which NICs
 are up), so the planner can compute expected counts ahead of time with ``TransferEngine.imm_count``.
 A piece whose NIC fails is re-posted whole on another NIC and still delivers exactly one immediate,
@@ -47,7 +52,7 @@ from weightsync.errors import TimeoutError, TransportError  # noqa: A004
 
 log = logging.getLogger("weightsync.engine")
 
-_DESCRIPTOR_VERSION = 1
+_DESCRIPTOR_VERSION = 2  # 2: landing index and slot size
 _ADDRESS_VERSION = 1
 _KIND_HOST = 0
 _KIND_CUDA = 1
@@ -124,6 +129,8 @@ class Region:
             [[b, k] for b, k in zip(native.bases, native.keys, strict=True)],
             native.on_fabric,
             native.cuda_blob,
+            native.landing,
+            native.landing_slot_bytes,
         ]
         self.descriptor: bytes = msgpack.packb([*fields, _crc(fields)], use_bin_type=True)
 
@@ -290,6 +297,17 @@ class TransferEngine:
     this many page-locked host slots of ``max_piece`` bytes, the device-to-host copy of one piece
     overlapping the network write of the one before. ``stage_host_sources`` (tests only): host sources
     take the same path (copied with memcpy), to exercise it without a GPU.
+    ``landing_slots``, ``landing_slot_bytes``: GPU memory the NICs cannot register is still a destination
+    for fabric peers (a *landing* region): each NIC keeps a ring of ``landing_slots`` page-locked host
+    buffers of ``landing_slot_bytes`` (0: ``max_piece``) posted as tagged receives; a writer sends its
+    bytes as tagged messages of at most that size, and this engine copies each into GPU memory on its
+    cuda lane, counting a message's immediate only once its copy (and every copy before it on that NIC)
+    is done. The immediates a write delivers are the same as into any other region (``imm_count``).
+    ``land_host_regions`` (tests only): host regions are landing regions too (the ring is plain memory,
+    copied out with memcpy), to run the protocol without a GPU. ``cuda_peers``: False keeps the cuda lane
+    for staging and landing copies only: peers on this host are written over the fabric NICs, and this
+    engine's address offers no cuda lane to them either (two GPU processes of one host then talk over
+    the NICs, e.g. TCP).
     """
 
     def __init__(
@@ -311,6 +329,10 @@ class TransferEngine:
         cuda_kernel_blocks: int = 0,
         staging_slots: int = 4,
         stage_host_sources: bool = False,
+        landing_slots: int = 8,
+        landing_slot_bytes: int = 0,
+        land_host_regions: bool = False,
+        cuda_peers: bool = True,
     ) -> None:
         if transport not in ("auto", "fabric", "cuda"):
             raise TransportError(f"unknown transport {transport!r} (have: auto, fabric, cuda)")
@@ -335,6 +357,10 @@ class TransferEngine:
             int(os.environ.get("WEIGHTSYNC_CUDA_KERNEL_BELOW", 64 << 20) if cuda_kernel_below is None
                 else cuda_kernel_below),
             int(cuda_kernel_blocks),
+            int(landing_slots),
+            int(landing_slot_bytes),
+            bool(land_host_regions),
+            bool(cuda_peers),
         )
         self.transport = "fabric" if lane < 0 else "fabric+cuda"
         fields = [
@@ -342,7 +368,8 @@ class TransferEngine:
             self.uid,
             self.provider,
             list(self._native.nic_addresses),
-            self._native.cuda_address,
+            # Without cuda_peers, peers on this host do not see the cuda lane: they write over the NICs.
+            self._native.cuda_address if cuda_peers else b"",
             list(self._native.doorbell_bases),
             list(self._native.doorbell_keys),
         ]
@@ -390,21 +417,24 @@ class TransferEngine:
             remote = peer._imported.get(descriptor)
         if remote is not None:
             return remote
-        fields = _unpack_checked(descriptor, "region descriptor", 8)
-        version, engine_uid, region_id, nbytes, _kind, nics, on_fabric, cuda_blob = fields
+        fields = _unpack_checked(descriptor, "region descriptor", 10)
+        version, engine_uid, region_id, nbytes, _kind, nics, on_fabric, cuda_blob, landing, slot_bytes = (
+            fields
+        )
         if version != _DESCRIPTOR_VERSION:
             raise TransportError(f"region descriptor of version {version}, expected {_DESCRIPTOR_VERSION}")
         if engine_uid != peer.uid:
             raise TransportError(
                 f"descriptor of region {region_id} belongs to engine {engine_uid[:8]}, not to {peer.label}"
             )
-        if not on_fabric and not (peer._native.cuda and cuda_blob):
+        if not on_fabric and landing < 0 and not (peer._native.cuda and cuda_blob):
             raise TransportError(
                 f"region {region_id} of {peer.label} is GPU memory its NICs could not register, and this "
                 "engine cannot reach it through CUDA IPC (another host, or no cuda lane here)"
             )
         remote = self._native.import_region(
-            peer._native, region_id, nbytes, [int(b) for b, _ in nics], [int(k) for _, k in nics], cuda_blob
+            peer._native, region_id, nbytes, [int(b) for b, _ in nics], [int(k) for _, k in nics], cuda_blob,
+            int(landing), int(slot_bytes),
         )
         with peer._lock:
             peer._imported[descriptor] = remote
@@ -537,7 +567,9 @@ class TransferEngine:
         return ImmCounter(self, _imm(imm))
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per NIC: bytes and writes completed, immediates received, errors, rerouted pieces."""
+        """Per NIC: bytes and writes completed, immediates received, errors, rerouted pieces, and messages
+        landed in landing regions (``landed``, ``landed_bytes``) or dropped (``landing_dropped``: the
+        region was deregistered, or the message did not fit it)."""
         return list(self._native.stats())
 
     def close(self) -> None:

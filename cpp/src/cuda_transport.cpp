@@ -88,6 +88,8 @@ struct CudaApi {
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
   CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, void*);
   CUresult (*cuMemcpy2DAsync)(const CudaMemcpy2D*, void*);
+  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, void*);
+  CUresult (*cuStreamSynchronize)(void*);
   CUresult (*cuMemHostAlloc)(void**, size_t, unsigned);
   CUresult (*cuMemFreeHost)(void*);
   CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
@@ -106,7 +108,6 @@ struct CudaApi {
                              void**, void**);
   CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
   CUresult (*cuMemFree)(CUdeviceptr);
-  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, void*);
   std::string missing_optional;  // optional entry points the driver lacks
   std::string error;  // why loading failed
 };
@@ -143,6 +144,8 @@ const CudaApi* load_api() {
     sym(api.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
     sym(api.cuMemcpyAsync, "cuMemcpyAsync");
     sym(api.cuMemcpy2DAsync, "cuMemcpy2DAsync_v2");
+    sym(api.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+    sym(api.cuStreamSynchronize, "cuStreamSynchronize");
     sym(api.cuMemHostAlloc, "cuMemHostAlloc");
     sym(api.cuMemFreeHost, "cuMemFreeHost");
     sym(api.cuDeviceGetAttribute, "cuDeviceGetAttribute");
@@ -163,7 +166,6 @@ const CudaApi* load_api() {
     optional(api.cuLaunchKernel, "cuLaunchKernel");
     optional(api.cuMemAlloc, "cuMemAlloc_v2");
     optional(api.cuMemFree, "cuMemFree_v2");
-    optional(api.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
     if (!ok) return;
     CUresult rc = api.cuInit(0);
     if (rc != CUDA_SUCCESS) api.error = "cuInit failed with CUDA error " + std::to_string(rc);
@@ -247,6 +249,9 @@ CudaTransport::CudaTransport(int device, int streams, double spin_us, uint64_t k
     streams_.push_back(s);
   }
   load_kernel(kernel_blocks);
+  // Landing copies get their own stream: FIFO among themselves (a landed message's immediate may only
+  // count once every message before it on that NIC is in place), never queued behind peer copies.
+  check(api_->cuStreamCreate(&landing_stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
   host_ = host_identity();
   ring_ = ImmRing::create();
   address_ = host_ + "\n" + uuid_ + "\n" + std::to_string(getpid()) + "\n" + std::to_string(ring_.fd());
@@ -258,6 +263,9 @@ CudaTransport::~CudaTransport() {
   for (auto& f : inflight_) {
     if (f.event) api_->cuEventDestroy(f.event);
   }
+  if (landing_stream_) api_->cuStreamSynchronize(landing_stream_);
+  for (auto& [ev, ctx] : landing_) api_->cuEventDestroy(ev);
+  if (landing_stream_) api_->cuStreamDestroy(landing_stream_);
   for (void* e : free_events_) api_->cuEventDestroy(e);
   for (auto& b : batches_) {
     if (b.event) api_->cuEventDestroy(b.event);
@@ -374,6 +382,45 @@ void CudaTransport::free_pinned(void* p) {
   if (p == nullptr) return;
   make_current();
   api_->cuMemFreeHost(p);  // at close: nothing left to report a failure to
+}
+
+int CudaTransport::post_landing_copy(void* dst, const void* src, size_t len, void* context) {
+  make_current();
+  void* ev = nullptr;
+  if (!free_events_.empty()) {
+    ev = free_events_.back();
+    free_events_.pop_back();
+  } else if (api_->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
+    return -ENOMEM;
+  }
+  if (len > 0) {
+    CUresult rc = api_->cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, len, landing_stream_);
+    if (rc != CUDA_SUCCESS) {
+      free_events_.push_back(ev);
+      return -(1000 + rc);
+    }
+  }
+  // Recorded even after an empty copy: its event then completes only after the copies before it.
+  if (api_->cuEventRecord(ev, landing_stream_) != CUDA_SUCCESS) {
+    free_events_.push_back(ev);
+    return -EIO;
+  }
+  landing_.emplace_back(ev, context);
+  last_busy_ = std::chrono::steady_clock::now();
+  return 0;
+}
+
+std::vector<void*> CudaTransport::drain_landing() {
+  std::vector<void*> out;
+  if (landing_.empty()) return out;
+  make_current();
+  api_->cuStreamSynchronize(landing_stream_);  // at close: nothing left to report a failure to
+  for (auto& [ev, ctx] : landing_) {
+    free_events_.push_back(ev);
+    out.push_back(ctx);
+  }
+  landing_.clear();
+  return out;
 }
 
 int CudaTransport::enqueue_copy(const WriteRequest& req, void* stream) {
@@ -597,6 +644,25 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
   }
   // Immediates arriving keep a destination's worker polling too: the next ones then need no futex wake.
   if (got > 0) last_busy_ = std::chrono::steady_clock::now();
+  // Landing copies, strictly in order (one stream): the engine delivers each one's immediate when it
+  // is reported, so a later copy must never be reported before an earlier one.
+  while (!landing_.empty() && got < max) {
+    auto [ev, ctx] = landing_.front();
+    CUresult rc = api_->cuEventQuery(ev);
+    if (rc == CUDA_ERROR_NOT_READY) break;
+    landing_.pop_front();
+    free_events_.push_back(ev);
+    last_busy_ = std::chrono::steady_clock::now();
+    Completion c;
+    c.kind = Completion::kLanded;
+    c.context = ctx;
+    if (rc != CUDA_SUCCESS) {
+      c.error = EIO;
+      c.message = "landing copy failed: " + cu_error(api_, rc);
+    }
+    out.push_back(std::move(c));
+    ++got;
+  }
   // Streams complete in order; across streams a later copy may finish first, which only delays its
   // report until the ones before it are done. One event query per completion: the front's.
   while ((!ready_.empty() || !inflight_.empty()) && got < max) {
@@ -664,7 +730,8 @@ void CudaTransport::wait(int timeout_ms) {
   // timeout passes. Within spin_us of the last copy or immediate, keep polling: a write or immediate
   // that follows soon (a stream of small writes) then costs neither side a futex wake-up.
   const auto idle = std::chrono::steady_clock::now() - last_busy_;
-  if (inflight_.empty() && ready_.empty() && idle > std::chrono::duration<double, std::micro>(spin_us_)) {
+  if (inflight_.empty() && ready_.empty() && landing_.empty() &&
+      idle > std::chrono::duration<double, std::micro>(spin_us_)) {
     ring_.sleep(int64_t(timeout_ms) * 1000);
   } else {
     // A timed sleep would cost the timer slack (50 us by default) on every completion: yield instead.

@@ -29,8 +29,20 @@ uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
 RegistrationHold::~RegistrationHold() {
-  if (auto e = engine.lock()) e->release_region(id, std::move(regs));
+  if (auto e = engine.lock()) e->release_region(id, std::move(regs), landing);
 }
+
+// A landed message on its way to GPU memory: the cuda lane copies it from the ring buffer, then the
+// engine counts its immediate and gives the buffer back to its NIC.
+struct Engine::LandingJob {
+  int nic = -1;
+  uint32_t slot = 0;
+  std::shared_ptr<LandingEntry> entry;
+  uint64_t len = 0;
+  uint64_t off = 0;
+  bool has_imm = false;
+  uint32_t imm = 0;
+};
 
 std::shared_ptr<Engine> Engine::create(const EngineConfig& cfg) {
   std::shared_ptr<Engine> engine(new Engine(cfg));
@@ -58,8 +70,13 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg), uid_(random_uid()) {
   for (auto& w : workers_) {
     fabric_delivery_complete_ = fabric_delivery_complete_ && w->transport().delivery_complete();
     fabric_ordered_ = fabric_ordered_ && w->transport().orders_writes();
+    fabric_tagged_ = fabric_tagged_ && w->transport().tagged();
+    fabric_sends_ordered_ = fabric_sends_ordered_ && w->transport().orders_sends();
   }
   cfg_.stripe_threshold = std::min(cfg_.stripe_threshold, cfg_.max_piece);
+  if (cfg_.landing_slot_bytes == 0) cfg_.landing_slot_bytes = cfg_.max_piece;
+  for (auto& w : workers_) cfg_.landing_slot_bytes = std::min<uint64_t>(cfg_.landing_slot_bytes, w->transport().max_write());
+  cfg_.landing_slots = std::max<uint64_t>(cfg_.landing_slots, 1);
   if (cfg_.cuda_device >= 0) {
     if (cfg_.cuda_streams < 1) throw TransportError("cuda_streams must be at least 1");
     cuda_lane_ = static_cast<int>(workers_.size());
@@ -129,6 +146,8 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
   region->device = device;
   region->regs.resize(workers_.size());
   region->fabric_nics = fabric_nics_;
+  // Tests: host memory kept off the NICs, written through the landing ring like GPU memory without FI_HMEM.
+  const bool land_host = cfg_.land_host_regions && !internal && kind == MemKind::kHost;
   size_t done = 0;
   try {
     for (; done < workers_.size(); ++done) {
@@ -136,6 +155,11 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
       if (cfg_.stage_host_sources && !internal && kind == MemKind::kHost && static_cast<int>(done) != cuda_lane_) {
         region->on_fabric = false;
         region->fabric_error = "host sources are staged (stage_host_sources, for tests)";
+        continue;
+      }
+      if (land_host && static_cast<int>(done) != cuda_lane_) {
+        region->on_fabric = false;
+        region->fabric_error = "host regions are written through the landing ring (land_host_regions, for tests)";
         continue;
       }
       try {
@@ -148,6 +172,20 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
         region->fabric_error = e.what();
       }
     }
+    if (!region->on_fabric && !internal && ((kind == MemKind::kCuda && cuda_lane_ >= 0) || land_host)) {
+      // Fabric peers can still write into it: through the landing ring.
+      if (!fabric_tagged_) {
+        if (land_host) throw TransportError("land_host_regions: provider " + cfg_.provider + " sends no tagged messages");
+        region->fabric_error += "; no landing ring either (provider " + cfg_.provider + " sends no tagged messages)";
+      } else {
+        try {
+          make_landing(*region);
+        } catch (const TransportError& e) {
+          if (land_host) throw;
+          region->fabric_error += std::string("; landing ring unavailable: ") + e.what();
+        }
+      }
+    }
   } catch (...) {
     // Undo the registrations that succeeded before the failure.
     for (size_t i = 0; i < done; ++i) {
@@ -155,6 +193,7 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
       workers_[i]->post_command([reg](Transport& t) { t.deregister(reg); });
     }
     region->regs.clear();
+    retire_landing(region->landing, region->id, false);
     throw;
   }
   {
@@ -166,12 +205,13 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
   hold->engine = region->engine;
   hold->id = region->id;
   hold->regs = region->regs;
+  hold->landing = region->landing;
   region->hold = std::move(hold);
   if (cuda_lane_ >= 0 && !region->regs[cuda_lane_].blob.empty()) {
     // Exported to same-host peers: they may copy into it from now until it is deregistered.
     cuda_transport().set_region_live(region->id, true);
   }
-  if (!region->on_fabric && (cuda_lane_ >= 0 || cfg_.stage_host_sources)) {
+  if (!region->on_fabric && (cuda_lane_ >= 0 || cfg_.stage_host_sources || land_host)) {
     // It can still be a source towards fabric peers, through the staging slots.
     try {
       ensure_staging();
@@ -198,6 +238,32 @@ void Engine::deregister(const std::shared_ptr<LocalRegion>& region) {
     std::lock_guard<std::mutex> lock(regions_mu_);  // close() clears the workers under this lock
     if (!closed_) cuda_transport().set_region_live(region->id, false);
   }
+  if (region->landing >= 0) {
+    // Messages for it are dropped from now on, and copies into it are over before this returns. Its
+    // guard MRs close now too (local writes reading from the region never use them: the NICs cannot
+    // read it, they are staged), so that writers learn of it at once.
+    retire_landing(region->landing, region->id, true);
+    std::vector<MemRegistration> guards;
+    {
+      std::lock_guard<std::mutex> lock(regions_mu_);
+      auto it = closed_ ? live_regions_.end() : live_regions_.find(region->id);
+      if (it != live_regions_.end()) {
+        for (size_t i = 0; i < fabric_nics_ && i < it->second.size(); ++i) {
+          guards.push_back(it->second[i]);
+          it->second[i] = MemRegistration{};
+        }
+      }
+    }
+    for (size_t i = 0; i < fabric_nics_ && i < hold->regs.size(); ++i) hold->regs[i] = MemRegistration{};
+    for (size_t i = 0; i < guards.size(); ++i) {
+      MemRegistration reg = guards[i];
+      try {
+        workers_[i]->call([reg](Transport& t) { t.deregister(reg); }, kCommandTimeoutS);
+      } catch (const TransportError&) {
+        // The engine closed meanwhile: close() released it.
+      }
+    }
+  }
   if (hold.use_count() > 1) return;  // writes reading from it are in flight: the last one releases it
   // Nobody else can take a pin now (the region's hold is gone): close the registrations before
   // returning, so that the caller may free the memory at once.
@@ -217,7 +283,9 @@ void Engine::deregister(const std::shared_ptr<LocalRegion>& region) {
   }
 }
 
-void Engine::release_region(uint64_t id, std::vector<MemRegistration> regs) {
+void Engine::release_region(uint64_t id, std::vector<MemRegistration> regs, int landing) {
+  // Possibly on the cuda lane's own thread (a piece's pin): no waiting for its landing copies here.
+  retire_landing(landing, id, false);
   std::lock_guard<std::mutex> lock(regions_mu_);
   if (closed_) return;  // close() deregisters whatever is still live
   if (live_regions_.erase(id) == 0) return;
@@ -264,7 +332,7 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
   }
   if (cuda_lane_ >= 0) {
     peer->path_failed[cuda_lane_] = true;
-    if (!cuda_address.empty()) {
+    if (!cuda_address.empty() && cfg_.cuda_peers) {
       try {
         uint64_t* slot = &peer->paths[cuda_lane_];
         bool* imm = &peer->cuda_imm;
@@ -285,7 +353,8 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
 
 std::shared_ptr<RemoteRegion> Engine::import_region(const std::shared_ptr<Peer>& peer, uint64_t id,
                                                     uint64_t len, const std::vector<uint64_t>& base,
-                                                    const std::vector<uint64_t>& key, const std::string& cuda_blob) {
+                                                    const std::vector<uint64_t>& key, const std::string& cuda_blob,
+                                                    int landing, uint64_t slot_bytes) {
   if (base.size() != peer->remote_nics || key.size() != peer->remote_nics) {
     throw UsageError("descriptor of region " + std::to_string(id) + " lists " + std::to_string(base.size()) +
                      " NICs but " + peer->label + " has " + std::to_string(peer->remote_nics));
@@ -296,6 +365,15 @@ std::shared_ptr<RemoteRegion> Engine::import_region(const std::shared_ptr<Peer>&
   rr->len = len;
   rr->base = base;
   rr->key = key;
+  if (landing >= 0) {
+    // Offsets travel in the low 48 bits of a message's tag: a larger region would alias other indices.
+    if (landing >= int(kLandingIndices) || slot_bytes == 0 || len > (1ull << kLandingOffsetBits)) {
+      throw UsageError("descriptor of region " + std::to_string(id) + " of " + peer->label +
+                       " has a malformed landing index or slot size");
+    }
+    rr->landing = landing;
+    rr->slot_bytes = slot_bytes;
+  }
   if (peer->cuda && !cuda_blob.empty()) {
     uint64_t* slot = &rr->cuda_addr;
     workers_[cuda_lane_]->call([=](Transport& t) { *slot = t.import_remote(cuda_blob); }, kCommandTimeoutS);
@@ -402,7 +480,17 @@ Engine::Checked Engine::check_ops(const std::vector<std::shared_ptr<LocalRegion>
       std::lock_guard<std::mutex> lock(d.peer->mu);
       throw TransportError(where + d.peer->label + " is unreachable on every NIC: " + d.peer->last_error);
     }
-    if (!by_copy && op.rows > 1 && has_imm && !fabric_delivery_complete_ && !fabric_ordered_) {
+    if (!by_copy && d.landing >= 0 && !fabric_tagged_) {
+      throw UsageError(where + "region " + std::to_string(d.id) + " of " + d.peer->label + " is GPU memory its " +
+                       "NICs cannot register (a landing region), and provider " + cfg_.provider +
+                       " here sends no tagged messages to reach it");
+    }
+    if (!by_copy && d.landing >= 0 && has_imm && !fabric_sends_ordered_ && !fabric_delivery_complete_) {
+      throw UsageError(where + "provider " + cfg_.provider + " neither keeps messages in order nor completes " +
+                       "them at delivery, so an immediate into landing region " + std::to_string(d.id) +
+                       " could be counted before its bytes land");
+    }
+    if (!by_copy && d.landing < 0 && op.rows > 1 && has_imm && !fabric_delivery_complete_ && !fabric_ordered_) {
       throw UsageError(where + "provider " + cfg_.provider + " can neither complete a write at delivery nor " +
                        "keeps writes in order, so the immediate of a 2-D write could overtake its rows");
     }
@@ -430,6 +518,27 @@ void Engine::post_ops(const std::shared_ptr<TransferState>& transfer, const Chec
     copies_only = copies_only && dsts[op.dst]->cuda_addr != 0;
   }
   if (copies_only) transfer->set_wait_spin(cfg_.cuda_spin_us);
+  // Messages into a landing region that was deregistered are dropped by its engine, and a message's
+  // local completion says nothing about that. So each transfer also writes one byte into every landing
+  // region's guard (host bytes its engine registers with the region and closes when it deregisters
+  // it), completing at delivery where the provider can: the remote's refusal then fails the transfer.
+  std::vector<const RemoteRegion*> guarded;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& d = dsts[ops[i].dst];
+    if (d->cuda_addr != 0 || d->landing < 0) continue;
+    if (std::find(guarded.begin(), guarded.end(), d.get()) != guarded.end()) continue;
+    guarded.push_back(d.get());
+    Piece* g = new Piece();
+    g->transfer = transfer;
+    g->src = doorbell_;
+    g->pin = doorbell_->pin();
+    g->dst = d;
+    g->len = 1;
+    g->delivery = fabric_delivery_complete_;
+    const int nic = pick_nic(*d->peer, rr_++);
+    g->nic = nic;
+    per_nic[nic < 0 ? workers_.size() : static_cast<size_t>(nic)].push_back(g);
+  }
   uint64_t pieces = 0;
   for (const auto& v : per_nic) pieces += v.size();
   // Counted before any piece can complete: nothing is submitted yet.
@@ -606,6 +715,11 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
     return;
   }
 
+  if (dst->landing >= 0) {
+    make_landing_pieces(op, transfer, src, pin, dst, has_imm, per_nic);
+    return;
+  }
+
   // Fabric NICs.
   if (!two_d) {
     const uint64_t step = piece_size(op.len);
@@ -663,6 +777,95 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
     }
     const int nic = fixed_nic >= 0 ? fixed_nic : pick_nic(*dst->peer, start + k);
     p->nic = nic;
+    per_nic[nic < 0 ? workers_.size() : static_cast<size_t>(nic)].push_back(p);
+  }
+}
+
+void Engine::make_landing_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
+                                 const std::shared_ptr<LocalRegion>& src,
+                                 const std::shared_ptr<RegistrationHold>& pin,
+                                 const std::shared_ptr<RemoteRegion>& dst, bool has_imm,
+                                 std::vector<std::vector<Piece*>>& per_nic) {
+  // A landing region takes tagged messages of at most slot_bytes, each copied into place (and its
+  // immediate counted) in the order its NIC matched them. The op is cut into the same pieces as an RMA
+  // write (so it delivers the same immediates, Engine::imm_count), each piece sent as messages of at
+  // most slot_bytes, all on one NIC: then a message that announces others (a piece's trailer, a 2-D
+  // write's immediate) is matched after them (FI_ORDER_SAS), and copied after them at the destination.
+  const bool two_d = op.rows > 1;
+  const uint64_t sp = two_d && op.src_pitch ? op.src_pitch : op.len;
+  const uint64_t dp = two_d && op.dst_pitch ? op.dst_pitch : op.len;
+  const bool span = !two_d || (sp == op.len && dp == op.len);
+  const uint64_t total = op.len * op.rows;
+  const uint64_t slot = dst->slot_bytes;
+  const int nic = pick_nic(*dst->peer, rr_.fetch_add(1));
+  // Without send ordering, a trailer is posted once the messages before it are placed at the target.
+  const bool delivery = !fabric_sends_ordered_;
+  std::vector<Piece*> data;
+  auto make = [&](uint64_t src_off, uint64_t dst_off, uint64_t len) {
+    Piece* p = new Piece();
+    p->transfer = transfer;
+    p->src = src;
+    p->pin = pin;
+    p->dst = dst;
+    p->src_off = src_off;
+    p->dst_off = dst_off;
+    p->len = len;
+    p->imm = op.imm;
+    p->tagged = true;
+    p->fixed_nic = nic;
+    p->nic = nic;
+    return p;
+  };
+  // data[first..] complete, then one zero-length message carrying the immediate follows them.
+  auto announce = [&](size_t first, uint64_t dst_off) {
+    Piece* t = make(0, dst_off, 0);
+    t->src = doorbell_;
+    t->pin = doorbell_->pin();
+    t->has_imm = true;
+    if (data.size() == first) {
+      data.push_back(t);  // nothing to wait for: it is an ordinary (empty) message
+      return;
+    }
+    auto group = std::make_shared<PieceGroup>(data.size() - first);
+    group->trailer = t;
+    for (size_t k = first; k < data.size(); ++k) {
+      data[k]->group = group;
+      data[k]->delivery = delivery;
+    }
+    transfer->add_pending(1);  // the trailer
+  };
+  // One piece: messages of at most `slot` bytes; with `imm`, the piece's one immediate after them.
+  auto piece = [&](uint64_t src_off, uint64_t dst_off, uint64_t len, bool imm) {
+    const size_t first = data.size();
+    for (uint64_t o = 0; o < len; o += slot) data.push_back(make(src_off + o, dst_off + o, std::min(slot, len - o)));
+    if (!imm) return;
+    if (data.size() - first == 1) {
+      data.back()->has_imm = true;  // one message: it carries its own immediate
+    } else {
+      announce(first, dst_off);
+    }
+  };
+  if (!two_d) {
+    const uint64_t step = piece_size(op.len);
+    if (op.len == 0 && has_imm) piece(op.src_off, op.dst_off, 0, true);
+    for (uint64_t o = 0; o < op.len; o += step) {
+      piece(op.src_off + o, op.dst_off + o, std::min(step, op.len - o), has_imm);
+    }
+  } else {
+    if (span) {
+      piece(op.src_off, op.dst_off, total, false);
+    } else {
+      for (uint64_t r = 0; r < op.rows; ++r) piece(op.src_off + r * sp, op.dst_off + r * dp, op.len, false);
+    }
+    if (has_imm) announce(0, op.dst_off);  // one immediate for the whole block, after every row
+  }
+  for (Piece* p : data) {
+    if (!src->on_fabric && p->src == src) {
+      // The NICs cannot read this source: staged first; send_staged keeps it on fixed_nic.
+      p->stage = 1;
+      per_nic.back().push_back(p);
+      continue;
+    }
     per_nic[nic < 0 ? workers_.size() : static_cast<size_t>(nic)].push_back(p);
   }
 }
@@ -752,7 +955,8 @@ void Engine::send_staged(Piece* p) {
   p->src = staging_->region;
   p->pin = staging_->pin;
   p->src_off = uint64_t(p->stage_slot) * staging_->slot_bytes;
-  const int nic = pick_nic(*p->dst->peer, rr_++);
+  const int nic = p->fixed_nic >= 0 && !p->dst->peer->path_failed[p->fixed_nic].load() ? p->fixed_nic
+                                                                                      : pick_nic(*p->dst->peer, rr_++);
   if (nic < 0) {
     piece_failed(p, p->dst->peer->label + " became unreachable on every NIC");
     return;
@@ -865,6 +1069,206 @@ void Engine::reroute(Piece* p, int failed_nic, const std::string& why) {
   workers_[nic]->submit({p});
 }
 
+// --- landing regions ----------------------------------------------------------------------------------
+
+void Engine::ensure_landing() {
+  std::lock_guard<std::mutex> lock(landing_init_mu_);
+  if (landing_ready_) return;
+  const uint64_t slots = cfg_.landing_slots;
+  const uint64_t slot = cfg_.landing_slot_bytes;
+  const uint64_t per_nic = slots * slot;
+  const uint64_t bytes = per_nic * fabric_nics_;
+  char* base = nullptr;
+  bool pinned = false;
+  if (cuda_lane_ >= 0) {
+    // Page-locked: the cuda lane's copies out of it are then true DMA, asynchronous to the host.
+    workers_[cuda_lane_]->call(
+        [&](Transport& t) { base = static_cast<char*>(static_cast<CudaTransport&>(t).alloc_pinned(bytes)); },
+        kCommandTimeoutS);
+    pinned = true;
+  } else {
+    base = static_cast<char*>(std::malloc(bytes));
+    if (base == nullptr) throw TransportError("cannot allocate " + std::to_string(bytes) + " landing bytes");
+  }
+  auto free_base = [&] {
+    if (pinned) {
+      workers_[cuda_lane_]->call([&](Transport& t) { static_cast<CudaTransport&>(t).free_pinned(base); },
+                                 kCommandTimeoutS);
+    } else {
+      std::free(base);
+    }
+  };
+  std::shared_ptr<LocalRegion> region;
+  try {
+    region = register_memory(base, bytes, MemKind::kHost, -1, true);
+  } catch (...) {
+    free_base();
+    throw;
+  }
+  region->engine.reset();  // the engine owns the ring: its region must not hold the engine alive
+  // From here on receives may be posted into it: the memory is kept (and freed by close) even if a
+  // later NIC fails, since the provider may write into a buffer posted on an earlier one.
+  landing_base_ = base;
+  landing_pinned_ = pinned;
+  landing_region_ = region;
+  landing_guard_.reset(new unsigned char[uint64_t(kLandingIndices) * 8]());
+  for (size_t i = 0; i < fabric_nics_; ++i) {
+    NicWorker* w = workers_[i].get();
+    char* ring = base + i * per_nic;
+    void* desc = region->regs[i].local_desc;
+    w->call([w, ring, slot, slots, desc](Transport&) { w->start_landing(ring, slot, uint32_t(slots), desc); },
+            kCommandTimeoutS);
+  }
+  landing_ready_ = true;
+}
+
+std::shared_ptr<Engine::LandingEntry> Engine::landing_entry(uint64_t index) {
+  std::lock_guard<std::mutex> lock(landing_mu_);
+  return index < landing_.size() ? landing_[index] : nullptr;
+}
+
+void Engine::make_landing(LocalRegion& region) {
+  ensure_landing();
+  auto entry = std::make_shared<LandingEntry>();
+  entry->ptr = static_cast<char*>(region.ptr);
+  entry->len = region.len;
+  entry->kind = region.kind;
+  entry->region_id = region.id;
+  int index = -1;
+  {
+    std::lock_guard<std::mutex> lock(landing_mu_);
+    if (landing_live_ >= kLandingIndices) {
+      throw TransportError("cannot register more than " + std::to_string(kLandingIndices) +
+                           " landing regions (GPU memory the NICs cannot register); deregister some first");
+    }
+    if (landing_.empty()) landing_.resize(kLandingIndices);
+    while (landing_[landing_next_]) landing_next_ = (landing_next_ + 1) % kLandingIndices;
+    index = static_cast<int>(landing_next_);
+    landing_next_ = (landing_next_ + 1) % kLandingIndices;
+    landing_[index] = entry;
+    landing_live_++;
+  }
+  // The guard: 8 host bytes of this index, registered on every fabric NIC for this region alone (a new
+  // key each time), so a writer holding the descriptor of a retired region is refused.
+  std::vector<MemRegistration> guards(fabric_nics_);
+  size_t i = 0;
+  try {
+    for (; i < fabric_nics_; ++i) {
+      MemRegistration* g = &guards[i];
+      void* ptr = landing_guard_.get() + uint64_t(index) * 8;
+      workers_[i]->call([=](Transport& t) { *g = t.register_memory(ptr, 8, MemKind::kHost, -1); }, kCommandTimeoutS);
+    }
+  } catch (...) {
+    for (size_t j = 0; j < i; ++j) {
+      MemRegistration reg = guards[j];
+      workers_[j]->post_command([reg](Transport& t) { t.deregister(reg); });
+    }
+    retire_landing(index, region.id, false);
+    throw;
+  }
+  for (size_t k = 0; k < fabric_nics_; ++k) region.regs[k] = guards[k];
+  region.landing = index;
+  region.landing_slot_bytes = cfg_.landing_slot_bytes;
+}
+
+void Engine::retire_landing(int index, uint64_t region_id, bool wait) {
+  if (index < 0) return;
+  std::shared_ptr<LandingEntry> e;
+  {
+    std::lock_guard<std::mutex> lock(landing_mu_);
+    if (static_cast<size_t>(index) >= landing_.size() || !landing_[index] || landing_[index]->region_id != region_id) {
+      return;  // retired already
+    }
+    e = std::move(landing_[index]);
+    landing_[index] = nullptr;
+    landing_live_--;
+  }
+  std::unique_lock<std::mutex> lock(e->mu);
+  e->valid = false;  // land() checks it under this lock: no copy starts after this
+  if (wait && !closed_) {
+    // Copies already started take microseconds; bounded in case the cuda lane is stuck.
+    if (!e->cv.wait_for(lock, std::chrono::seconds(10), [&] { return e->copies == 0; })) {
+      std::fprintf(stderr, "weightsync: %llu landing copies into region %llu still running after 10 s\n",
+                   static_cast<unsigned long long>(e->copies), static_cast<unsigned long long>(region_id));
+    }
+  }
+}
+
+bool Engine::land(int nic, uint32_t slot, const char* buf, const Completion& c) {
+  NicWorker& w = *workers_[nic];
+  const uint64_t index = c.tag >> kLandingOffsetBits;
+  const uint64_t off = c.tag & ((1ull << kLandingOffsetBits) - 1);
+  auto drop = [&](const std::string& why) {
+    w.count_dropped();
+    // Dropped messages are counted; the first few are also told, so a misconfiguration shows.
+    if (landing_drops_logged_++ < 10) {
+      std::fprintf(stderr,
+                   "weightsync: engine %.8s dropped a message of %llu bytes for landing region %llu at offset "
+                   "%llu on NIC %s: %s\n",
+                   uid_.c_str(), static_cast<unsigned long long>(c.len), static_cast<unsigned long long>(index),
+                   static_cast<unsigned long long>(off), w.transport().nic_name().c_str(), why.c_str());
+    }
+    return true;
+  };
+  if (c.error != 0) return drop("the receive failed: " + c.message);
+  std::shared_ptr<LandingEntry> e = landing_entry(index);
+  if (!e) return drop("no such landing region (deregistered?)");
+  std::unique_lock<std::mutex> lock(e->mu);
+  if (!e->valid) return drop("the region was deregistered");
+  if (off > e->len || c.len > e->len - off) {
+    return drop("past the end of the region (" + std::to_string(e->len) + " bytes)");
+  }
+  if (e->kind == MemKind::kHost) {
+    // land_host_regions (tests): copied here, under the entry's lock, so deregistration waits for it.
+    if (c.len) std::memcpy(e->ptr + off, buf, c.len);
+    lock.unlock();
+    w.count_landed(c.len, c.has_imm);
+    if (c.has_imm) counters_.add(c.imm);
+    return true;
+  }
+  if (cuda_lane_ < 0) return drop("no cuda lane to copy it to the GPU");
+  e->copies++;
+  lock.unlock();
+  auto* job = new LandingJob();
+  job->nic = nic;
+  job->slot = slot;
+  job->entry = e;
+  job->len = c.len;
+  job->off = off;
+  job->has_imm = c.has_imm;
+  job->imm = c.imm;
+  Engine* self = this;
+  workers_[cuda_lane_]->post_command([self, job, buf](Transport& t) {
+    int rc = static_cast<CudaTransport&>(t).post_landing_copy(job->entry->ptr + job->off, buf, job->len, job);
+    if (rc != 0) self->landing_copied(job, false, "the copy could not start: " + t.error_string(-rc));
+  });
+  return false;
+}
+
+void Engine::landing_copied(void* ctx, bool ok, const std::string& why) {
+  auto* job = static_cast<LandingJob*>(ctx);
+  NicWorker* w = workers_[job->nic].get();
+  if (ok) {
+    // Counted before the immediate: whoever wakes on the immediate sees the stats include it.
+    w->count_landed(job->len, job->has_imm);
+    if (job->has_imm) counters_.add(job->imm);
+  } else {
+    w->count_dropped();
+    if (landing_drops_logged_++ < 10) {
+      std::fprintf(stderr, "weightsync: engine %.8s dropped a message of %llu bytes for a landing region: %s\n",
+                   uid_.c_str(), static_cast<unsigned long long>(job->len), why.c_str());
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(job->entry->mu);
+    job->entry->copies--;
+  }
+  job->entry->cv.notify_all();
+  const uint32_t slot = job->slot;
+  w->post_command([w, slot](Transport&) { w->landing_done(slot); });
+  delete job;
+}
+
 std::vector<NicStats> Engine::stats() {
   std::vector<NicStats> out;
   for (auto& w : workers_) out.push_back(w->stats());
@@ -892,6 +1296,20 @@ void Engine::close() {
     live.swap(live_regions_);
   }
   // Workers are joined: this thread may now touch the transports directly.
+  {
+    std::lock_guard<std::mutex> lock(landing_mu_);
+    for (auto& e : landing_) {
+      if (!e) continue;
+      std::lock_guard<std::mutex> elock(e->mu);
+      e->valid = false;
+    }
+    landing_.clear();
+  }
+  if (cuda_lane_ >= 0) {
+    // Landing copies still queued read from the ring: done before it goes (their buffers were posted
+    // for the last time, and nobody waits for their immediates any more).
+    for (void* job : cuda_transport().drain_landing()) delete static_cast<LandingJob*>(job);
+  }
   for (auto& [id, regs] : live) {
     for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) workers_[i]->transport().deregister(regs[i]);
   }
@@ -910,6 +1328,17 @@ void Engine::close() {
   {
     std::lock_guard<std::mutex> lock(regions_mu_);
     workers.swap(workers_);
+  }
+  // The fabric endpoints go first: receives are posted into the landing ring until they are closed.
+  // Then the ring (page-locked memory goes back through the cuda lane's context), then the cuda lane.
+  for (size_t i = 0; i < fabric_nics_ && i < workers.size(); ++i) workers[i].reset();
+  if (landing_base_ != nullptr) {
+    if (landing_pinned_) {
+      static_cast<CudaTransport&>(workers[cuda_lane_]->transport()).free_pinned(landing_base_);
+    } else {
+      std::free(landing_base_);
+    }
+    landing_base_ = nullptr;
   }
   workers.clear();
 }

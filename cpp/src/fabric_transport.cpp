@@ -23,10 +23,16 @@ constexpr uint64_t kMrModeHints =
     FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
 
 // hmem: also ask for device memory (FI_HMEM), which the provider then registers like host memory.
-fi_info* make_hints(const std::string& provider, const std::string& domain, bool hmem = false) {
+// tagged: also tagged messages (FI_TAGGED with FI_SEND | FI_RECV: the direction bits above restrict
+// FI_RMA to writes, so without them no message capability would be implied), which carry writes into
+// landing regions (memory a NIC without FI_HMEM cannot register). efa, verbs;ofi_rxm and tcp;ofi_rxm
+// all offer them; a provider that does not is opened without, and cannot write into landing regions.
+fi_info* make_hints(const std::string& provider, const std::string& domain, bool hmem = false,
+                    bool tagged = false) {
   fi_info* hints = fi_allocinfo();
   if (hints == nullptr) throw TransportError("fi_allocinfo failed: out of memory");
-  hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0);
+  hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0) |
+                (tagged ? FI_TAGGED | FI_SEND | FI_RECV : 0);
   hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
   hints->ep_attr->type = FI_EP_RDM;
   hints->domain_attr->mr_mode = kMrModeHints | (hmem ? FI_MR_HMEM : 0);
@@ -78,8 +84,8 @@ FabricTransport::FabricTransport(const std::string& provider, const std::string&
     : provider_(provider), domain_(domain) {
   // Several entries can name the same domain (IPv4 and IPv6 on tcp): prefer IPv4, then the first.
   // Layered providers do not always filter on the domain name, so match it here.
-  auto find = [&](bool hmem, int* rc_out) -> fi_info* {
-    fi_info* hints = make_hints(provider, domain, hmem);
+  auto find = [&](bool hmem, bool tagged, int* rc_out) -> fi_info* {
+    fi_info* hints = make_hints(provider, domain, hmem, tagged);
     fi_info* list = nullptr;
     int rc = fi_getinfo(kFiVersion, nullptr, nullptr, 0, hints, &list);
     fi_freeinfo(hints);
@@ -98,12 +104,19 @@ FabricTransport::FabricTransport(const std::string& provider, const std::string&
   // GPU memory straight on the NIC (GPUDirect RDMA on EFA or verbs) where the provider offers FI_HMEM;
   // WEIGHTSYNC_FABRIC_HMEM=0 turns the attempt off. Otherwise GPU memory stays off the fabric lane.
   const char* env = std::getenv("WEIGHTSYNC_FABRIC_HMEM");
-  if (env == nullptr || std::string(env) != "0") {
-    info_ = find(true, nullptr);
-    hmem_ = info_ != nullptr;
-  }
+  // Tagged messages are asked for first either way, and dropped only where the provider lacks them.
+  const bool try_hmem = env == nullptr || std::string(env) != "0";
   int rc = 0;
-  if (info_ == nullptr) info_ = find(false, &rc);
+  for (bool hmem : {true, false}) {
+    if (hmem && !try_hmem) continue;
+    for (bool tagged : {true, false}) {
+      if (info_ == nullptr) {
+        info_ = find(hmem, tagged, hmem ? nullptr : &rc);
+        hmem_ = hmem && info_ != nullptr;
+        tagged_ = tagged && info_ != nullptr;
+      }
+    }
+  }
   if (info_ == nullptr) {
     throw TransportError("libfabric provider '" + provider + "' has no NIC named '" + domain +
                          "' with RMA and remote CQ data" + (rc ? ": " + fi_error(rc) : std::string()));
@@ -115,11 +128,12 @@ FabricTransport::FabricTransport(const std::string& provider, const std::string&
   rx_cq_data_ = (info_->mode & FI_RX_CQ_DATA) != 0;
   max_msg_size_ = info_->ep_attr->max_msg_size ? info_->ep_attr->max_msg_size : (1ull << 30);
   orders_writes_ = (info_->tx_attr->msg_order & FI_ORDER_WAW) != 0;
+  orders_sends_ = tagged_ && (info_->tx_attr->msg_order & FI_ORDER_SAS) != 0;
   {
     // A write whose immediate travels separately (2-D writes: one immediate after all rows) may only be
     // announced once its bytes are placed at the target; local completion by default only means
     // "sent". Ask whether this provider can complete a write at delivery instead.
-    fi_info* dc_hints = make_hints(provider, domain_, hmem_);
+    fi_info* dc_hints = make_hints(provider, domain_, hmem_, tagged_);
     dc_hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
     fi_info* dc = nullptr;
     if (fi_getinfo(kFiVersion, nullptr, nullptr, 0, dc_hints, &dc) == 0) {
@@ -138,7 +152,7 @@ FabricTransport::FabricTransport(const std::string& provider, const std::string&
     check(fi_domain(fabric_, info_, &domain_fid_, nullptr), "fi_domain");
 
     fi_cq_attr cq_attr{};
-    cq_attr.format = FI_CQ_FORMAT_DATA;
+    cq_attr.format = FI_CQ_FORMAT_TAGGED;  // a landed message's tag says where its bytes go
     cq_attr.size = kCqSize;
     cq_attr.wait_obj = FI_WAIT_UNSPEC;
     if (fi_cq_open(domain_fid_, &cq_attr, &cq_, nullptr) == 0) {
@@ -275,9 +289,40 @@ uint64_t FabricTransport::insert_peer(const std::string& address) {
   return addr;
 }
 
+int FabricTransport::post_recv(void* buf, size_t len, void* desc, void* context) {
+  if (!tagged_) return -ENOSYS;
+  // Tag 0 with every bit ignored: any tagged message matches, in the order the receives were posted.
+  ssize_t rc = fi_trecv(ep_, buf, len, desc, FI_ADDR_UNSPEC, 0, ~0ull, context);
+  if (rc == -FI_EAGAIN) return -EAGAIN;
+  if (rc == 0) posted_recvs_.insert(context);
+  return static_cast<int>(rc);
+}
+
 int FabricTransport::post_write(const WriteRequest& req) {
   ssize_t rc;
-  if (req.delivery_complete) {
+  if (req.tagged) {
+    if (!tagged_) return -FI_EOPNOTSUPP;
+    if (req.delivery_complete) {
+      if (!delivery_complete_) return -FI_EOPNOTSUPP;
+      iovec iov{const_cast<void*>(req.src), req.len};
+      void* desc = req.src_desc;
+      fi_msg_tagged msg{};
+      msg.msg_iov = &iov;
+      msg.desc = &desc;
+      msg.iov_count = 1;
+      msg.addr = req.peer;
+      msg.tag = req.tag;
+      msg.ignore = 0;
+      msg.context = req.context;
+      msg.data = req.imm;
+      uint64_t flags = FI_DELIVERY_COMPLETE | FI_COMPLETION | (req.has_imm ? FI_REMOTE_CQ_DATA : 0);
+      rc = fi_tsendmsg(ep_, &msg, flags);
+    } else if (req.has_imm) {
+      rc = fi_tsenddata(ep_, req.src, req.len, req.src_desc, req.imm, req.peer, req.tag, req.context);
+    } else {
+      rc = fi_tsend(ep_, req.src, req.len, req.src_desc, req.peer, req.tag, req.context);
+    }
+  } else if (req.delivery_complete) {
     if (!delivery_complete_) return -FI_EOPNOTSUPP;
     // fi_writemsg is the only call that takes per-operation completion flags.
     iovec iov{const_cast<void*>(req.src), req.len};
@@ -306,9 +351,17 @@ int FabricTransport::post_write(const WriteRequest& req) {
 
 size_t FabricTransport::poll(std::vector<Completion>& out, size_t max) {
   size_t got = 0;
-  auto emit = [&](const fi_cq_data_entry& e) {
+  auto emit = [&](const fi_cq_tagged_entry& e) {
     Completion c;
-    if (e.flags & FI_REMOTE_CQ_DATA) {
+    if (e.op_context != nullptr && posted_recvs_.erase(e.op_context) != 0) {
+      // One of the tagged receives: a message for a landing region arrived in its buffer.
+      c.kind = Completion::kRecv;
+      c.context = e.op_context;
+      c.len = e.len;
+      c.tag = e.tag;
+      c.has_imm = (e.flags & FI_REMOTE_CQ_DATA) != 0;
+      c.imm = static_cast<uint32_t>(e.data);
+    } else if (e.flags & FI_REMOTE_CQ_DATA) {
       c.kind = Completion::kRemoteImm;
       c.imm = static_cast<uint32_t>(e.data);
       // With FI_RX_CQ_DATA each immediate consumed one posted receive: give it back.
@@ -327,7 +380,7 @@ size_t FabricTransport::poll(std::vector<Completion>& out, size_t max) {
     stash_valid_ = false;
     emit(stash_);
   }
-  fi_cq_data_entry entries[64];
+  fi_cq_tagged_entry entries[64];
   while (got < max) {
     bool had_error = stash_error_;
     stash_error_ = false;
@@ -343,6 +396,16 @@ size_t FabricTransport::poll(std::vector<Completion>& out, size_t max) {
       char buf[256];
       const char* prov = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
       c.message = fi_error(c.error) + " (" + (prov ? prov : "no provider detail") + ")";
+      if (err.op_context != nullptr && posted_recvs_.erase(err.op_context) != 0) {
+        // A tagged receive that failed (a message larger than the buffer: FI_ETRUNC): the engine drops
+        // the message, counts it and posts the buffer again.
+        c.kind = Completion::kRecv;
+        c.len = err.len;
+        c.tag = err.tag;
+        out.push_back(std::move(c));
+        ++got;
+        continue;
+      }
       if (err.flags & FI_REMOTE_CQ_DATA || err.flags & FI_RECV) {
         // A failed incoming operation: nothing of ours is waiting on it; repost and report nothing.
         if (rx_cq_data_ && err.op_context) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, err.op_context);

@@ -1,5 +1,6 @@
 // One thread per NIC: it alone posts to and polls its transport. Other threads reach it through queues.
 #include <cerrno>
+#include <cstdio>
 #include <future>
 
 #include "weightsync/engine.hpp"
@@ -114,6 +115,9 @@ NicStats NicWorker::stats() {
   // stats only (a torn read of the count is harmless).
   s.batched_writes = transport_->batched_writes();
   s.note = transport_->note();
+  s.landed = landed_.load();
+  s.landed_bytes = landed_bytes_.load();
+  s.landing_dropped = landing_dropped_.load();
   return s;
 }
 
@@ -138,6 +142,7 @@ void NicWorker::run() {
     if (stopping) break;
 
     const size_t before = outstanding_.size();
+    if (!land_repost_.empty()) drain_landing();
     post_pending();
     transport_->flush();  // what post_write only queued (the cuda lane's kernel batch) starts now
     completions.clear();
@@ -187,6 +192,10 @@ void NicWorker::post_pending() {
       req.peer = 0;
     } else if (cuda_lane_) {
       req.remote_addr = p->dst->cuda_addr + p->dst_off;
+    } else if (p->tagged) {
+      // Into a landing region: a message its engine copies to dst_off (both in the tag).
+      req.tagged = true;
+      req.tag = (uint64_t(uint16_t(p->dst->landing)) << 48) | p->dst_off;
     } else {
       const int rn = peer.remote_nic[index_];
       req.remote_addr = p->dst->base[rn] + p->dst_off;
@@ -205,6 +214,7 @@ void NicWorker::post_pending() {
       req.has_imm = false;
       req.rows = 1;
       req.remote_region = 0;
+      req.tagged = false;
     }
     int rc = transport_->post_write(req);
     if (rc == -EAGAIN) {
@@ -235,6 +245,14 @@ void NicWorker::post_pending() {
 }
 
 void NicWorker::handle(const Completion& c) {
+  if (c.kind == Completion::kRecv) {
+    landing_received(c);
+    return;
+  }
+  if (c.kind == Completion::kLanded) {
+    engine_->landing_copied(c.context, c.error == 0, c.message);
+    return;
+  }
   if (c.kind == Completion::kRemoteImm) {
     imm_received_++;
     engine_->counters().add(c.imm);
@@ -330,6 +348,81 @@ void NicWorker::check_stalls() {
     fail_path(pending_.front()->dst->peer.get(),
               "NIC " + transport_->nic_name() + " accepted no new write for " +
                   std::to_string(stall_timeout_.count()) + " s");
+  }
+}
+
+void NicWorker::start_landing(char* base, uint64_t slot_bytes, uint32_t count, void* desc) {
+  if (!land_bufs_.empty()) return;
+  land_base_ = base;
+  land_slot_bytes_ = slot_bytes;
+  land_desc_ = desc;
+  for (uint32_t i = 0; i < count; ++i) {
+    auto b = std::make_unique<LandingBuf>();
+    b->slot = i;
+    land_bufs_.push_back(std::move(b));
+  }
+  for (uint32_t i = 0; i < count; ++i) {
+    LandingBuf& b = *land_bufs_[i];
+    // The buffer itself is the context (its TransportContext first, the provider's scratch space).
+    int rc = transport_->post_recv(land_base_ + uint64_t(i) * land_slot_bytes_, land_slot_bytes_, land_desc_, &b);
+    if (rc != 0) {
+      // Nothing was received yet: give the ring up whole, so the engine reports the registration.
+      throw TransportError("posting landing buffer " + std::to_string(i) + " on NIC " + transport_->nic_name() +
+                           " failed: " + transport_->error_string(-rc) +
+                           (i ? " (" + std::to_string(i) + " already posted stay so)" : ""));
+    }
+    land_posted_.push_back(i);
+  }
+}
+
+void NicWorker::landing_received(const Completion& c) {
+  // The context is the LandingBuf the receive was posted with.
+  auto* b = static_cast<LandingBuf*>(c.context);
+  if (b == nullptr || b->slot >= land_bufs_.size() || land_bufs_[b->slot].get() != b || b->state != LandingBuf::kPosted) {
+    errors_++;
+    return;
+  }
+  b->state = LandingBuf::kReceived;
+  b->c = c;
+  drain_landing();
+}
+
+void NicWorker::landing_done(uint32_t slot) {
+  if (slot >= land_bufs_.size() || land_bufs_[slot]->state != LandingBuf::kBusy) return;
+  land_bufs_[slot]->state = LandingBuf::kDone;
+  drain_landing();
+}
+
+void NicWorker::drain_landing() {
+  // Hand the buffers over in matching order: a message received early waits for the ones before it.
+  while (!land_posted_.empty() && land_bufs_[land_posted_.front()]->state == LandingBuf::kReceived) {
+    LandingBuf& b = *land_bufs_[land_posted_.front()];
+    land_posted_.pop_front();
+    land_busy_.push_back(b.slot);
+    b.state = LandingBuf::kBusy;
+    const char* data = land_base_ + uint64_t(b.slot) * land_slot_bytes_;
+    if (engine_->land(index_, b.slot, data, b.c)) b.state = LandingBuf::kDone;
+  }
+  // Post them again in the same order, so that the receive queue stays in ring order.
+  while (!land_busy_.empty() && land_bufs_[land_busy_.front()]->state == LandingBuf::kDone) {
+    land_repost_.push_back(land_busy_.front());
+    land_busy_.pop_front();
+  }
+  while (!land_repost_.empty()) {
+    LandingBuf& b = *land_bufs_[land_repost_.front()];
+    int rc = transport_->post_recv(land_base_ + uint64_t(b.slot) * land_slot_bytes_, land_slot_bytes_,
+                                   land_desc_, &b);
+    if (rc == -EAGAIN) return;  // tried again with the next completion or command
+    land_repost_.pop_front();
+    if (rc != 0) {
+      // The ring is one buffer short from now on (still correct, only slower).
+      errors_++;
+      std::fprintf(stderr, "weightsync: NIC %s: posting landing buffer %u again failed: %s\n",
+                   transport_->nic_name().c_str(), b.slot, transport_->error_string(-rc).c_str());
+      continue;
+    }
+    b.state = LandingBuf::kPosted;
+    land_posted_.push_back(b.slot);
   }
 }
 

@@ -94,6 +94,8 @@ NB_MODULE(_core, m) {
         return out;
       })
       .def_ro("on_fabric", &ws::LocalRegion::on_fabric)
+      .def_ro("landing", &ws::LocalRegion::landing)
+      .def_ro("landing_slot_bytes", &ws::LocalRegion::landing_slot_bytes)
       .def_ro("fabric_error", &ws::LocalRegion::fabric_error)
       .def_prop_ro("cuda_blob", [](const ws::LocalRegion& r) {
         for (size_t i = r.fabric_nics; i < r.regs.size(); ++i) {
@@ -118,7 +120,8 @@ NB_MODULE(_core, m) {
       .def_ro("id", &ws::RemoteRegion::id)
       .def_ro("len", &ws::RemoteRegion::len)
       .def_ro("peer", &ws::RemoteRegion::peer)
-      .def_prop_ro("by_copy", [](const ws::RemoteRegion& r) { return r.cuda_addr != 0; });
+      .def_prop_ro("by_copy", [](const ws::RemoteRegion& r) { return r.cuda_addr != 0; })
+      .def_ro("landing", &ws::RemoteRegion::landing);
 
   nb::class_<ws::TransferState>(m, "Transfer")
       .def("wait", &ws::TransferState::wait, "timeout"_a, nb::call_guard<nb::gil_scoped_release>(),
@@ -138,7 +141,8 @@ NB_MODULE(_core, m) {
              uint64_t stripe_threshold, uint64_t max_piece, uint64_t window_bytes, uint64_t window_ops,
              double stall_timeout_s, int cuda_device, uint64_t cuda_piece, int cuda_streams,
              double cuda_spin_us, uint64_t staging_slots, bool stage_host_sources, uint64_t cuda_kernel_below,
-             int cuda_kernel_blocks) {
+             int cuda_kernel_blocks, uint64_t landing_slots, uint64_t landing_slot_bytes, bool land_host_regions,
+             bool cuda_peers) {
             ws::EngineConfig cfg;
             cfg.transport = transport;
             cfg.provider = provider;
@@ -156,13 +160,18 @@ NB_MODULE(_core, m) {
             cfg.stage_host_sources = stage_host_sources;
             cfg.cuda_kernel_below = cuda_kernel_below;
             cfg.cuda_kernel_blocks = cuda_kernel_blocks;
+            cfg.landing_slots = landing_slots;
+            cfg.landing_slot_bytes = landing_slot_bytes;
+            cfg.land_host_regions = land_host_regions;
+            cfg.cuda_peers = cuda_peers;
             nb::gil_scoped_release release;
             return ws::Engine::create(cfg);
           },
           "transport"_a, "provider"_a, "nics"_a, "stripe_threshold"_a, "max_piece"_a, "window_bytes"_a,
           "window_ops"_a, "stall_timeout_s"_a, "cuda_device"_a = -1, "cuda_piece"_a = 64ull << 20,
           "cuda_streams"_a = 2, "cuda_spin_us"_a = 50.0, "staging_slots"_a = 4, "stage_host_sources"_a = false,
-          "cuda_kernel_below"_a = 64ull << 20, "cuda_kernel_blocks"_a = 0)
+          "cuda_kernel_below"_a = 64ull << 20, "cuda_kernel_blocks"_a = 0, "landing_slots"_a = 8,
+          "landing_slot_bytes"_a = 0, "land_host_regions"_a = false, "cuda_peers"_a = true)
       .def_prop_ro("uid", &ws::Engine::uid)
       .def_prop_ro("provider", &ws::Engine::provider)
       .def_prop_ro("transport", &ws::Engine::transport_kind)
@@ -181,6 +190,9 @@ NB_MODULE(_core, m) {
       .def_prop_ro("two_d_mode", &ws::Engine::two_d_mode)
       .def_prop_ro("cuda_piece", [](const ws::Engine& e) { return e.config().cuda_piece; })
       .def_prop_ro("cuda_streams", [](const ws::Engine& e) { return e.config().cuda_streams; })
+      .def_prop_ro("landing_slots", [](const ws::Engine& e) { return e.config().landing_slots; })
+      .def_prop_ro("landing_slot_bytes", [](const ws::Engine& e) { return e.config().landing_slot_bytes; })
+      .def_prop_ro("cuda_peers", [](const ws::Engine& e) { return e.config().cuda_peers; })
       .def_prop_ro("closed", &ws::Engine::closed)
       .def("register", [](ws::Engine& e, uintptr_t ptr, uint64_t len, int kind, int device) {
         // Never internal: only the engine's own buffers bypass test-mode staging.
@@ -198,11 +210,11 @@ NB_MODULE(_core, m) {
       })
       .def("import_region", [](ws::Engine& e, std::shared_ptr<ws::Peer> peer, uint64_t id, uint64_t len,
                                const std::vector<uint64_t>& base, const std::vector<uint64_t>& key,
-                               nb::bytes cuda_blob) {
+                               nb::bytes cuda_blob, int landing, uint64_t slot_bytes) {
         std::string blob(cuda_blob.c_str(), cuda_blob.size());
         nb::gil_scoped_release release;
-        return e.import_region(peer, id, len, base, key, blob);
-      })
+        return e.import_region(peer, id, len, base, key, blob, landing, slot_bytes);
+      }, "peer"_a, "id"_a, "len"_a, "base"_a, "key"_a, "cuda_blob"_a, "landing"_a = -1, "slot_bytes"_a = 0)
       .def("imm_count", &ws::Engine::imm_count, "nbytes"_a, "has_imm"_a = true, "rows"_a = 1)
       .def("write", [](ws::Engine& e, std::shared_ptr<ws::LocalRegion> src, uint64_t src_off,
                        std::shared_ptr<ws::RemoteRegion> dst, uint64_t dst_off, uint64_t len,
@@ -263,6 +275,9 @@ NB_MODULE(_core, m) {
           d["in_flight"] = s.in_flight;
           d["batched_writes"] = s.batched_writes;
           d["note"] = s.note;
+          d["landed"] = s.landed;
+          d["landed_bytes"] = s.landed_bytes;
+          d["landing_dropped"] = s.landing_dropped;
           out.append(d);
         }
         return out;

@@ -76,6 +76,14 @@ class CudaTransport final : public Transport {
   void* alloc_pinned(size_t bytes);
   void free_pinned(void* p);
 
+  // Landing copies (on the worker): `len` bytes from page-locked host memory into this device's memory,
+  // on a stream of their own, in FIFO order. Completes later as a Completion::kLanded with `context`
+  // (after every landing copy posted before it). len 0 still completes in that order. 0 or -errno.
+  int post_landing_copy(void* dst, const void* src, size_t len, void* context);
+  // Waits for every landing copy queued (close: before the ring's host memory is freed); returns the
+  // contexts of those not yet reported, which will never be.
+  std::vector<void*> drain_landing();
+
  private:
   void check(int rc, const char* what) const;
   void make_current() const;
@@ -140,6 +148,8 @@ class CudaTransport final : public Transport {
   uint64_t next_peer_ = 1;
   std::deque<Inflight> inflight_;
   std::deque<Inflight> ready_;  // zero-length writes: nothing to wait for, reported at the next poll
+  void* landing_stream_ = nullptr;
+  std::deque<std::pair<void*, void*>> landing_;  // (event, context) of landing copies, in order
   std::vector<void*> free_events_;
   // Opened peer allocations, by IPC handle bytes: opening one twice in a context fails.
   std::unordered_map<std::string, uint64_t> opened_;

@@ -54,6 +54,19 @@ struct EngineConfig {
   // Tests only: host sources are kept off the NICs and staged the same way (with memcpy), so the
   // staging pipeline runs on machines without GPUs.
   bool stage_host_sources = false;
+  // Landing regions: GPU memory the fabric NICs cannot register (no FI_HMEM) is still a destination for
+  // fabric peers. Writes into it arrive as tagged messages in a ring of `landing_slots` page-locked host
+  // buffers of `landing_slot_bytes` (0: max_piece) per NIC, each copied to the GPU on the cuda lane,
+  // its immediate counted once the copy is done, and the buffer posted again. The provider's flow
+  // control (a large message waits for a posted receive) bounds what is in flight.
+  uint64_t landing_slots = 8;
+  uint64_t landing_slot_bytes = 0;
+  // Tests only: host regions are landing regions too (not registered on the NICs; the ring is malloc'd
+  // and copied out with memcpy on the NIC's worker), so the protocol runs on machines without GPUs.
+  bool land_host_regions = false;
+  // false: the cuda lane only stages and lands; peers on this host are written over the fabric NICs
+  // (and this engine does not offer its cuda lane to them: see weightsync/engine.py).
+  bool cuda_peers = true;
 };
 
 // What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) alive:
@@ -62,6 +75,7 @@ struct RegistrationHold {
   std::weak_ptr<Engine> engine;
   uint64_t id = 0;
   std::vector<MemRegistration> regs;
+  int landing = -1;  // the region's landing index, retired with it
   ~RegistrationHold();
 };
 
@@ -76,6 +90,12 @@ struct LocalRegion {
   size_t fabric_nics = 0;
   bool on_fabric = true;  // false: GPU memory the fabric NICs could not register (no FI_HMEM)
   std::string fabric_error;
+  // >= 0: a landing region (see EngineConfig::landing_slots): fabric peers write into it with tagged
+  // messages of at most landing_slot_bytes, tagged (landing << 48) | offset. Its fabric registrations
+  // (`regs`, the descriptor's keys) are then those of a few guard bytes of host memory, closed when the
+  // region is deregistered, so that a writer finds out (see Engine::post_ops).
+  int landing = -1;
+  uint64_t landing_slot_bytes = 0;
   std::atomic<bool> valid{true};
   std::shared_ptr<Engine> engine;  // registrations are released through the engine's workers
   // Null once deregistered. Pieces take their own reference (pin) while the region is valid.
@@ -111,6 +131,8 @@ struct RemoteRegion {
   std::vector<uint64_t> base;  // per remote NIC
   std::vector<uint64_t> key;   // per remote NIC
   uint64_t cuda_addr = 0;      // mapped through CUDA IPC on our cuda lane (0: not reachable that way)
+  int landing = -1;            // >= 0: a landing region; base/key are then its guard's
+  uint64_t slot_bytes = 0;     // landing region: largest message its receive buffers take
 };
 
 struct Piece;
@@ -150,6 +172,8 @@ struct Piece {
   int nic = -1;
   uint64_t signals = 0;  // cuda lane: immediates to deliver over a fabric NIC once the copy is done
   bool stale = false;  // superseded by a retry on another NIC; its completion is ignored
+  bool tagged = false;  // into a landing region: a tagged message, not an RMA write
+  int fixed_nic = -1;   // landing: every message of the op on this NIC (send order = landing order)
 };
 
 struct NicStats {
@@ -164,6 +188,9 @@ struct NicStats {
   uint64_t in_flight = 0;
   uint64_t batched_writes = 0;  // cuda lane: writes that went through the batched copy kernel
   std::string note;             // e.g. why the batched copy kernel is off
+  uint64_t landed = 0;           // messages copied into landing regions
+  uint64_t landed_bytes = 0;
+  uint64_t landing_dropped = 0;  // messages for a landing region that was gone, or out of its bounds
 };
 
 // Owns one NIC's transport and the thread that alone touches it. Everything reaches the worker
@@ -186,6 +213,18 @@ class NicWorker {
   Transport& transport() { return *transport_; }
   NicStats stats();
 
+  // The landing ring of a fabric NIC (on this worker's thread only): `count` receive buffers of
+  // `slot_bytes` at `base`, posted now and again each time the engine is done with one.
+  void start_landing(char* base, uint64_t slot_bytes, uint32_t count, void* desc);
+  // The engine is done with buffer `slot` (its copy finished or it was dropped); on this worker's thread.
+  void landing_done(uint32_t slot);
+  void count_landed(uint64_t bytes, bool imm) {
+    landed_++;
+    landed_bytes_ += bytes;
+    if (imm) imm_received_++;
+  }
+  void count_dropped() { landing_dropped_++; }
+
  private:
   void run();
   void post_pending();
@@ -193,6 +232,8 @@ class NicWorker {
   void fail_path(Peer* peer, const std::string& why);
   void check_stalls();
   void shutdown_pieces();
+  void landing_received(const Completion& c);
+  void drain_landing();
 
   Engine* engine_;
   int index_;
@@ -222,8 +263,26 @@ class NicWorker {
   std::chrono::steady_clock::time_point blocked_since_{};  // head of pending_ refused with EAGAIN since
   std::chrono::steady_clock::time_point last_stall_check_{};
 
+  // Landing ring (fabric NICs). Receives match messages in the order they were posted, and buffers
+  // are handed to the engine and posted again strictly in that order: the engine then sees a path's
+  // messages in the order they were sent (FI_ORDER_SAS), even where a large message completes later
+  // than a small one behind it.
+  struct LandingBuf {
+    TransportContext tctx;
+    uint32_t slot = 0;
+    enum State { kPosted, kReceived, kBusy, kDone } state = kPosted;
+    Completion c;
+  };
+  char* land_base_ = nullptr;
+  uint64_t land_slot_bytes_ = 0;
+  void* land_desc_ = nullptr;
+  std::vector<std::unique_ptr<LandingBuf>> land_bufs_;
+  std::deque<uint32_t> land_posted_;  // posted, in posting order (= matching order)
+  std::deque<uint32_t> land_busy_;    // handed to the engine, in order; posted again from the front
+  std::deque<uint32_t> land_repost_;  // refused with EAGAIN: posted again first, in order
+
   std::atomic<uint64_t> bytes_completed_{0}, writes_completed_{0}, imm_received_{0}, errors_{0},
-      rerouted_{0}, failed_paths_{0}, in_flight_{0};
+      rerouted_{0}, failed_paths_{0}, in_flight_{0}, landed_{0}, landed_bytes_{0}, landing_dropped_{0};
 };
 
 // One write of a batch. rows > 1 makes it 2-D: `rows` rows of `len` bytes, the rows `src_pitch` and
@@ -288,9 +347,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
                                 const std::vector<std::string>& addresses, const std::string& cuda_address,
                                 const std::vector<uint64_t>& doorbell_base,
                                 const std::vector<uint64_t>& doorbell_key);
+  // landing >= 0: a landing region of the peer, written with messages of at most slot_bytes.
   std::shared_ptr<RemoteRegion> import_region(const std::shared_ptr<Peer>& peer, uint64_t id, uint64_t len,
                                               const std::vector<uint64_t>& base,
-                                              const std::vector<uint64_t>& key, const std::string& cuda_blob);
+                                              const std::vector<uint64_t>& key, const std::string& cuda_blob,
+                                              int landing = -1, uint64_t slot_bytes = 0);
 
   // Immediates a write of `nbytes` (per row) delivers: one per piece for a 1-D write (see piece_size),
   // exactly one for a 2-D write (rows > 1), none without an immediate.
@@ -321,7 +382,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Routes a piece whose path (nic, peer) failed to another NIC, or fails it when none is left.
   void reroute(Piece* p, int failed_nic, const std::string& why);
   void piece_failed(Piece* p, const std::string& why);
-  void release_region(uint64_t id, std::vector<MemRegistration> regs);
+  void release_region(uint64_t id, std::vector<MemRegistration> regs, int landing = -1);
+  // A tagged receive of NIC `nic` completed into `buf` (its landing ring's buffer `slot`): check it and
+  // copy it into its landing region. true: done with the buffer now (copied, or dropped); false: a copy
+  // on the cuda lane is under way, and the engine calls NicWorker::landing_done when it is over.
+  bool land(int nic, uint32_t slot, const char* buf, const Completion& c);
+  // The cuda lane finished (ok) or failed a landing copy started by land().
+  void landing_copied(void* job, bool ok, const std::string& why);
 
  private:
   explicit Engine(const EngineConfig& cfg);
@@ -357,6 +424,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void send_staged(Piece* p);
   void release_slot(Piece* p);
   void fire(const std::shared_ptr<Trigger>& t);
+  // Landing regions (see EngineConfig::landing_slots).
+  void ensure_landing();
+  void make_landing(LocalRegion& region);
+  // Takes a landing index out of service: messages for it are dropped from now on. With `wait`, copies
+  // into the region already under way are waited for (bounded), so its memory may be freed afterwards.
+  void retire_landing(int index, uint64_t region_id, bool wait);
+  void make_landing_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
+                           const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
+                           const std::shared_ptr<RemoteRegion>& dst, bool has_imm,
+                           std::vector<std::vector<Piece*>>& per_nic);
 
   EngineConfig cfg_;
   std::string uid_;
@@ -369,6 +446,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::atomic<bool> closed_{false};
   bool fabric_delivery_complete_ = true;  // every NIC can complete a write at delivery
   bool fabric_ordered_ = true;            // every NIC places the writes of one path in order
+  bool fabric_tagged_ = true;             // every NIC sends tagged messages (can write landing regions)
+  bool fabric_sends_ordered_ = true;      // ... and matches a path's messages in posting order
   std::atomic<uint64_t> next_region_{1}, next_peer_{1}, rr_{0};
   struct StagingPool {
     std::mutex mu;
@@ -389,6 +468,34 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::atomic<uint64_t> next_trigger_{1};
   std::mutex regions_mu_;
   std::unordered_map<uint64_t, std::vector<MemRegistration>> live_regions_;
+  // Landing regions by index (16 bits in a message's tag). An index is reused only after all others
+  // were handed out since (round robin), so a message late for a retired region is all but certain
+  // to find its index empty rather than another region's.
+  struct LandingEntry {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool valid = true;
+    char* ptr = nullptr;
+    uint64_t len = 0;
+    MemKind kind = MemKind::kHost;
+    uint64_t region_id = 0;
+    uint64_t copies = 0;  // cuda-lane copies into it under way (retiring waits for them)
+  };
+  struct LandingJob;  // one landing copy on the cuda lane (engine.cpp)
+  std::atomic<uint64_t> landing_drops_logged_{0};
+  static constexpr uint32_t kLandingIndices = 1u << 16;
+  static constexpr int kLandingOffsetBits = 48;
+  std::mutex landing_mu_;
+  std::vector<std::shared_ptr<LandingEntry>> landing_;  // by index; null: free
+  uint32_t landing_next_ = 0;
+  uint32_t landing_live_ = 0;
+  std::mutex landing_init_mu_;
+  bool landing_ready_ = false;
+  char* landing_base_ = nullptr;  // fabric_nics_ rings of landing_slots x landing slot bytes
+  bool landing_pinned_ = false;
+  std::shared_ptr<LocalRegion> landing_region_;
+  std::unique_ptr<unsigned char[]> landing_guard_;  // 8 guard bytes per landing index
+  std::shared_ptr<LandingEntry> landing_entry(uint64_t index);
 };
 
 }  // namespace weightsync

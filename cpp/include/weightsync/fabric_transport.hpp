@@ -8,9 +8,11 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_rma.h>
+#include <rdma/fi_tagged.h>
 
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "weightsync/transport.hpp"
@@ -53,6 +55,9 @@ class FabricTransport final : public Transport {
   bool delivery_complete() const override { return delivery_complete_; }
   bool hmem() const { return hmem_; }
   bool orders_writes() const override { return orders_writes_; }
+  bool tagged() const override { return tagged_; }
+  bool orders_sends() const override { return orders_sends_; }
+  int post_recv(void* buf, size_t len, void* desc, void* context) override;
   uint64_t max_write() const override { return max_msg_size_; }
   size_t max_outstanding() const override { return tx_size_; }
   std::string error_string(int err) const override;
@@ -80,11 +85,16 @@ class FabricTransport final : public Transport {
   bool delivery_complete_ = false;  // the provider accepts FI_DELIVERY_COMPLETE on a write
   bool hmem_ = false;               // opened with FI_HMEM: GPU memory registers like host memory
   bool orders_writes_ = false;      // FI_ORDER_WAW: writes on one path land in posting order
+  bool tagged_ = false;             // opened with FI_TAGGED (landing regions, see Engine)
+  bool orders_sends_ = false;       // FI_ORDER_SAS: sends on one path are matched in posting order
+  // Contexts of the tagged receives posted now: their completions (and errors) are told apart from
+  // those of our sends and of the zero-length receives for remote CQ data by this set, not by flags.
+  std::unordered_set<void*> posted_recvs_;
   // Receive contexts for providers with FI_RX_CQ_DATA.
   std::vector<TransportContext> rx_ctx_;
   // A completion that wait() read while blocking in fi_cq_sread, handed out by the next poll().
   bool stash_valid_ = false;
-  fi_cq_data_entry stash_{};
+  fi_cq_tagged_entry stash_{};
   bool stash_error_ = false;
 };
 

@@ -4,6 +4,7 @@
 // touched by the single worker thread that owns it, so implementations need no locking of their own.
 #pragma once
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -48,14 +49,25 @@ struct WriteRequest {
   uint32_t imm_repeat = 1;  // immediates to push for this one copy (the engine's count for the write)
   uint64_t remote_region = 0;  // the destination's region id, checked against its live registrations
   bool src_device = false;     // cuda lane: the source is GPU memory (a kernel can read it)
+  // fabric only: send a tagged message instead of an RMA write (a landing region at the destination,
+  // memory its NICs cannot register: the message lands in one of its receive buffers, see Engine).
+  // `remote_addr`/`key` are then unused; `imm`, if any, travels as the message's CQ data.
+  bool tagged = false;
+  uint64_t tag = 0;
 };
 
 struct Completion {
-  enum Kind { kLocalDone, kLocalError, kRemoteImm };
+  // kRecv: a receive posted with post_recv completed (error != 0: it failed, e.g. truncated); the buffer
+  // is the transport's no more until posted again. kLanded: the cuda lane finished (or failed, error != 0)
+  // a copy started with CudaTransport::post_landing_copy.
+  enum Kind { kLocalDone, kLocalError, kRemoteImm, kRecv, kLanded };
   Kind kind = kLocalDone;
-  void* context = nullptr;  // for local completions: the WriteRequest's context
-  uint32_t imm = 0;         // for kRemoteImm
-  int error = 0;            // for kLocalError: a positive FI_E* / errno code
+  void* context = nullptr;  // for local completions: the WriteRequest's context; kRecv/kLanded: the post's
+  uint32_t imm = 0;         // for kRemoteImm, and kRecv with has_imm
+  bool has_imm = false;     // kRecv: the message carried CQ data
+  uint64_t len = 0;         // kRecv: bytes received
+  uint64_t tag = 0;         // kRecv: the message's tag
+  int error = 0;            // for kLocalError (and failed kRecv/kLanded): a positive FI_E* / errno code
   std::string message;      // for kLocalError: provider's words
 };
 
@@ -94,6 +106,16 @@ class Transport {
   // placed at the target in the order they were posted (then a later write cannot overtake them).
   virtual bool delivery_complete() const { return true; }
   virtual bool orders_writes() const { return false; }
+
+  // Tagged messages (fabric): whether the endpoint was opened with FI_TAGGED, and whether two sends on
+  // one path are matched at the target in the order they were posted (FI_ORDER_SAS).
+  virtual bool tagged() const { return false; }
+  virtual bool orders_sends() const { return false; }
+  // Posts a tagged receive of up to `len` bytes that matches any tag. 0, -EAGAIN or another -errno.
+  virtual int post_recv(void* buf, size_t len, void* desc, void* context) {
+    (void)buf, (void)len, (void)desc, (void)context;
+    return -ENOSYS;
+  }
 
   virtual uint64_t max_write() const = 0;       // largest single write the transport accepts
   virtual size_t max_outstanding() const = 0;   // operations it can hold in flight
