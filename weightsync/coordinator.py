@@ -5,6 +5,8 @@ engine address and descriptors; once every rank of both roles is present it plan
 lowers each source's ops to writes (weightsync.writes) and keeps, per participant, the part it needs.
 A change of membership (a rank reported dead, a replacement or a new destination joining) re-plans
 under a new *epoch*; participants notice the epoch on their next push and fetch their new part.
+Sources learn the epoch without a round trip on the push's path: each keeps a long-poll
+(``wait_epoch``) open from a thread of its own (weightsync.group._EpochWatcher).
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ SOURCE, DESTINATION = "source", "destination"
 # docs/BENCHMARKS.md).
 RELAY_CHUNK_BYTES = 64 << 20
 _RELAY_MAX_CHUNKS = 1 << 24  # chunk index bits of a relay immediate
+# How long a membership change (join, report_dead) waits, before returning, for every source's epoch
+# watcher to have heard the new epoch: so that a push started after the change returned uses the new
+# plan, as it did when every push asked the coordinator. A watcher that has not answered by then is
+# dropped from the wait (it re-registers with its next long-poll) and its source may push one more
+# time with the old plan.
+WATCHER_ACK_TIMEOUT = 2.0
+# A watcher that has not called for this long past its long-poll's timeout is gone (its process died).
+_WATCHER_GRACE = 5.0
 
 
 def relay_imm(epoch: int, chunk: int) -> int:
@@ -113,6 +123,10 @@ class Coordinator:
         self.epoch = 0
         self._parts: dict[tuple[str, int], bytes] = {}
         self._error: dict[str, Any] | None = None  # why the last planning attempt failed
+        # Sources' epoch watchers, by source rank: (token, the newest epoch it has heard: the after_epoch of
+        # its latest wait_epoch, monotonic time after which it counts as gone).
+        self._watchers: dict[int, tuple[str, int, float]] = {}
+        self._ack_waiters = 0  # membership changes waiting for watchers to hear their epoch
 
     # -- membership ----------------------------------------------------------------------------------
     def join(self, secret: str, role: str, rank: int, layout: bytes, address: bytes, host: str,
@@ -133,8 +147,11 @@ class Coordinator:
             self._members[(role, rank)] = Member(role, rank, layout, address, host, engine, descriptors,
                                                  mailbox, joined_epoch=before)
             self._dead.discard((role, rank))
+            if role == SOURCE:
+                self._watchers.pop(rank, None)  # a new process: the old one's watcher is not its own
             log.info("group %s: %s rank %d joined from %s", self.name, role, rank, host)
             self._replan_if_complete()
+            self._await_watchers(self.epoch)
             # The epoch before this join: the member's first part is the first plan newer than it.
             return before
 
@@ -154,6 +171,7 @@ class Coordinator:
                     log.warning("group %s: %s rank %d reported dead by %s", self.name, role, r, reporter)
             if changed:
                 self._replan_if_complete()
+            self._await_watchers(self.epoch)
             return self.epoch
 
     # -- planning ----------------------------------------------------------------------------------
@@ -374,6 +392,61 @@ class Coordinator:
     def current_epoch(self) -> int:
         return self.epoch
 
+    # -- sources' epoch watchers: the plan epoch without a round trip on the push's path ---------------
+    def wait_epoch(self, secret: str, rank: int, token: str, after_epoch: int, timeout: float) -> int:
+        """Long-poll of source ``rank``'s epoch watcher: returns the epoch as soon as it is newer than
+        ``after_epoch``, or the current one after ``timeout`` s. A call says that the watcher already
+        holds ``after_epoch`` (it sets it before calling again), which is what ``_await_watchers`` waits
+        for."""
+        if not hmac.compare_digest(secret, self._secret):
+            raise WeightSyncError(f"group {self.name!r}: source rank {rank} presented a wrong secret")
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            self._watchers[int(rank)] = (token, int(after_epoch), deadline + _WATCHER_GRACE)
+            if self._ack_waiters:
+                self._cv.notify_all()
+            while self.epoch <= after_epoch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            return self.epoch
+
+    def unwatch(self, secret: str, rank: int, token: str) -> None:
+        """Source ``rank``'s watcher stopped (the source closed): membership changes no longer wait for it."""
+        if not hmac.compare_digest(secret, self._secret):
+            raise WeightSyncError(f"group {self.name!r}: source rank {rank} presented a wrong secret")
+        with self._cv:
+            w = self._watchers.get(int(rank))
+            if w is not None and w[0] == token:
+                del self._watchers[int(rank)]
+                self._cv.notify_all()
+
+    def _await_watchers(self, epoch: int) -> None:
+        """Called holding the lock after a membership change: waits (at most WATCHER_ACK_TIMEOUT) until
+        every live source's watcher holds ``epoch``. The change is then visible to any push that starts
+        after the caller got its answer, without that push asking the coordinator."""
+        deadline = time.monotonic() + WATCHER_ACK_TIMEOUT
+        while True:
+            now = time.monotonic()
+            behind = [r for r, (_, seen, gone) in self._watchers.items()
+                      if seen < epoch and now < gone and (SOURCE, r) in self._members]
+            if not behind:
+                return
+            left = deadline - now
+            if left <= 0:
+                for r in behind:
+                    del self._watchers[r]
+                log.warning("group %s: the epoch watchers of source ranks %s did not hear plan epoch %d "
+                            "within %s s (their next push may still use the previous plan)", self.name,
+                            behind, epoch, WATCHER_ACK_TIMEOUT)
+                return
+            self._ack_waiters += 1
+            try:
+                self._cv.wait(left)
+            finally:
+                self._ack_waiters -= 1
+
     # -- FP8 gathers: sources expose a receive buffer to each other ---------------------------------
     def publish_receive(self, secret: str, rank: int, epoch: int, descriptor: bytes) -> None:
         """Source ``rank`` registered its receive buffer for plan ``epoch`` (sized by that plan)."""
@@ -423,4 +496,6 @@ class Coordinator:
                 "error": self._error,
                 "relay": bool(self._chain),
                 "chain": list(self._chain),  # relay: destination ranks in forwarding order (head first)
+                # sources' epoch watchers: rank -> the newest epoch each has heard
+                "watchers": {r: seen for r, (_, seen, _) in sorted(self._watchers.items())},
             }
