@@ -44,15 +44,19 @@ def test_destination_dies_mid_push_then_replacement_and_new_replica(ray_cluster)
         pushes = [t.push.remote(2, timeout=20.0) for t in trainers]
         ray.kill(rollouts[2])
         start = time.monotonic()
-        stats = ray.get(pushes, timeout=60)
+        stats2 = ray.get(pushes, timeout=60)
         assert time.monotonic() - start < 30  # back within the push timeout (plus Ray overhead)
         # Killed before or after it acked: either way the healthy ones hold version 2.
-        assert all(set(s["failed_destinations"]) <= {2} for s in stats)
+        assert all(set(s["failed_destinations"]) <= {2} for s in stats2)
         _check(rollouts[:2], DESTS[:2], 2)
 
         # Version 3 with the replica gone: the coordinator re-planned without it (if it was reported).
         stats = ray.get([t.push.remote(3, timeout=20.0) for t in trainers], timeout=60)
         assert all(s["failed_destinations"] in ([], [2]) for s in stats)
+        for s2, s3 in zip(stats2, stats, strict=True):
+            if 2 in s2["failed_destinations"]:
+                # This source reported it: its next push uses the plan made without it.
+                assert 2 not in s3["destinations"] and s3["epoch"] > s2["epoch"], (s2, s3)
         _check(rollouts[:2], DESTS[:2], 3)
 
         # A replacement under rank 2 and a new replica as rank 3: complete after the next push.

@@ -2,7 +2,9 @@
 
 A push, from one source's point of view (every source does this at the same time, SPMD):
 
-1. fetch a new plan part only if the coordinator's epoch moved (membership changed);
+1. fetch a new plan part only if the coordinator's epoch moved (membership changed): the source's epoch
+   watcher (a thread long-polling the coordinator) keeps the epoch at hand, so this costs no round trip
+   unless the watcher is unhealthy;
 2. per destination submit one batch: the direct writes (contiguous, no transform) with immediate
    ``DATA(epoch, version)`` and a 16-byte *announce* of ``(epoch, version)`` into the destination's
    mailbox slot with immediate ``ANNOUNCE``;
@@ -41,6 +43,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,6 +182,122 @@ class Group:
 
         internal_kv._internal_kv_del(_secret_key(self.name))
         ray.kill(self._actor)
+
+
+# ------------------------------------------------------------------------------------------------
+# Epoch watcher
+
+
+class _EpochWatcher:
+    """A source's thread that keeps the coordinator's plan epoch at hand, so that a push does not ask for
+    it (a Ray round trip, 1.3-1.6 ms of a 45 ms push on a 4-GPU host, on every push's critical path).
+
+    It loops on the coordinator's long-poll ``wait_epoch``: the call returns as soon as the epoch moves
+    past the one this watcher holds, or after ``POLL_S`` with the current one. ``epoch()`` is the newest
+    epoch heard, or None when the watcher cannot vouch for it (no answer yet, the coordinator unreachable
+    or silent for longer than a poll, the thread gone): the push then asks the coordinator itself.
+
+    The thread never blocks inside Ray: a Ray call made after ``ray.shutdown()`` ends the process (the
+    core worker exits it), so the answer is awaited as a Python future that Ray's own thread completes,
+    and Ray is entered only for the moment it takes to submit the next call (once per answer), after
+    checking that Ray is still up (checked once a second while waiting, too: after a shutdown the answer
+    never comes). A watcher that finds Ray shut down stops. ``stop()`` wakes the thread at once; it is
+    registered with atexit when the watcher starts, after ``import ray``, so at interpreter exit it runs
+    before Ray's own shutdown hook (atexit runs last-registered first).
+    """
+
+    POLL_S = 10.0  # the coordinator answers at least this often: silence beyond it means trouble
+    GRACE_S = 5.0  # a Ray round trip under load, on top of POLL_S
+    RETRY_S = 1.0  # after a failed call; doubled per failure up to POLL_S (a group shut down stays so)
+
+    def __init__(self, coord: Any, secret: str, group: str, rank: int) -> None:
+        self._coord = coord
+        self._secret = secret
+        self._group = group
+        self._rank = rank
+        self.token = secrets.token_hex(8)
+        # (epoch, monotonic time heard) as one attribute: push() reads both without a lock
+        self._heard: tuple[int, float] | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # the current call's: its answer arrived, or stop()
+        self._thread = threading.Thread(target=self._run, name=f"weightsync-{group}-src{rank}-epoch",
+                                        daemon=True)
+        atexit.register(self.stop)
+        self._thread.start()
+
+    def epoch(self) -> int | None:
+        """The newest plan epoch heard, or None when the watcher cannot vouch for it."""
+        heard = self._heard
+        if heard is None or not self._thread.is_alive():
+            return None
+        epoch, at = heard
+        if time.monotonic() - at > self.POLL_S + self.GRACE_S:
+            return None
+        return epoch
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        import ray
+
+        log_ = _group_logger(self._group)
+        after = -1  # the first call answers at once: the watcher is of use from the first push on
+        retry = 0.0
+        while not self._stop.is_set():
+            if not ray.is_initialized():
+                break  # Ray was shut down under this thread; calling it would start a new local Ray
+            # One event per call: an abandoned call's late answer must not wake the next wait.
+            wake = self._wake = threading.Event()
+            if self._stop.is_set():
+                break
+            try:
+                future = self._coord.wait_epoch.remote(self._secret, self._rank, self.token, after,
+                                                       self.POLL_S).future()
+                future.add_done_callback(lambda _, wake=wake: wake.set())
+                sent = time.monotonic()
+                # Woken by the answer or stop(); once a second, to notice Ray shut down under it (its
+                # callbacks then never come).
+                while not wake.wait(1.0) and ray.is_initialized():
+                    if time.monotonic() - sent > self.POLL_S + self.GRACE_S:
+                        raise TimeoutError(f"no answer within {self.POLL_S + self.GRACE_S} s")
+                if self._stop.is_set() or not ray.is_initialized():
+                    break
+                epoch = int(future.result(timeout=0))
+            except Exception as exc:  # the coordinator unreachable or gone: pushes ask it themselves
+                self._heard = None
+                if not retry and not self._stop.is_set():
+                    log_.warning("source %d: epoch watcher: %s; pushes ask the coordinator until it answers",
+                                 self._rank, exc)
+                retry = min(retry * 2 or self.RETRY_S, self.POLL_S)
+                self._stop.wait(retry)
+                continue
+            if retry:
+                log_.info("source %d: epoch watcher answered again", self._rank)
+                retry = 0.0
+            after = max(after, epoch)
+            # Set before the next call: a call with ``after`` tells the coordinator this epoch is held here.
+            self._heard = (after, time.monotonic())
+        self._heard = None
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stops the thread (at once: it waits on an event this sets) and tells the coordinator."""
+        first = not self._stop.is_set()
+        self._stop.set()
+        self._wake.set()
+        atexit.unregister(self.stop)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._heard = None
+        if first:
+            try:
+                import ray
+
+                if ray.is_initialized():
+                    self._coord.unwatch.remote(self._secret, self._rank, self.token)
+            except Exception:  # best effort: the coordinator forgets a silent watcher after its poll anyway
+                pass
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,7 +473,42 @@ class Source(_Participant):
         self._metrics: Any = None
         self._pool_region: Region | None = None
         self._recv_region: Region | None = None
+        self._reported: Any = None  # report_dead of the last push, not yet known to have re-planned
+        self._watcher: _EpochWatcher | None = None
+        self._epoch_fallbacks = 0  # pushes that asked the coordinator for the epoch (watcher unhealthy)
         self._join({})
+        self._watcher = _EpochWatcher(self._coord, self._secret, group, self.rank)
+        # A source dropped without close() stops its watcher too (the watcher holds no reference to it).
+        weakref.finalize(self, self._watcher.stop, 0.0)
+
+    def _plan_epoch(self, timeout: float) -> int:
+        """The coordinator's plan epoch as this push must see it.
+
+        From the epoch watcher, without a round trip. Like the round trip it replaces, it may lag a
+        re-plan: a re-plan could always land just after the coordinator answered; now the lag is the
+        long-poll's delivery (a one-way Ray reply, well under a push). Membership changes wait for the
+        watchers to hear them before they return (Coordinator._await_watchers), so a push that starts
+        after a join or report returned sees the new plan. A report this source made itself is awaited
+        (its answer is the epoch after it); with the watcher unhealthy the coordinator is asked."""
+        import ray
+
+        epoch = -1
+        if self._reported is not None:
+            ref, self._reported = self._reported, None
+            try:
+                epoch = int(ray.get(ref, timeout=timeout))
+            except Exception as exc:  # the report is lost; the epoch still comes from below
+                self.log.warning("source %d: reporting failed destinations failed: %s", self.rank, exc)
+        heard = self._watcher.epoch() if self._watcher is not None else None
+        if heard is None:
+            self._epoch_fallbacks += 1
+            heard = ray.get(self._coord.current_epoch.remote(), timeout=timeout)
+        return max(epoch, heard)
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        super().close()
 
     def _engine_info(self) -> dict[str, int]:
         # A GPU source's writes go over the cuda lane, where a 2-D copy reads strided rows at full speed:
@@ -726,15 +880,13 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
     Called by every source rank (like a collective). Returns once every destination this source
     writes to has confirmed the complete version, or reports the ones that failed (see module doc).
     """
-    import ray
-
     if not 0 <= version < 1 << 62:
         raise WeightSyncError(f"version {version} must be a non-negative integer")
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout
     phases: dict[str, float] = {}
-    epoch = ray.get(src._coord.current_epoch.remote(), timeout=timeout)
-    if epoch != src.epoch:
+    # ">": the watcher may not have heard yet an epoch this source already fetched by itself.
+    if src._plan_epoch(timeout) > src.epoch:
         src._fetch_part(max(deadline - time.monotonic(), 0.1))
     phases["plan"] = time.perf_counter() - t0
 
@@ -835,7 +987,8 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
             missing = [r for r in src._relay if r in failed and r in waiting]
             dead = sorted({r for r in failed if r not in waiting} | set(missing[:1]))
         if dead:
-            src._coord.report_dead.remote(f"source {src.rank}", DESTINATION, dead, src.epoch)
+            # Not awaited here (the push's caller gets its answer now): the next push awaits it.
+            src._reported = src._coord.report_dead.remote(f"source {src.rank}", DESTINATION, dead, src.epoch)
         if not acked:
             raise TimeoutError(f"group {src.group!r}: push of version {version} from source {src.rank}: no "
                                f"destination confirmed within {timeout} s ({failed[min(failed)]})")
