@@ -9,9 +9,8 @@
 * latency of a 4 KiB write plus its counter (median microseconds, source side: submit to completion,
   the completion including the immediate's delivery);
 * a push round made of many tensors (``--shards``): the shards an FSDP-2 trainer of Llama-3-8B holds
-  (291 tensors, 8.03 GB, 4 MiB to 501 MiB) as one ``write_batch`` into another GPU, with the batched
-  copy kernel off (one copy-engine copy per tensor) and on for writes below each ``--kernel-below-mib``,
-  against one copy of the same total bytes; verified byte for byte.
+  (291 tensors, 8.03 GB, 4 MiB to 501 MiB) as one ``write_batch`` into another GPU (one copy-engine
+  copy per tensor), against one copy of the same total bytes; verified byte for byte.
 
 The cuda lane's settings can be swept in one run: ``--cuda-piece-mib 16,64,256,0 --cuda-streams 1,2,4
 --spin-us 0,50`` measures every combination (both engines reconfigured each time) and prints, per
@@ -77,7 +76,7 @@ def llama8b_fsdp2_shards() -> list[int]:
 
 
 def shards_round(args: argparse.Namespace, card: str) -> dict[str, Any]:
-    """One write_batch of a trainer's shards (kernel off, then on), against one copy of the same bytes."""
+    """One write_batch of a trainer's shards, against one copy of the same bytes."""
     sizes = llama8b_fsdp2_shards()
     total = sum(sizes)
     ops, at = [], 0
@@ -93,33 +92,27 @@ def shards_round(args: argparse.Namespace, card: str) -> dict[str, Any]:
                            "bound_how": bound["how"]}
     print(f"{len(sizes)} tensors, {total / 1e9:.2f} GB; one {at / 1e9:.2f} GB copy: {bound['gbps']:.1f} GB/s",
           flush=True)
-    for below in parse_list(args.kernel_below_mib):
-        below *= MiB
-        name = ("copy engines, one copy per tensor" if below == 0
-                else f"batched copy kernel below {below // MiB} MiB")
-        src, dst = end.remote(cuda_kernel_below=below), end.remote(cuda_kernel_below=below)
-        dst_info = ray.get(dst.info.remote())
-        s_id, _ = ray.get(src.alloc.remote(at, seed=11))
-        times = []
-        for rep in range(args.repeat + 1):
-            d_id, d_desc = ray.get(dst.alloc.remote(at))  # poisoned afresh each time
-            res = ray.get(src.write_batch.remote(s_id, dst_info["address"], d_desc, ops, imm=5 + rep))
-            ray.get(dst.counter_wait.remote(5 + rep, res["imm_count"]))
-            ok = ray.get(dst.check_ops.remote(d_id, ops, 11, at))
-            if ok != {"data": True}:
-                raise SystemExit(f"wrong bytes with {name}: {ok}")
-            ray.get(dst.free.remote(d_id))
-            if rep > 0:
-                times.append(res["seconds"])
-        stats = ray.get(src.stats.remote())
-        batched = sum(s.get("batched_writes", 0) for s in stats)
-        gbps = total / statistics.median(times) / 1e9
-        out[name] = {"gbps": gbps, "ratio": gbps / bound["gbps"], "times": times, "batched_writes": batched,
-                     "notes": [s["note"] for s in stats if s.get("note")]}
-        print(f"{name}: median {statistics.median(times) * 1e3:.2f} ms, {gbps:.1f} GB/s, "
-              f"{gbps / bound['gbps']:.3f} of one copy ({batched} writes batched), verified", flush=True)
-        ray.kill(src)
-        ray.kill(dst)
+    name = "copy engines, one copy per tensor"
+    src, dst = end.remote(), end.remote()
+    dst_info = ray.get(dst.info.remote())
+    s_id, _ = ray.get(src.alloc.remote(at, seed=11))
+    times = []
+    for rep in range(args.repeat + 1):
+        d_id, d_desc = ray.get(dst.alloc.remote(at))  # poisoned afresh each time
+        res = ray.get(src.write_batch.remote(s_id, dst_info["address"], d_desc, ops, imm=5 + rep))
+        ray.get(dst.counter_wait.remote(5 + rep, res["imm_count"]))
+        ok = ray.get(dst.check_ops.remote(d_id, ops, 11, at))
+        if ok != {"data": True}:
+            raise SystemExit(f"wrong bytes with {name}: {ok}")
+        ray.get(dst.free.remote(d_id))
+        if rep > 0:
+            times.append(res["seconds"])
+    gbps = total / statistics.median(times) / 1e9
+    out[name] = {"gbps": gbps, "ratio": gbps / bound["gbps"], "times": times}
+    print(f"{name}: median {statistics.median(times) * 1e3:.2f} ms, {gbps:.1f} GB/s, "
+          f"{gbps / bound['gbps']:.3f} of one copy, verified", flush=True)
+    ray.kill(src)
+    ray.kill(dst)
     ray.shutdown()
     return out
 
@@ -134,9 +127,7 @@ def main() -> None:
     ap.add_argument("--cuda-streams", default="2", help="comma-separated stream counts to sweep")
     ap.add_argument("--spin-us", default="50", help="comma-separated idle polling times to sweep (us)")
     ap.add_argument("--latency-samples", type=int, default=200)
-    ap.add_argument("--shards", action="store_true", help="only the many-tensor round (kernel off vs on)")
-    ap.add_argument("--kernel-below-mib", default="0,64,2048",
-                    help="--shards: cuda_kernel_below settings to compare, in MiB (0: copy engines only)")
+    ap.add_argument("--shards", action="store_true", help="only the many-tensor round")
     args = ap.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     gpus = torch.cuda.device_count()

@@ -182,18 +182,5 @@ class GpuEnd:
                     return {"data": False, "op": [so, do, row, rows, sp, dp], "row": r}
         return {"data": True}
 
-    def outside_ops(self, region: int, ops: list[tuple[int, ...]]) -> bool:
-        """Every byte no op wrote is still poison."""
-        buf = self.buffers[region]
-        mask = torch.ones(buf.numel(), dtype=torch.bool, device="cuda")
-        for _so, do, row, rows, _sp, dp in ops:
-            if rows == 1:
-                mask[do:do + row] = False
-            else:
-                idx = (do + torch.arange(rows, device="cuda").unsqueeze(1) * dp
-                       + torch.arange(row, device="cuda").unsqueeze(0)).flatten()
-                mask[idx] = False
-        return bool((buf[mask] == POISON).all())
-
     def stats(self) -> list[dict[str, Any]]:
         return self.engine.stats()

@@ -197,48 +197,6 @@ def test_copy_size_and_streams_settings(pair, piece: int, streams: int) -> None:
         ray.get(src.reconfigure.remote())
 
 
-def test_batched_copy_kernel_writes(pair) -> None:
-    """Writes under cuda_kernel_below go through the batched copy kernel: thousands in one write_batch
-    (more than one launch holds, by count and by bytes), odd lengths, offsets that agree modulo 16 but not
-    modulo 64 KiB (its tile), 2-D blocks; every range exact, every byte around them untouched, exactly
-    one immediate per write."""
-    import numpy as np
-
-    src, dst, (_s, dst_info) = pair
-    rng = np.random.default_rng(7)
-    ops, s_at, d_at = [], 19, 3  # 19 and 3 agree modulo 16
-    for i in range(3000):
-        if i % 100 == 7:  # a 2-D block, pitches 16-aligned apart
-            row, rows = int(rng.integers(1, 70_000)), int(rng.integers(2, 40))
-            sp, dp = row + 16 * int(rng.integers(0, 50)), row + 16 * int(rng.integers(1, 50))
-            ops.append((s_at, d_at, row, rows, sp, dp))
-            s_at += (rows - 1) * sp + row + 16 * int(rng.integers(1, 9))
-            d_at += (rows - 1) * dp + row + 16 * int(rng.integers(1, 9))
-        else:
-            n = int(rng.choice([1, 15, 17, 4095, 65535, 65537, 1 << 20, (3 << 20) + 5]))
-            if i % 500 == 0:
-                n = (60 << 20) + 33  # big enough that 256 MiB fill a launch before 2048 writes
-            ops.append((s_at, d_at, n, 1, n, n))
-            gap = 16 * int(rng.integers(1, 9))
-            s_at, d_at = s_at + n + gap, d_at + n + gap
-    before = sum(s.get("batched_writes", 0) for s in ray.get(src.stats.remote()))
-    s_id, _ = ray.get(src.alloc.remote(s_at + 64, seed=77))
-    d_id, d_desc = ray.get(dst.alloc.remote(d_at + 64))
-    got = ray.get(src.write_batch.remote(s_id, dst_info["address"], d_desc, ops, imm=70))["imm_count"]
-    assert got == len(ops)  # one immediate per write, 2-D ones included
-    ray.get(dst.counter_wait.remote(70, got))
-    batched = sum(s.get("batched_writes", 0) for s in ray.get(src.stats.remote())) - before
-    notes = [s.get("note") for s in ray.get(src.stats.remote()) if s.get("note")]
-    # Every write went through the kernel (pieces, so at least one per write; with the default one copy per
-    # write, exactly one: a 2-D block is one piece).
-    assert batched == len(ops), (batched, len(ops), notes)
-    for k in range(0, len(ops), 300):  # checks in slices: every op, every byte around it
-        res = ray.get(dst.check_ops.remote(d_id, ops[k:k + 300], 77, s_at + 64))
-        assert res == {"data": True}, (k, res)
-    assert ray.get(dst.outside_ops.remote(d_id, ops)), "bytes outside the writes changed"
-    ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
-
-
 def test_write_into_deregistered_gpu_region_is_refused(pair) -> None:
     """The destination deregistered the region (and could reuse its memory): the writer checks the
     destination's live table before each copy and fails with an error naming the region."""

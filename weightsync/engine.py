@@ -287,12 +287,6 @@ class TransferEngine:
     cuda lane (0, the default: one copy per write, which measured best: see docs/BENCHMARKS.md);
     ``cuda_streams``: streams the copies are spread over;
     ``cuda_spin_us``: how long the idle cuda worker polls before sleeping.
-    ``cuda_kernel_below``: GPU-to-GPU writes smaller than this many bytes go through a batched copy
-    kernel (one launch for up to 2048 writes or 256 MiB, stores over NVLink) instead of a copy-engine
-    copy each, which costs the engines a few microseconds per copy (0: copy engines only; default
-    ``$WEIGHTSYNC_CUDA_KERNEL_BELOW`` or 64 MiB); ``cuda_kernel_blocks``: thread blocks per launch
-    (0: one per multiprocessor). ``stats()`` says how many writes went that way, and why not if the
-    kernel could not be loaded.
     ``staging_slots``: GPU memory the NICs cannot register (no FI_HMEM) is sent to fabric peers through
     this many page-locked host slots of ``max_piece`` bytes, the device-to-host copy of one piece
     overlapping the network write of the one before. ``stage_host_sources`` (tests only): host sources
@@ -325,8 +319,6 @@ class TransferEngine:
         cuda_piece: int = 0,
         cuda_streams: int = 2,
         cuda_spin_us: float = 50.0,
-        cuda_kernel_below: int | None = None,
-        cuda_kernel_blocks: int = 0,
         staging_slots: int = 4,
         stage_host_sources: bool = False,
         landing_slots: int = 8,
@@ -354,9 +346,6 @@ class TransferEngine:
             float(cuda_spin_us),
             int(staging_slots),
             bool(stage_host_sources),
-            int(os.environ.get("WEIGHTSYNC_CUDA_KERNEL_BELOW", 64 << 20) if cuda_kernel_below is None
-                else cuda_kernel_below),
-            int(cuda_kernel_blocks),
             int(landing_slots),
             int(landing_slot_bytes),
             bool(land_host_regions),

@@ -34,17 +34,6 @@ constexpr unsigned CU_EVENT_DISABLE_TIMING = 2;
 constexpr unsigned CU_STREAM_NON_BLOCKING = 1;
 constexpr int CU_DEVICE_ATTRIBUTE_MAX_PITCH = 11;
 constexpr int CU_MEMORYTYPE_UNIFIED = 4;  // the driver tells host from device by the address
-constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
-// The batched copy kernel (cpp/kernels/batch_copy.cu): its descriptor, tile and block size.
-struct CopyDesc {
-  uint64_t src, dst, row_bytes, rows, src_pitch, dst_pitch, tile0;
-};
-constexpr uint64_t kTile = 64 << 10;
-constexpr unsigned kKernelThreads = 512;
-// A batch launches once it holds this many writes or bytes: big enough that a launch (a few us) is
-// small beside its copies, small enough that completions (and relays triggered by them) keep flowing.
-constexpr uint32_t kBatchWrites = 2048;
-constexpr uint64_t kBatchBytes = 256ull << 20;
 // Rows per cuMemcpy2DAsync call: the driver documents no limit on Height; staying far below any 32-bit
 // count costs one more call per 64 Ki rows.
 constexpr uint64_t kMaxCopyRows = 1 << 16;
@@ -69,8 +58,6 @@ struct CudaMemcpy2D {
   size_t WidthInBytes;
   size_t Height;
 };
-
-#include "batch_copy_ptx.inc"
 
 }  // namespace
 
@@ -100,15 +87,6 @@ struct CudaApi {
   CUresult (*cuEventQuery)(void*);
   CUresult (*cuEventDestroy)(void*);
   CUresult (*cuGetErrorString)(CUresult, const char**);
-  // Optional (the batched copy kernel): without them the lane uses the copy engines only.
-  CUresult (*cuModuleLoadData)(void**, const void*);
-  CUresult (*cuModuleUnload)(void*);
-  CUresult (*cuModuleGetFunction)(void**, void*, const char*);
-  CUresult (*cuLaunchKernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
-                             void**, void**);
-  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
-  CUresult (*cuMemFree)(CUdeviceptr);
-  std::string missing_optional;  // optional entry points the driver lacks
   std::string error;  // why loading failed
 };
 
@@ -156,16 +134,6 @@ const CudaApi* load_api() {
     sym(api.cuEventQuery, "cuEventQuery");
     sym(api.cuEventDestroy, "cuEventDestroy_v2");
     sym(api.cuGetErrorString, "cuGetErrorString");
-    auto optional = [&](auto& fn, const char* name) {
-      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-      if (fn == nullptr) api.missing_optional += std::string(api.missing_optional.empty() ? "" : ", ") + name;
-    };
-    optional(api.cuModuleLoadData, "cuModuleLoadData");
-    optional(api.cuModuleUnload, "cuModuleUnload");
-    optional(api.cuModuleGetFunction, "cuModuleGetFunction");
-    optional(api.cuLaunchKernel, "cuLaunchKernel");
-    optional(api.cuMemAlloc, "cuMemAlloc_v2");
-    optional(api.cuMemFree, "cuMemFree_v2");
     if (!ok) return;
     CUresult rc = api.cuInit(0);
     if (rc != CUDA_SUCCESS) api.error = "cuInit failed with CUDA error " + std::to_string(rc);
@@ -228,9 +196,8 @@ std::string host_identity() {
   return std::string(host) + "/" + boot;
 }
 
-CudaTransport::CudaTransport(int device, int streams, double spin_us, uint64_t kernel_below, int kernel_blocks)
+CudaTransport::CudaTransport(int device, int streams, double spin_us)
     : api_(load_api()), device_(device), spin_us_(spin_us) {
-  kernel_below_ = kernel_below;
   if (!api_->error.empty()) throw TransportError("cuda transport unavailable: " + api_->error);
   CUdevice dev = 0;
   check(api_->cuDeviceGet(&dev, device), "cuDeviceGet");
@@ -248,7 +215,6 @@ CudaTransport::CudaTransport(int device, int streams, double spin_us, uint64_t k
     check(api_->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     streams_.push_back(s);
   }
-  load_kernel(kernel_blocks);
   // Landing copies get their own stream: FIFO among themselves (a landed message's immediate may only
   // count once every message before it on that NIC is in place), never queued behind peer copies.
   check(api_->cuStreamCreate(&landing_stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
@@ -267,13 +233,6 @@ CudaTransport::~CudaTransport() {
   for (auto& [ev, ctx] : landing_) api_->cuEventDestroy(ev);
   if (landing_stream_) api_->cuStreamDestroy(landing_stream_);
   for (void* e : free_events_) api_->cuEventDestroy(e);
-  for (auto& b : batches_) {
-    if (b.event) api_->cuEventDestroy(b.event);
-    if (b.device) api_->cuMemFree(b.device);
-    if (b.host) api_->cuMemFreeHost(b.host);
-  }
-  for (void* st : kernel_streams_) api_->cuStreamDestroy(st);
-  if (kernel_module_) api_->cuModuleUnload(kernel_module_);
   for (auto& [handle, base] : opened_) api_->cuIpcCloseMemHandle(base);
   for (void* s : streams_) api_->cuStreamDestroy(s);
   CUdevice dev = 0;
@@ -473,7 +432,6 @@ int CudaTransport::post_write(const WriteRequest& req) {
     ready_.push_back({nullptr, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
     return 0;
   }
-  if (batchable(req)) return add_to_batch(req);
   make_current();
   void* ev = nullptr;
   if (!free_events_.empty()) {
@@ -494,142 +452,6 @@ int CudaTransport::post_write(const WriteRequest& req) {
   }
   inflight_.push_back({ev, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
   return 0;
-}
-
-void CudaTransport::load_kernel(int kernel_blocks) {
-  if (kernel_below_ == 0) return;
-  auto off = [&](const std::string& why) {
-    kernel_note_ = "batched copy kernel off (" + why + "): every write is a copy-engine copy";
-    kernel_below_ = 0;
-  };
-  if (!api_->missing_optional.empty()) return off("the driver lacks " + api_->missing_optional);
-  CUresult rc = api_->cuModuleLoadData(&kernel_module_, kBatchCopyPtx);
-  if (rc != CUDA_SUCCESS) {
-    kernel_module_ = nullptr;
-    return off("cuModuleLoadData: " + cu_error(api_, rc));
-  }
-  rc = api_->cuModuleGetFunction(&kernel_fn_, kernel_module_, "ws_copy");
-  if (rc != CUDA_SUCCESS) return off("cuModuleGetFunction: " + cu_error(api_, rc));
-  // Two streams, launches alternating: the next batch starts while the last blocks of one finish.
-  for (int k = 0; k < 2; ++k) {
-    void* st = nullptr;
-    rc = api_->cuStreamCreate(&st, CU_STREAM_NON_BLOCKING);
-    if (rc != CUDA_SUCCESS) return off("cuStreamCreate: " + cu_error(api_, rc));
-    kernel_streams_.push_back(st);
-  }
-  if (kernel_blocks <= 0) {
-    CUdevice dev = 0;
-    check(api_->cuDeviceGet(&dev, device_), "cuDeviceGet");
-    check(api_->cuDeviceGetAttribute(&kernel_blocks, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
-          "cuDeviceGetAttribute");
-  }
-  kernel_blocks_ = std::max(kernel_blocks, 1);
-}
-
-bool CudaTransport::batchable(const WriteRequest& req) const {
-  if (kernel_fn_ == nullptr || req.peer == 0 || !req.src_device || req.len == 0) return false;
-  const uint64_t rows = std::max<uint64_t>(req.rows, 1);
-  if (req.len * rows >= kernel_below_) return false;
-  // The kernel moves 16 bytes per access where source and destination agree modulo 16 (bf16/fp32
-  // tensors do); other writes would go byte by byte there, and stay on the copy engines.
-  const uint64_t src = reinterpret_cast<uint64_t>(req.src);
-  if (((src ^ req.remote_addr) & 15) != 0) return false;
-  return rows == 1 || ((req.src_pitch - req.dst_pitch) & 15) == 0;
-}
-
-int CudaTransport::add_to_batch(const WriteRequest& req) {
-  if (open_batch_ < 0) {
-    if (free_batches_.empty()) {
-      make_current();
-      Batch b;
-      const size_t size = kBatchWrites * sizeof(CopyDesc);
-      CUresult rc = api_->cuMemHostAlloc(&b.host, size, 0);
-      if (rc == CUDA_SUCCESS) rc = api_->cuMemAlloc(&b.device, size);
-      if (rc == CUDA_SUCCESS) rc = api_->cuEventCreate(&b.event, CU_EVENT_DISABLE_TIMING);
-      if (rc != CUDA_SUCCESS) {
-        if (b.device) api_->cuMemFree(b.device);
-        if (b.host) api_->cuMemFreeHost(b.host);
-        return -(1000 + rc);
-      }
-      batches_.push_back(b);
-      free_batches_.push_back(static_cast<int>(batches_.size()) - 1);
-    }
-    open_batch_ = free_batches_.back();
-    free_batches_.pop_back();
-    Batch& b = batches_[open_batch_];
-    b.writes = 0;
-    b.bytes = b.tiles = 0;
-    b.remaining = 0;
-    b.error = CUDA_SUCCESS;
-  }
-  Batch& b = batches_[open_batch_];
-  const bool two_d = req.rows > 1 && !(req.src_pitch == req.len && req.dst_pitch == req.len);
-  const uint64_t rows = two_d ? req.rows : 1;
-  const uint64_t row_bytes = two_d ? req.len : req.len * std::max<uint64_t>(req.rows, 1);
-  CopyDesc& d = static_cast<CopyDesc*>(b.host)[b.writes++];
-  d.src = reinterpret_cast<uint64_t>(req.src);
-  d.dst = req.remote_addr;
-  d.row_bytes = row_bytes;
-  d.rows = rows;
-  d.src_pitch = two_d ? req.src_pitch : row_bytes;
-  d.dst_pitch = two_d ? req.dst_pitch : row_bytes;
-  d.tile0 = b.tiles;
-  b.tiles += rows * ((row_bytes + kTile - 1) / kTile);
-  b.bytes += rows * row_bytes;
-  b.remaining++;
-  inflight_.push_back({b.event, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat, open_batch_});
-  if (b.writes == kBatchWrites || b.bytes >= kBatchBytes) launch_batch();
-  return 0;  // a launch that fails fails the batch's writes through poll (they are queued already)
-}
-
-int CudaTransport::launch_batch() {
-  Batch& b = batches_[open_batch_];
-  open_batch_ = -1;
-  make_current();
-  void* stream = kernel_streams_[next_kernel_stream_++ % kernel_streams_.size()];
-  CUresult rc = api_->cuMemcpyHtoDAsync(b.device, b.host, b.writes * sizeof(CopyDesc), stream);
-  if (rc == CUDA_SUCCESS) {
-    CUdeviceptr descs = b.device;
-    int n = static_cast<int>(b.writes);
-    unsigned long long tiles = b.tiles;
-    void* args[] = {&descs, &n, &tiles};
-    const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>(kernel_blocks_, b.tiles));
-    rc = api_->cuLaunchKernel(kernel_fn_, blocks, 1, 1, kKernelThreads, 1, 1, 0, stream, args, nullptr);
-  }
-  if (rc != CUDA_SUCCESS) {
-    // The launch was refused (nothing ran): the same copies on the copy engines, on this stream, so the
-    // batch still completes as one.
-    failed_launches_++;
-    last_launch_error_ = rc;
-    rc = CUDA_SUCCESS;
-    for (uint32_t i = 0; i < b.writes && rc == CUDA_SUCCESS; ++i) {
-      const CopyDesc& d = static_cast<const CopyDesc*>(b.host)[i];
-      WriteRequest r;
-      r.src = reinterpret_cast<const void*>(d.src);
-      r.remote_addr = d.dst;
-      r.len = d.row_bytes;
-      r.rows = d.rows;
-      r.src_pitch = d.src_pitch;
-      r.dst_pitch = d.dst_pitch;
-      rc = enqueue_copy(r, stream);
-    }
-  }
-  if (rc == CUDA_SUCCESS) rc = api_->cuEventRecord(b.event, stream);
-  b.error = rc;
-  batched_writes_ += b.writes;
-  return rc;
-}
-
-std::string CudaTransport::note() const {
-  // kernel_note_ is written only by the constructor: safe to read from any thread.
-  const uint64_t failed = failed_launches_.load();
-  if (failed == 0) return kernel_note_;
-  return "batched copy launches refused " + std::to_string(failed) + " times (last: " +
-         cu_error(api_, last_launch_error_.load()) + "); those batches went to the copy engines";
-}
-
-void CudaTransport::flush() {
-  if (open_batch_ >= 0) launch_batch();
 }
 
 size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
@@ -668,24 +490,14 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
   while ((!ready_.empty() || !inflight_.empty()) && got < max) {
     const bool instant = !ready_.empty();
     Inflight f = instant ? ready_.front() : inflight_.front();
-    if (f.batch >= 0 && f.batch == open_batch_) break;  // not launched yet (flush comes first)
-    CUresult rc = CUDA_SUCCESS;
-    if (f.batch >= 0 && batches_[f.batch].error != CUDA_SUCCESS) {
-      rc = batches_[f.batch].error;
-    } else if (f.event) {
-      rc = api_->cuEventQuery(f.event);
-    }
+    CUresult rc = f.event ? api_->cuEventQuery(f.event) : CUDA_SUCCESS;
     if (rc == CUDA_ERROR_NOT_READY) break;
     if (instant) {
       ready_.pop_front();
     } else {
       inflight_.pop_front();
     }
-    if (f.batch >= 0) {
-      if (--batches_[f.batch].remaining == 0) free_batches_.push_back(f.batch);
-    } else if (f.event) {
-      free_events_.push_back(f.event);
-    }
+    if (f.event) free_events_.push_back(f.event);
     last_busy_ = std::chrono::steady_clock::now();
     Completion c;
     c.context = f.context;

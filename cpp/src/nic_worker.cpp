@@ -111,10 +111,6 @@ NicStats NicWorker::stats() {
   s.rerouted = rerouted_.load();
   s.failed_paths = failed_paths_.load();
   s.in_flight = in_flight_.load();
-  // Read from the transport outside its thread: a counter and a string set once a launch fails, for
-  // stats only (a torn read of the count is harmless).
-  s.batched_writes = transport_->batched_writes();
-  s.note = transport_->note();
   s.landed = landed_.load();
   s.landed_bytes = landed_bytes_.load();
   s.landing_dropped = landing_dropped_.load();
@@ -144,7 +140,6 @@ void NicWorker::run() {
     const size_t before = outstanding_.size();
     if (!land_repost_.empty()) drain_landing();
     post_pending();
-    transport_->flush();  // what post_write only queued (the cuda lane's kernel batch) starts now
     completions.clear();
     transport_->poll(completions, 256);
     for (const Completion& c : completions) handle(c);
@@ -184,7 +179,6 @@ void NicWorker::post_pending() {
     req.src = static_cast<const char*>(p->src->ptr) + p->src_off;
     req.len = p->len;
     req.src_desc = p->src->regs[index_].local_desc;
-    req.src_device = p->src->kind == MemKind::kCuda;
     req.peer = peer.paths[index_];
     if (cuda_lane_ && p->stage == 1) {
       // A staging copy: device to this host's slot, for a fabric NIC to send afterwards.

@@ -140,9 +140,8 @@ NB_MODULE(_core, m) {
           [](const std::string& transport, const std::string& provider, const std::vector<std::string>& nics,
              uint64_t stripe_threshold, uint64_t max_piece, uint64_t window_bytes, uint64_t window_ops,
              double stall_timeout_s, int cuda_device, uint64_t cuda_piece, int cuda_streams,
-             double cuda_spin_us, uint64_t staging_slots, bool stage_host_sources, uint64_t cuda_kernel_below,
-             int cuda_kernel_blocks, uint64_t landing_slots, uint64_t landing_slot_bytes, bool land_host_regions,
-             bool cuda_peers) {
+             double cuda_spin_us, uint64_t staging_slots, bool stage_host_sources, uint64_t landing_slots,
+             uint64_t landing_slot_bytes, bool land_host_regions, bool cuda_peers) {
             ws::EngineConfig cfg;
             cfg.transport = transport;
             cfg.provider = provider;
@@ -158,8 +157,6 @@ NB_MODULE(_core, m) {
             cfg.cuda_spin_us = cuda_spin_us;
             cfg.staging_slots = staging_slots;
             cfg.stage_host_sources = stage_host_sources;
-            cfg.cuda_kernel_below = cuda_kernel_below;
-            cfg.cuda_kernel_blocks = cuda_kernel_blocks;
             cfg.landing_slots = landing_slots;
             cfg.landing_slot_bytes = landing_slot_bytes;
             cfg.land_host_regions = land_host_regions;
@@ -170,7 +167,7 @@ NB_MODULE(_core, m) {
           "transport"_a, "provider"_a, "nics"_a, "stripe_threshold"_a, "max_piece"_a, "window_bytes"_a,
           "window_ops"_a, "stall_timeout_s"_a, "cuda_device"_a = -1, "cuda_piece"_a = 64ull << 20,
           "cuda_streams"_a = 2, "cuda_spin_us"_a = 50.0, "staging_slots"_a = 4, "stage_host_sources"_a = false,
-          "cuda_kernel_below"_a = 64ull << 20, "cuda_kernel_blocks"_a = 0, "landing_slots"_a = 8,
+          "landing_slots"_a = 8,
           "landing_slot_bytes"_a = 0, "land_host_regions"_a = false, "cuda_peers"_a = true)
       .def_prop_ro("uid", &ws::Engine::uid)
       .def_prop_ro("provider", &ws::Engine::provider)
@@ -273,8 +270,6 @@ NB_MODULE(_core, m) {
           d["rerouted"] = s.rerouted;
           d["failed_paths"] = s.failed_paths;
           d["in_flight"] = s.in_flight;
-          d["batched_writes"] = s.batched_writes;
-          d["note"] = s.note;
           d["landed"] = s.landed;
           d["landed_bytes"] = s.landed_bytes;
           d["landing_dropped"] = s.landing_dropped;

@@ -38,9 +38,7 @@ class CudaTransport final : public Transport {
  public:
   // `streams`: copies are spread over this many streams; `spin_us`: an idle worker keeps polling this
   // long after its last copy before it sleeps (back-to-back writes then skip a wake-up).
-  // `kernel_below`: GPU-to-GPU writes smaller than this many bytes go through the batched copy kernel
-  // (0: never), `kernel_blocks` thread blocks per launch (0: one per multiprocessor).
-  CudaTransport(int device, int streams, double spin_us, uint64_t kernel_below = 0, int kernel_blocks = 0);
+  CudaTransport(int device, int streams, double spin_us);
   ~CudaTransport() override;
 
   std::string kind() const override { return "cuda"; }
@@ -56,7 +54,6 @@ class CudaTransport final : public Transport {
   bool delivers_imm(uint64_t peer) const override;
 
   int post_write(const WriteRequest& req) override;
-  void flush() override;
   size_t poll(std::vector<Completion>& out, size_t max) override;
   void wait(int timeout_ms) override;
   void signal() override;
@@ -66,8 +63,6 @@ class CudaTransport final : public Transport {
   std::string error_string(int err) const override;
 
   const std::string& uuid() const { return uuid_; }
-  uint64_t batched_writes() const override { return batched_writes_.load(); }
-  std::string note() const override;
 
   // Marks one of our exported regions as writable by peers or not (the live table in our ring). Unlike
   // the rest of the transport, any thread may call it: deregistration must take effect at once.
@@ -89,12 +84,6 @@ class CudaTransport final : public Transport {
   void make_current() const;
   // Queues the copy of `req` (1-D or 2-D) on `stream`; returns a CUresult.
   int enqueue_copy(const WriteRequest& req, void* stream);
-  // The batched copy kernel: loaded once (kernel_note_ says why not), fed by post_write, launched by
-  // flush() or when a batch is full.
-  void load_kernel(int kernel_blocks);
-  bool batchable(const WriteRequest& req) const;
-  int add_to_batch(const WriteRequest& req);
-  int launch_batch();
 
   const CudaApi* api_;
   int device_;
@@ -112,33 +101,7 @@ class CudaTransport final : public Transport {
     bool has_imm;
     uint32_t imm;
     uint32_t imm_repeat;
-    int batch = -1;  // >= 0: a write of that kernel batch (the event is the batch's, not pooled)
   };
-  // One launch of the batched copy kernel: its descriptors in pinned host memory, copied to the device
-  // on the kernel's stream just before the launch; reusable once every write in it has completed.
-  struct Batch {
-    void* host = nullptr;        // kBatchWrites descriptors, page-locked
-    unsigned long long device = 0;  // the same on the GPU (a CUdeviceptr)
-    void* event = nullptr;
-    uint32_t writes = 0;         // descriptors filled
-    uint64_t bytes = 0;
-    uint64_t tiles = 0;
-    uint32_t remaining = 0;      // writes not yet reported by poll
-    int error = 0;               // CUresult of a launch that failed (its writes fail)
-  };
-  void* kernel_module_ = nullptr;
-  void* kernel_fn_ = nullptr;
-  std::vector<void*> kernel_streams_;
-  size_t next_kernel_stream_ = 0;
-  uint64_t kernel_below_ = 0;
-  int kernel_blocks_ = 0;
-  std::string kernel_note_;  // why the kernel is off (set in the constructor only)
-  std::atomic<uint64_t> failed_launches_{0};
-  std::atomic<int> last_launch_error_{0};
-  std::vector<Batch> batches_;
-  std::vector<int> free_batches_;
-  int open_batch_ = -1;
-  std::atomic<uint64_t> batched_writes_{0};
   size_t max_pitch_ = 0;  // CU_DEVICE_ATTRIBUTE_MAX_PITCH: larger pitches are copied row by row
   double spin_us_ = 0;
   std::chrono::steady_clock::time_point last_busy_{};

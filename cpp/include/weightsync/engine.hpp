@@ -41,11 +41,6 @@ struct EngineConfig {
   // `cuda_streams` streams. Copy engines need no NIC-sized pieces; fewer, larger copies cost less.
   uint64_t cuda_piece = 0;  // one copy per write: measured best on H100 (docs/BENCHMARKS.md)
   int cuda_streams = 2;
-  // cuda lane: GPU-to-GPU writes smaller than this go through one batched copy kernel launch per batch
-  // (SM loads and stores over NVLink) instead of a copy-engine copy each: a copy costs the engines a few
-  // microseconds, and a push is hundreds of 4-60 MiB tensors. 0: copy engines only.
-  uint64_t cuda_kernel_below = 64ull << 20;
-  int cuda_kernel_blocks = 0;  // thread blocks per launch (0: one per multiprocessor)
   // cuda lane: how long an idle worker keeps polling before it sleeps (a wake-up costs microseconds).
   double cuda_spin_us = 50.0;
   // GPU sources the NICs cannot register (no FI_HMEM) reach fabric peers through this many pinned host
@@ -186,8 +181,6 @@ struct NicStats {
   uint64_t rerouted = 0;
   uint64_t failed_paths = 0;
   uint64_t in_flight = 0;
-  uint64_t batched_writes = 0;  // cuda lane: writes that went through the batched copy kernel
-  std::string note;             // e.g. why the batched copy kernel is off
   uint64_t landed = 0;           // messages copied into landing regions
   uint64_t landed_bytes = 0;
   uint64_t landing_dropped = 0;  // messages for a landing region that was gone, or out of its bounds

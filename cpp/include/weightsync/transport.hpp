@@ -48,7 +48,6 @@ struct WriteRequest {
   uint64_t dst_pitch = 0;
   uint32_t imm_repeat = 1;  // immediates to push for this one copy (the engine's count for the write)
   uint64_t remote_region = 0;  // the destination's region id, checked against its live registrations
-  bool src_device = false;     // cuda lane: the source is GPU memory (a kernel can read it)
   // fabric only: send a tagged message instead of an RMA write (a landing region at the destination,
   // memory its NICs cannot register: the message lands in one of its receive buffers, see Engine).
   // `remote_addr`/`key` are then unused; `imm`, if any, travels as the message's CQ data.
@@ -93,9 +92,6 @@ class Transport {
   // 0 when posted, -EAGAIN when the queue is full (poll and try again), another negative errno on error.
   virtual int post_write(const WriteRequest& req) = 0;
   // Appends up to `max` completions to `out`; returns how many were appended.
-  // Starts whatever post_write only queued (the cuda lane batches small copies into one kernel launch).
-  // The worker calls it after each round of posting, before it polls.
-  virtual void flush() {}
   virtual size_t poll(std::vector<Completion>& out, size_t max) = 0;
   // Sleeps until a completion may be ready, `signal()` is called, or `timeout_ms` passes.
   virtual void wait(int timeout_ms) = 0;
@@ -120,8 +116,6 @@ class Transport {
   virtual uint64_t max_write() const = 0;       // largest single write the transport accepts
   virtual size_t max_outstanding() const = 0;   // operations it can hold in flight
   virtual std::string error_string(int err) const = 0;
-  virtual uint64_t batched_writes() const { return 0; }  // writes that went out in batches (cuda lane)
-  virtual std::string note() const { return ""; }        // a remark for stats (e.g. a fallback taken)
 };
 
 }  // namespace weightsync
