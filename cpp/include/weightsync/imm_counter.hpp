@@ -41,6 +41,12 @@ class ImmCounters {
   struct Slot {
     uint64_t credit = 0;
     uint64_t total = 0;
+    // Waiters on this value, and a credit level at or below what each of them needs: add() wakes them
+    // only once it is reached. Waking a waiter on every immediate (tens of thousands per push for a MoE
+    // model) cost the adding worker a futex call and the waiter a context switch each time, and left the
+    // destination a hundred milliseconds behind its writers.
+    uint32_t waiters = 0;
+    uint64_t wake_at = ~0ull;
   };
   mutable std::mutex mu_;
   std::condition_variable cv_;
