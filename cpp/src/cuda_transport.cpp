@@ -343,15 +343,20 @@ void CudaTransport::free_pinned(void* p) {
   api_->cuMemFreeHost(p);  // at close: nothing left to report a failure to
 }
 
+void* CudaTransport::take_event() {
+  if (!free_events_.empty()) {
+    void* ev = free_events_.back();
+    free_events_.pop_back();
+    return ev;
+  }
+  void* ev = nullptr;
+  return api_->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS ? ev : nullptr;
+}
+
 int CudaTransport::post_landing_copy(void* dst, const void* src, size_t len, void* context) {
   make_current();
-  void* ev = nullptr;
-  if (!free_events_.empty()) {
-    ev = free_events_.back();
-    free_events_.pop_back();
-  } else if (api_->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
-    return -ENOMEM;
-  }
+  void* ev = take_event();
+  if (ev == nullptr) return -ENOMEM;
   if (len > 0) {
     CUresult rc = api_->cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, len, landing_stream_);
     if (rc != CUDA_SUCCESS) {
@@ -433,13 +438,8 @@ int CudaTransport::post_write(const WriteRequest& req) {
     return 0;
   }
   make_current();
-  void* ev = nullptr;
-  if (!free_events_.empty()) {
-    ev = free_events_.back();
-    free_events_.pop_back();
-  } else if (api_->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
-    return -ENOMEM;
-  }
+  void* ev = take_event();
+  if (ev == nullptr) return -ENOMEM;
   void* stream = streams_[next_stream_++ % streams_.size()];
   int rc = enqueue_copy(req, stream);
   if (rc != CUDA_SUCCESS) {

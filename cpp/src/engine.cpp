@@ -640,6 +640,22 @@ bool Engine::forward_pending(uint64_t id) {
   return false;
 }
 
+Piece* Engine::new_piece(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
+                         const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
+                         const std::shared_ptr<RemoteRegion>& dst, uint64_t src_off, uint64_t dst_off,
+                         uint64_t len) {
+  Piece* p = new Piece();
+  p->transfer = transfer;
+  p->src = src;
+  p->pin = pin;
+  p->dst = dst;
+  p->src_off = src_off;
+  p->dst_off = dst_off;
+  p->len = len;
+  p->imm = op.imm;
+  return p;
+}
+
 void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
                          const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
                          const std::shared_ptr<RemoteRegion>& dst, bool has_imm,
@@ -654,15 +670,7 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
   const uint64_t imms = imm_count(op.len, has_imm, op.rows);
   std::vector<Piece*> data;
   auto piece = [&](uint64_t src_off, uint64_t dst_off, uint64_t len) {
-    Piece* p = new Piece();
-    p->transfer = transfer;
-    p->src = src;
-    p->pin = pin;
-    p->dst = dst;
-    p->src_off = src_off;
-    p->dst_off = dst_off;
-    p->len = len;
-    p->imm = op.imm;
+    Piece* p = new_piece(op, transfer, src, pin, dst, src_off, dst_off, len);
     data.push_back(p);
     return p;
   };
@@ -801,15 +809,7 @@ void Engine::make_landing_pieces(const WriteOp& op, const std::shared_ptr<Transf
   const bool delivery = !fabric_sends_ordered_;
   std::vector<Piece*> data;
   auto make = [&](uint64_t src_off, uint64_t dst_off, uint64_t len) {
-    Piece* p = new Piece();
-    p->transfer = transfer;
-    p->src = src;
-    p->pin = pin;
-    p->dst = dst;
-    p->src_off = src_off;
-    p->dst_off = dst_off;
-    p->len = len;
-    p->imm = op.imm;
+    Piece* p = new_piece(op, transfer, src, pin, dst, src_off, dst_off, len);
     p->tagged = true;
     p->fixed_nic = nic;
     p->nic = nic;

@@ -82,6 +82,8 @@ class CudaTransport final : public Transport {
  private:
   void check(int rc, const char* what) const;
   void make_current() const;
+  // An event from the pool, or a new one (null if the driver refused: the caller reports ENOMEM).
+  void* take_event();
   // Queues the copy of `req` (1-D or 2-D) on `stream`; returns a CUresult.
   int enqueue_copy(const WriteRequest& req, void* stream);
 

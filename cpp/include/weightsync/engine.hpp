@@ -391,6 +391,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void send_signals(Piece* copy);
   void group_member_done(Piece* p, bool ok);
   void post_trailer(Piece* t);
+  // One piece of `op` (the caller sets what differs by lane).
+  static Piece* new_piece(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
+                          const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
+                          const std::shared_ptr<RemoteRegion>& dst, uint64_t src_off, uint64_t dst_off,
+                          uint64_t len);
   // The pieces of one op, appended per lane; `pins` holds the batch's source pins.
   void make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
                    const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
