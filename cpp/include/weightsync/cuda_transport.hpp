@@ -7,6 +7,12 @@
 // its immediate into the destination's shared-memory ring (ImmRing), which the destination's own cuda
 // lane drains into its counters. Where the ring cannot be opened, the engine signals over a fabric NIC
 // (a zero-length write) instead. Either way the destination's counters see one model.
+//
+// Memory that cuIpcGetMemHandle refuses (CUDA virtual-memory mappings, as PyTorch's expandable segments
+// make) is exported the VMM way instead: one POSIX file descriptor per physical allocation under the
+// region, kept open by the owner while the region is registered; a peer duplicates them with
+// pidfd_getfd (Linux >= 5.6, ptrace permission over the owner), imports them and maps them, in the
+// owner's layout, into a virtual range of its own.
 #pragma once
 
 #include <atomic>
@@ -18,6 +24,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "weightsync/imm_ring.hpp"
@@ -86,6 +93,11 @@ class CudaTransport final : public Transport {
   void* take_event();
   // Queues the copy of `req` (1-D or 2-D) on `stream`; returns a CUresult.
   int enqueue_copy(const WriteRequest& req, void* stream);
+  // The VMM export of [ptr, ptr+len) (ipc_error: why cuIpcGetMemHandle refused it): fills reg.blob and
+  // reg.handle (the key of its file descriptors in vmm_exports_).
+  void export_vmm(uint64_t ptr, size_t len, int ipc_error, MemRegistration& reg);
+  // Maps a peer's VMM export (a blob export_vmm made) here; returns the address of its region's start.
+  uint64_t import_vmm(const std::string& blob);
 
   const CudaApi* api_;
   int device_;
@@ -118,6 +130,20 @@ class CudaTransport final : public Transport {
   std::vector<void*> free_events_;
   // Opened peer allocations, by IPC handle bytes: opening one twice in a context fails.
   std::unordered_map<std::string, uint64_t> opened_;
+  // Our VMM exports: file descriptors (one per physical allocation) by registration, open until it is
+  // deregistered; peers duplicate them from this process.
+  std::unordered_map<uint64_t, std::vector<int>> vmm_exports_;
+  uint64_t next_export_ = 1;
+  uint64_t export_nonce_ = 0;  // random per transport: export ids never repeat across processes
+  // Peers' VMM exports mapped here, by the blob's identity (owner pid, export id, chunks): a virtual
+  // range of our own with each of the owner's allocations mapped in its place.
+  struct VmmImport {
+    uint64_t va = 0;      // our reservation
+    size_t reserved = 0;  // its size
+    std::vector<std::pair<uint64_t, size_t>> maps;  // (address, size) of each mapping in it
+    int64_t first = 0;    // the region's start is va - first
+  };
+  std::unordered_map<std::string, VmmImport> vmm_imported_;
 };
 
 }  // namespace weightsync
