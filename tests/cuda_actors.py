@@ -182,5 +182,49 @@ class GpuEnd:
                     return {"data": False, "op": [so, do, row, rows, sp, dp], "row": r}
         return {"data": True}
 
+    def check_spans(self, region: int, spans: list[tuple[int, int, int]], seed: int,
+                    src_len: int) -> dict[str, Any]:
+        """Several writes into one region, (src_off, dst_off, nbytes) each, from a source pattern of
+        ``src_len`` bytes from ``seed``: each span holds its bytes; every byte outside them is poison.
+        On a mismatch, where (first bad offsets, for diagnostics)."""
+        buf = self.buffers[region]
+        want = pattern(src_len, seed)
+        mask = torch.ones(buf.numel(), dtype=torch.bool, device=buf.device)
+        out: dict[str, Any] = {"data": True, "outside": True}
+        for so, do, n in spans:
+            got = buf[do:do + n]
+            if not torch.equal(got, want[so:so + n]):
+                bad = (got != want[so:so + n]).nonzero().flatten()[:8].tolist()
+                out["data"] = False
+                out.setdefault("bad", []).append({"span": [so, do, n], "first_bad": bad})
+            mask[do:do + n] = False
+        outside = (buf != POISON) & mask
+        if bool(outside.any()):
+            out["outside"] = False
+            out["outside_first"] = outside.nonzero().flatten()[:8].tolist()
+        return out
+
+    def export_info(self, region: int) -> dict[str, Any]:
+        """How the cuda lane exported a region (``vmm``: through CUDA virtual-memory file descriptors, as
+        expandable segments need; else a CUDA IPC handle), and what PyTorch says of the memory under it."""
+        buf = self.buffers[region]
+        blob = bytes(self.regions[region]._native.cuda_blob)
+        ptr = buf.data_ptr()
+        segment = None
+        for seg in torch.cuda.memory_snapshot():
+            if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                segment = {k: seg.get(k) for k in ("address", "total_size", "segment_type", "is_expandable")}
+        return {
+            "vmm": blob[:8] == b"WSVMMv1\0",
+            "chunks": int.from_bytes(blob[32:40], "little") if blob[:8] == b"WSVMMv1\0" else 0,
+            "blob_bytes": len(blob),
+            "ptr": ptr,
+            "nbytes": buf.numel(),
+            "segment": segment,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "torch": torch.__version__,
+            "pid": os.getpid(),
+        }
+
     def stats(self) -> list[dict[str, Any]]:
         return self.engine.stats()
