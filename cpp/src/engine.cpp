@@ -656,6 +656,11 @@ Piece* Engine::new_piece(const WriteOp& op, const std::shared_ptr<TransferState>
   return p;
 }
 
+Piece* Engine::trailer_piece(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
+                             const std::shared_ptr<RemoteRegion>& dst, uint64_t dst_off) {
+  return new_piece(op, transfer, doorbell_, doorbell_->pin(), dst, 0, dst_off, 0);
+}
+
 void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
                          const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
                          const std::shared_ptr<RemoteRegion>& dst, bool has_imm,
@@ -702,13 +707,7 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
       carry(data[0]);
     } else if (imms > 0) {
       auto group = std::make_shared<PieceGroup>(data.size());
-      Piece* t = new Piece();
-      t->transfer = transfer;
-      t->src = doorbell_;
-      t->pin = doorbell_->pin();
-      t->dst = dst;
-      t->dst_off = op.dst_off;
-      t->imm = op.imm;
+      Piece* t = trailer_piece(op, transfer, dst, op.dst_off);
       t->nic = cuda_lane_;
       carry(t);
       group->trailer = t;
@@ -753,14 +752,8 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
     // counted before the rows land. A provider without it but with ordered writes gets everything on
     // one NIC instead (a NIC failure that moves rows elsewhere then loses that guarantee).
     if (!fabric_delivery_complete_) fixed_nic = pick_nic(*dst->peer, start);
-    Piece* t = new Piece();
-    t->transfer = transfer;
-    t->src = doorbell_;
-    t->pin = doorbell_->pin();
-    t->dst = dst;
-    t->dst_off = op.dst_off;
+    Piece* t = trailer_piece(op, transfer, dst, op.dst_off);
     t->has_imm = true;
-    t->imm = op.imm;
     t->nic = fixed_nic;
     if (data.empty()) {
       data.push_back(t);
@@ -808,18 +801,18 @@ void Engine::make_landing_pieces(const WriteOp& op, const std::shared_ptr<Transf
   // Without send ordering, a trailer is posted once the messages before it are placed at the target.
   const bool delivery = !fabric_sends_ordered_;
   std::vector<Piece*> data;
-  auto make = [&](uint64_t src_off, uint64_t dst_off, uint64_t len) {
-    Piece* p = new_piece(op, transfer, src, pin, dst, src_off, dst_off, len);
+  auto on_nic = [&](Piece* p) {  // a message, on the op's one NIC
     p->tagged = true;
     p->fixed_nic = nic;
     p->nic = nic;
     return p;
   };
+  auto make = [&](uint64_t src_off, uint64_t dst_off, uint64_t len) {
+    return on_nic(new_piece(op, transfer, src, pin, dst, src_off, dst_off, len));
+  };
   // data[first..] complete, then one zero-length message carrying the immediate follows them.
   auto announce = [&](size_t first, uint64_t dst_off) {
-    Piece* t = make(0, dst_off, 0);
-    t->src = doorbell_;
-    t->pin = doorbell_->pin();
+    Piece* t = on_nic(trailer_piece(op, transfer, dst, dst_off));
     t->has_imm = true;
     if (data.size() == first) {
       data.push_back(t);  // nothing to wait for: it is an ordinary (empty) message
@@ -871,37 +864,43 @@ void Engine::make_landing_pieces(const WriteOp& op, const std::shared_ptr<Transf
 
 PieceGroup::~PieceGroup() { delete trailer; }
 
+std::shared_ptr<LocalRegion> Engine::register_host_buffer(uint64_t bytes, const char* what, char** base,
+                                                          bool* pinned) {
+  *pinned = cuda_lane_ >= 0;
+  if (*pinned) {
+    // Page-locked: the cuda lane's copies into and out of it are then true DMA, asynchronous to the host.
+    workers_[cuda_lane_]->call(
+        [&](Transport& t) { *base = static_cast<char*>(static_cast<CudaTransport&>(t).alloc_pinned(bytes)); },
+        kCommandTimeoutS);
+  } else {
+    *base = static_cast<char*>(std::malloc(bytes));
+    if (*base == nullptr) throw TransportError("cannot allocate " + std::to_string(bytes) + " " + what + " bytes");
+  }
+  std::shared_ptr<LocalRegion> region;
+  try {
+    region = register_memory(*base, bytes, MemKind::kHost, -1, true);
+  } catch (...) {
+    char* b = *base;
+    if (*pinned) {
+      workers_[cuda_lane_]->call([b](Transport& t) { static_cast<CudaTransport&>(t).free_pinned(b); },
+                                 kCommandTimeoutS);
+    } else {
+      std::free(b);
+    }
+    *base = nullptr;
+    throw;
+  }
+  region->engine.reset();  // the engine owns the buffer: its region must not hold the engine alive
+  return region;
+}
+
 void Engine::ensure_staging() {
   std::lock_guard<std::mutex> lock(staging_init_mu_);
   if (staging_) return;
   auto pool = std::make_unique<StagingPool>();
   const uint64_t slots = std::max<uint64_t>(cfg_.staging_slots, 1);
   pool->slot_bytes = cfg_.max_piece;
-  const uint64_t bytes = slots * pool->slot_bytes;
-  if (cuda_lane_ >= 0) {
-    char* base = nullptr;
-    workers_[cuda_lane_]->call(
-        [&](Transport& t) { base = static_cast<char*>(static_cast<CudaTransport&>(t).alloc_pinned(bytes)); },
-        kCommandTimeoutS);
-    pool->base = base;
-    pool->pinned = true;
-  } else {
-    pool->base = static_cast<char*>(std::malloc(bytes));
-    if (pool->base == nullptr) throw TransportError("cannot allocate " + std::to_string(bytes) + " staging bytes");
-  }
-  try {
-    pool->region = register_memory(pool->base, bytes, MemKind::kHost, -1, true);
-  } catch (...) {
-    if (pool->pinned) {
-      workers_[cuda_lane_]->call([&](Transport& t) { static_cast<CudaTransport&>(t).free_pinned(pool->base); },
-                                 kCommandTimeoutS);
-    } else {
-      std::free(pool->base);
-    }
-    throw;
-  }
-  // The engine owns the pool: its region must not hold the engine alive.
-  pool->region->engine.reset();
+  pool->region = register_host_buffer(slots * pool->slot_bytes, "staging", &pool->base, &pool->pinned);
   pool->pin = pool->region->pin();
   for (uint64_t i = 0; i < slots; ++i) pool->free.push_back(static_cast<int>(slots - 1 - i));
   staging_ = std::move(pool);
@@ -1076,35 +1075,9 @@ void Engine::ensure_landing() {
   const uint64_t slots = cfg_.landing_slots;
   const uint64_t slot = cfg_.landing_slot_bytes;
   const uint64_t per_nic = slots * slot;
-  const uint64_t bytes = per_nic * fabric_nics_;
   char* base = nullptr;
   bool pinned = false;
-  if (cuda_lane_ >= 0) {
-    // Page-locked: the cuda lane's copies out of it are then true DMA, asynchronous to the host.
-    workers_[cuda_lane_]->call(
-        [&](Transport& t) { base = static_cast<char*>(static_cast<CudaTransport&>(t).alloc_pinned(bytes)); },
-        kCommandTimeoutS);
-    pinned = true;
-  } else {
-    base = static_cast<char*>(std::malloc(bytes));
-    if (base == nullptr) throw TransportError("cannot allocate " + std::to_string(bytes) + " landing bytes");
-  }
-  auto free_base = [&] {
-    if (pinned) {
-      workers_[cuda_lane_]->call([&](Transport& t) { static_cast<CudaTransport&>(t).free_pinned(base); },
-                                 kCommandTimeoutS);
-    } else {
-      std::free(base);
-    }
-  };
-  std::shared_ptr<LocalRegion> region;
-  try {
-    region = register_memory(base, bytes, MemKind::kHost, -1, true);
-  } catch (...) {
-    free_base();
-    throw;
-  }
-  region->engine.reset();  // the engine owns the ring: its region must not hold the engine alive
+  std::shared_ptr<LocalRegion> region = register_host_buffer(per_nic * fabric_nics_, "landing", &base, &pinned);
   // From here on receives may be posted into it: the memory is kept (and freed by close) even if a
   // later NIC fails, since the provider may write into a buffer posted on an earlier one.
   landing_base_ = base;
@@ -1193,20 +1166,22 @@ void Engine::retire_landing(int index, uint64_t region_id, bool wait) {
   }
 }
 
+void Engine::landing_dropped(NicWorker& w, uint64_t len, const std::string& what) {
+  w.count_dropped();
+  // Dropped messages are counted; the first few are also told, so a misconfiguration shows.
+  if (landing_drops_logged_++ < 10) {
+    std::fprintf(stderr, "weightsync: engine %.8s dropped a message of %llu bytes for %s\n", uid_.c_str(),
+                 static_cast<unsigned long long>(len), what.c_str());
+  }
+}
+
 bool Engine::land(int nic, uint32_t slot, const char* buf, const Completion& c) {
   NicWorker& w = *workers_[nic];
   const uint64_t index = c.tag >> kLandingOffsetBits;
   const uint64_t off = c.tag & ((1ull << kLandingOffsetBits) - 1);
   auto drop = [&](const std::string& why) {
-    w.count_dropped();
-    // Dropped messages are counted; the first few are also told, so a misconfiguration shows.
-    if (landing_drops_logged_++ < 10) {
-      std::fprintf(stderr,
-                   "weightsync: engine %.8s dropped a message of %llu bytes for landing region %llu at offset "
-                   "%llu on NIC %s: %s\n",
-                   uid_.c_str(), static_cast<unsigned long long>(c.len), static_cast<unsigned long long>(index),
-                   static_cast<unsigned long long>(off), w.transport().nic_name().c_str(), why.c_str());
-    }
+    landing_dropped(w, c.len, "landing region " + std::to_string(index) + " at offset " + std::to_string(off) +
+                             " on NIC " + w.transport().nic_name() + ": " + why);
     return true;
   };
   if (c.error != 0) return drop("the receive failed: " + c.message);
@@ -1252,11 +1227,7 @@ void Engine::landing_copied(void* ctx, bool ok, const std::string& why) {
     w->count_landed(job->len, job->has_imm);
     if (job->has_imm) counters_.add(job->imm);
   } else {
-    w->count_dropped();
-    if (landing_drops_logged_++ < 10) {
-      std::fprintf(stderr, "weightsync: engine %.8s dropped a message of %llu bytes for a landing region: %s\n",
-                   uid_.c_str(), static_cast<unsigned long long>(job->len), why.c_str());
-    }
+    landing_dropped(*w, job->len, "a landing region: " + why);
   }
   {
     std::lock_guard<std::mutex> lock(job->entry->mu);

@@ -396,6 +396,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
                           const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
                           const std::shared_ptr<RemoteRegion>& dst, uint64_t src_off, uint64_t dst_off,
                           uint64_t len);
+  // The zero-length piece that carries `op`'s immediate after its other pieces (read from the doorbell).
+  Piece* trailer_piece(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
+                       const std::shared_ptr<RemoteRegion>& dst, uint64_t dst_off);
   // The pieces of one op, appended per lane; `pins` holds the batch's source pins.
   void make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
                    const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
@@ -416,6 +419,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
                 bool has_imm);
   void on_immediate(uint32_t imm, uint64_t total);
   // Staging of sources the NICs cannot read (see EngineConfig::staging_slots).
+  // Host memory for the engine's own buffers (staging slots, landing ring), registered on every NIC:
+  // page-locked through the cuda lane where there is one, else malloc'd (*pinned says which).
+  std::shared_ptr<LocalRegion> register_host_buffer(uint64_t bytes, const char* what, char** base, bool* pinned);
+  // Counts a landing message that was not written (on NIC `w`) and reports the first few on stderr.
+  void landing_dropped(NicWorker& w, uint64_t len, const std::string& what);
   void ensure_staging();
   void stage(std::vector<Piece*> pieces);
   void pump_staging();
