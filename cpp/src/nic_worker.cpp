@@ -189,7 +189,7 @@ void NicWorker::post_pending() {
     } else if (p->tagged) {
       // Into a landing region: a message its engine copies to dst_off (both in the tag).
       req.tagged = true;
-      req.tag = (uint64_t(uint16_t(p->dst->landing)) << 48) | p->dst_off;
+      req.tag = Engine::landing_tag(p->dst->landing, p->dst_off);
     } else {
       const int rn = peer.remote_nic[index_];
       req.remote_addr = p->dst->base[rn] + p->dst_off;

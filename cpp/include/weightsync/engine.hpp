@@ -380,6 +380,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // copy it into its landing region. true: done with the buffer now (copied, or dropped); false: a copy
   // on the cuda lane is under way, and the engine calls NicWorker::landing_done when it is over.
   bool land(int nic, uint32_t slot, const char* buf, const Completion& c);
+  // The tag of a message into landing region `index` at byte `off` (land() takes it apart).
+  static uint64_t landing_tag(int index, uint64_t off) {
+    return (uint64_t(uint16_t(index)) << kLandingOffsetBits) | off;
+  }
   // The cuda lane finished (ok) or failed a landing copy started by land().
   void landing_copied(void* job, bool ok, const std::string& why);
 
