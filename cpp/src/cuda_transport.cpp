@@ -85,6 +85,12 @@ constexpr int CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0;
 constexpr char kVmmMagic[8] = {'W', 'S', 'V', 'M', 'M', 'v', '1', '\0'};
 constexpr size_t kVmmHeader = 40;
 constexpr size_t kVmmChunk = 24;
+// One physical allocation of a VMM export, as the blob lists it (kVmmChunk bytes each).
+struct VmmChunk {
+  int64_t offset;  // of its start, relative to the region's start
+  uint64_t size;
+  int fd;          // in the owner (exporting) process
+};
 constexpr size_t kIpcBlob = 80;
 
 #ifndef SYS_pidfd_open
@@ -412,15 +418,10 @@ void CudaTransport::export_vmm(uint64_t ptr, size_t len, int ipc_error, MemRegis
                          api_->vmm_error + "): update the NVIDIA driver, or unset "
                          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for registered tensors");
   }
-  struct Chunk {
-    int64_t offset;  // of its start, relative to ptr
-    uint64_t size;
-    int fd;
-  };
-  std::vector<Chunk> chunks;
+  std::vector<VmmChunk> chunks;
   // Until they are handed over to vmm_exports_: closed on any failure.
   struct Fds {
-    std::vector<Chunk>* chunks;
+    std::vector<VmmChunk>* chunks;
     bool keep = false;
     ~Fds() {
       if (!keep) {
@@ -583,12 +584,7 @@ uint64_t CudaTransport::import_vmm(const std::string& blob) {
                          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for registered tensors");
   }
   const int pid = static_cast<int>(get64(blob, 8));
-  struct Chunk {
-    int64_t offset;
-    uint64_t size;
-    int fd;
-  };
-  std::vector<Chunk> chunks;
+  std::vector<VmmChunk> chunks;
   for (uint64_t i = 0; i < n; ++i) {
     const size_t at = kVmmHeader + i * kVmmChunk;
     chunks.push_back({static_cast<int64_t>(get64(blob, at)), get64(blob, at + 8),
