@@ -67,6 +67,14 @@ def label(cfg: dict[str, Any]) -> str:
     return f"piece={piece} streams={cfg['cuda_streams']} spin={cfg['cuda_spin_us']:g}us"
 
 
+def emit(result: dict[str, Any], path: str | None) -> None:
+    """The run's JSON: into ``path`` if given, and as the last line of the output."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result))
+
+
 def llama8b_fsdp2_shards() -> list[int]:
     """Bytes of each tensor one of two FSDP trainers holds of Llama-3-8B (bf16, dim 0 halved)."""
     h, inter, vocab, layers = 4096, 14336, 128256, 32
@@ -136,11 +144,7 @@ def main() -> None:
     card = torch.cuda.get_device_name(0)
 
     if args.shards:
-        result = shards_round(args, card)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-        print(json.dumps(result))
+        emit(shards_round(args, card), args.json)
         return
     bounds = {n: copy_bound(n, args.repeat) for n in sizes}
 
@@ -223,10 +227,7 @@ def main() -> None:
     result = {"card": card, "gpus": gpus, "date": time.strftime("%Y-%m-%d"), "sizes": best["sizes"],
               "config": best["config"], "sweep": sweep, "two_pairs": pair,
               "latency_4k_us": best["latency_4k_us"]}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    print(json.dumps(result))
+    emit(result, args.json)
 
 
 if __name__ == "__main__":
