@@ -23,6 +23,7 @@ import numpy as np
 
 from weightsync.errors import LayoutError, PlanError, WeightSyncError
 from weightsync.layout import Layout
+from weightsync.plan import LOCAL_ROUND_BYTES, ROUND_BYTES
 from weightsync.plan import plan as make_plan
 from weightsync.writes import DEFAULT_CHUNK_BYTES, K_DATA, K_GATHER, WRITE_DTYPE, imm_count_for, lower
 
@@ -103,12 +104,14 @@ class Coordinator:
 
     def __init__(self, name: str, num_sources: int, num_destinations: int, secret: str,
                  allow_cast: bool = False, fp8_block: tuple[int, int] | None = (128, 128),
-                 relay: bool | None = None, relay_chunk_bytes: int = RELAY_CHUNK_BYTES) -> None:
+                 relay: bool | None = None, relay_chunk_bytes: int = RELAY_CHUNK_BYTES,
+                 round_bytes: int = ROUND_BYTES, local_round_bytes: int = LOCAL_ROUND_BYTES) -> None:
         self.name = name
         # None: relay when destinations outnumber sources and all hold the same layout (full replicas);
         # True: relay whenever the destinations' layouts are identical; False: never.
         self.relay = relay
         self.relay_chunk_bytes = int(relay_chunk_bytes)
+        self.round_bytes, self.local_round_bytes = int(round_bytes), int(local_round_bytes)
         self._chain: list[int] = []  # destination ranks of the current plan's relay chain (empty: direct)
         self.allow_cast = allow_cast
         self.fp8_block = None if fp8_block is None else (int(fp8_block[0]), int(fp8_block[1]))
@@ -222,7 +225,8 @@ class Coordinator:
         dst_layouts = [Layout.from_msgpack(m.layout) for m in targets]
         p = make_plan(src_layouts, dst_layouts, source_hosts=[m.host for m in sources],
                       destination_hosts=[m.host for m in targets], allow_cast=self.allow_cast,
-                      fp8_block=self.fp8_block)
+                      fp8_block=self.fp8_block, round_bytes=self.round_bytes,
+                      local_round_bytes=self.local_round_bytes)
         epoch = self.epoch + 1
         expected = np.zeros(len(targets), dtype=np.int64)
         dst_bytes = p.bytes_per_destination() if len(p.ops) else np.zeros(len(targets), np.int64)

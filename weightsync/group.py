@@ -56,7 +56,7 @@ from weightsync.coordinator import DESTINATION, RELAY_CHUNK_BYTES, SOURCE, Coord
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import LayoutError, PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.layout import describe_tensors
-from weightsync.plan import Plan
+from weightsync.plan import LOCAL_ROUND_BYTES, ROUND_BYTES, Plan
 from weightsync.transforms import Preparer
 from weightsync.writes import (
     CHUNK_DTYPE,
@@ -78,6 +78,10 @@ ACK = 0xFFFFFFFE
 _SLOT = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("buffer", "<i8")])
 _CUDA_GRAPHS = os.environ.get("WEIGHTSYNC_CUDA_GRAPHS", "1") != "0"
 ROUNDS_IN_FLIGHT = 2  # direct-write rounds a source keeps posted: one running, one queued behind it
+# Rounds into peers on the cuda lane are not held back: its copies run in the order they are posted
+# (one stream by default), so posting ahead keeps the schedule, and waiting costs a bubble per round
+# (scenario 2's 75 MB cross rounds take 0.19 ms on H100, about a wake-up and a post). None: no limit.
+CUDA_ROUNDS_IN_FLIGHT: int | None = None
 _MAX_SLOTS = 1024  # mailbox slots per participant: peers of the other role, by position in the plan
 
 
@@ -137,7 +141,8 @@ class Group:
     @classmethod
     def create(cls, name: str, num_sources: int, num_destinations: int, *, allow_cast: bool = False,
                fp8_block: tuple[int, int] | None = (128, 128), relay: bool | None = None,
-               relay_chunk_bytes: int = RELAY_CHUNK_BYTES) -> Group:
+               relay_chunk_bytes: int = RELAY_CHUNK_BYTES, round_bytes: int = ROUND_BYTES,
+               local_round_bytes: int = LOCAL_ROUND_BYTES) -> Group:
         """Starts the coordinator as a named actor in the caller's Ray namespace.
 
         Destinations say what they want by the dtype of their tensors. ``fp8_block``: a destination
@@ -151,7 +156,10 @@ class Group:
         next destination as soon as that chunk has landed, from the engine's own thread, so every link
         carries the model about once. None (default): relay when destinations outnumber sources and
         all destinations hold identical layouts (full replicas); True: whenever the layouts are
-        identical; False: never. ``status()["relay"]`` and ``["chain"]`` say what the current plan does."""
+        identical; False: never. ``status()["relay"]`` and ``["chain"]`` say what the current plan does.
+
+        ``round_bytes`` / ``local_round_bytes``: how much a source writes into one destination before it
+        moves on to the next, over NICs / between GPUs of one host (see :func:`weightsync.plan.plan`)."""
         import ray
         from ray.experimental import internal_kv
 
@@ -164,7 +172,7 @@ class Group:
             ray.remote(num_cpus=0, max_concurrency=1024)(Coordinator)
             .options(name=_actor_name(name))
             .remote(name, num_sources, num_destinations, secret, allow_cast, fp8_block, relay,
-                    int(relay_chunk_bytes))
+                    int(relay_chunk_bytes), int(round_bytes), int(local_round_bytes))
         )
         ray.get(actor.current_epoch.remote())
         # The secret travels through Ray's own store: members of this Ray cluster can join, others not.
@@ -920,21 +928,24 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
                                                      imm=ANNOUNCE)))
         except TransportError as exc:
             failed[rank] = str(exc)
-    in_flight: list[tuple[int, Any]] = []
+    in_flight: dict[bool, list[tuple[int, Any]]] = {False: [], True: []}  # by lane: cuda or not
     for r in src._rounds:
         rank = r["rank"]
         if rank in failed:
             continue
-        while len(in_flight) >= ROUNDS_IN_FLIGHT:
-            _settle(*in_flight.pop(0), deadline, failed)
+        cuda = src._dests[rank]["peer"].transport == "cuda"
+        limit = (CUDA_ROUNDS_IN_FLIGHT if cuda else ROUNDS_IN_FLIGHT) or len(src._rounds)
+        queue = in_flight[cuda]
+        while len(queue) >= limit:
+            _settle(*queue.pop(0), deadline, failed)
         imms = np.full(len(r["nbytes"]), imm, dtype=np.uint32) if r["imms"] is None else r["imms"]
         try:
-            in_flight.append((rank, src.engine.write_batch(
+            queue.append((rank, src.engine.write_batch(
                 src._direct_srcs, src._batches[rank]["descs"], r["src_index"], r["src_off"], r["dst_index"],
                 r["dst_off"], r["nbytes"], imms, *r["geometry"])))
         except TransportError as exc:
             failed[rank] = str(exc)
-    transfers += in_flight
+    transfers += in_flight[False] + in_flight[True]
     staged = src._run_chunks(version, deadline, failed)
     for rank, tr in transfers:
         _settle(rank, tr, deadline, failed)
