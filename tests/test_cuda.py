@@ -4,6 +4,7 @@ on ``pair`` skip without two."""
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import msgpack
@@ -289,6 +290,48 @@ def test_copy_size_and_streams_settings(pair, piece: int, streams: int) -> None:
         assert out["imm_count"] == 1
         ray.get(dst.counter_wait.remote(61, 1))
         result = ray.get(dst.check_rows.remote(d_id, 0, rows, row, pitch, 50, 0, row, n + 3))
+        assert result == {"data": True, "outside": True}, result
+        ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
+    finally:
+        ray.get(src.reconfigure.remote())
+
+
+@pytest.mark.parametrize("batch_bytes", [64 << 20, 1 << 20, 0])
+def test_many_writes_batched_or_not(pair, batch_bytes: int) -> None:
+    """One write_batch of 2,000 1-D writes (1 B to 3 MiB, odd offsets) with 2-D writes among them: the
+    cuda lane sends runs of small 1-D copies as batched copies of at most ``cuda_batch_bytes`` (a 2-D
+    write or a large one closes the run), or one call per copy with 0. Every byte lands exactly, nothing
+    between the writes is touched, and the destination counts exactly the writes' immediates."""
+    src, dst, (_s, dst_info) = pair
+    ray.get(src.reconfigure.remote(cuda_batch_bytes=batch_bytes))
+    try:
+        rng = random.Random(batch_bytes + 7)
+        n, src_len = 2000, 96 << 20
+        ops: list[tuple[int, int, int, int, int, int]] = []
+        spans: list[tuple[int, int, int]] = []
+        at = 5
+        for k in range(n):
+            if k % 97 == 50:  # a 2-D block: 40 rows of 1,000 B, pitch 1,024 on both sides
+                so = rng.randrange(0, src_len - 41 * 1024)
+                ops.append((so, at, 1000, 40, 1024, 1024))
+                spans += [(so + r * 1024, at + r * 1024, 1000) for r in range(40)]
+                at += 40 * 1024 + 3
+                continue
+            size = rng.choice([1, 7, 4096, 65_537, 300_001]) if k % 250 else 3 << 20
+            so = rng.randrange(0, src_len - size)
+            ops.append((so, at, size, 1, size, size))
+            spans.append((so, at, size))
+            at += size + rng.randrange(1, 64)  # gaps: poison in between must stay
+        s_id, _ = ray.get(src.alloc.remote(src_len, seed=140))
+        d_id, d_desc = ray.get(dst.alloc.remote(at + 11))
+        out = ray.get(src.write_batch.remote(s_id, dst_info["address"], d_desc, ops, 70))
+        want = sum(ray.get([src.imm_count.remote(row, rows=rows) for _so, _do, row, rows, _sp, _dp in ops]))
+        assert out["imm_count"] == want
+        ray.get(dst.counter_wait.remote(70, want))
+        time.sleep(0.2)
+        with pytest.raises(ray.exceptions.RayTaskError, match="TimeoutError"):
+            ray.get(dst.counter_wait.remote(70, 1, 0.2))  # and not one more
+        result = ray.get(dst.check_spans.remote(d_id, spans, 140, src_len))
         assert result == {"data": True, "outside": True}, result
         ray.get([src.free.remote(s_id), dst.free.remote(d_id)])
     finally:

@@ -285,7 +285,10 @@ class TransferEngine:
     picks the first of those available (or ``$WEIGHTSYNC_PROVIDER``). ``cuda_device``: the process-local
     ordinal of this engine's GPU (default: torch's current device). ``cuda_piece``: bytes per copy on the
     cuda lane (0, the default: one copy per write, which measured best: see docs/BENCHMARKS.md);
-    ``cuda_streams``: streams the copies are spread over;
+    ``cuda_streams``: streams the copies are spread over (1, the default: copies run in the order they
+    are posted, which keeps the plan's schedule); ``cuda_batch_bytes``: 1-D copies smaller than this
+    that are posted together go to the driver as one batched copy (``cuMemcpyBatchAsync``, CUDA >= 12.8)
+    of at most this many bytes, completing together (0: a call and an event per copy);
     ``cuda_spin_us``: how long the idle cuda worker polls before sleeping.
     ``staging_slots``: GPU memory the NICs cannot register (no FI_HMEM) is sent to fabric peers through
     this many page-locked host slots of ``max_piece`` bytes, the device-to-host copy of one piece
@@ -317,7 +320,8 @@ class TransferEngine:
         stall_timeout: float = 5.0,
         cuda_device: int | None = None,
         cuda_piece: int = 0,
-        cuda_streams: int = 2,
+        cuda_streams: int = 1,
+        cuda_batch_bytes: int = 64 << 20,
         cuda_spin_us: float = 50.0,
         staging_slots: int = 4,
         stage_host_sources: bool = False,
@@ -328,6 +332,8 @@ class TransferEngine:
     ) -> None:
         if transport not in ("auto", "fabric", "cuda"):
             raise TransportError(f"unknown transport {transport!r} (have: auto, fabric, cuda)")
+        if cuda_batch_bytes < 0:
+            raise TransportError(f"cuda_batch_bytes must be >= 0, not {cuda_batch_bytes}")
         lane = _cuda_lane(transport, cuda_device)
         provider = provider or os.environ.get("WEIGHTSYNC_PROVIDER") or _ext.pick_provider()
         nic_list = list(nics) if nics is not None else _default_nics(provider)
@@ -350,6 +356,7 @@ class TransferEngine:
             int(landing_slot_bytes),
             bool(land_host_regions),
             bool(cuda_peers),
+            int(cuda_batch_bytes),
         )
         self.transport = "fabric" if lane < 0 else "fabric+cuda"
         fields = [

@@ -41,6 +41,7 @@ constexpr int CU_MEMORYTYPE_UNIFIED = 4;  // the driver tells host from device b
 // count costs one more call per 64 Ki rows.
 constexpr uint64_t kMaxCopyRows = 1 << 16;
 constexpr int kRingFullTimeoutS = 5;  // longest wait for room in a peer's immediate ring
+constexpr size_t kMaxBatchCopies = 1024;  // copies per cuMemcpyBatchAsync call
 
 // The virtual memory management API (cuda.h, CUDA >= 10.2): C enums are ints.
 using CUmemGenericAllocationHandle = unsigned long long;
@@ -48,6 +49,13 @@ struct CUmemLocation {  // CUmemLocation_v1
   int type;             // CUmemLocationType
   int id;
 };
+struct CUmemcpyAttributes {  // CUmemcpyAttributes_v1 (CUDA >= 12.8)
+  int srcAccessOrder;          // CUmemcpySrcAccessOrder
+  CUmemLocation srcLocHint;    // hints: only for managed memory
+  CUmemLocation dstLocHint;
+  unsigned flags;
+};
+constexpr int CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1;  // read the source in stream order
 struct CUmemAllocationProp {  // CUmemAllocationProp_v1
   int type;                   // CUmemAllocationType
   int requestedHandleTypes;   // CUmemAllocationHandleType (a bit mask)
@@ -160,6 +168,11 @@ struct CudaApi {
   CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
   CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+  // Batched copies; optional. CUDA 13 drivers name the current form _v2 (12.8's also took a failIdx).
+  CUresult (*cuMemcpyBatchAsync_v2)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, CUmemcpyAttributes*, size_t*,
+                                    size_t, void*);
+  CUresult (*cuMemcpyBatchAsync_v1)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, CUmemcpyAttributes*, size_t*,
+                                    size_t, size_t*, void*);
   std::string vmm_error;  // which VMM entry points are missing (empty: all there)
   std::string error;  // why loading failed
 };
@@ -224,6 +237,12 @@ const CudaApi* load_api() {
     opt(api.cuMemMap, "cuMemMap");
     opt(api.cuMemUnmap, "cuMemUnmap");
     opt(api.cuMemSetAccess, "cuMemSetAccess");
+    api.cuMemcpyBatchAsync_v2 =
+        reinterpret_cast<decltype(api.cuMemcpyBatchAsync_v2)>(dlsym(lib, "cuMemcpyBatchAsync_v2"));
+    if (api.cuMemcpyBatchAsync_v2 == nullptr) {
+      api.cuMemcpyBatchAsync_v1 =
+          reinterpret_cast<decltype(api.cuMemcpyBatchAsync_v1)>(dlsym(lib, "cuMemcpyBatchAsync"));
+    }
     CUresult rc = api.cuInit(0);
     if (rc != CUDA_SUCCESS) api.error = "cuInit failed with CUDA error " + std::to_string(rc);
   });
@@ -309,7 +328,7 @@ std::string host_identity() {
   return std::string(host) + "/" + boot;
 }
 
-CudaTransport::CudaTransport(int device, int streams, double spin_us)
+CudaTransport::CudaTransport(int device, int streams, double spin_us, uint64_t batch_bytes)
     : api_(load_api()), device_(device), spin_us_(spin_us) {
   if (!api_->error.empty()) throw TransportError("cuda transport unavailable: " + api_->error);
   CUdevice dev = 0;
@@ -331,6 +350,8 @@ CudaTransport::CudaTransport(int device, int streams, double spin_us)
   // Landing copies get their own stream: FIFO among themselves (a landed message's immediate may only
   // count once every message before it on that NIC is in place), never queued behind peer copies.
   check(api_->cuStreamCreate(&landing_stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  // Without the batch entry points (drivers before 12.8) every copy is its own call, as before.
+  if (api_->cuMemcpyBatchAsync_v2 != nullptr || api_->cuMemcpyBatchAsync_v1 != nullptr) batch_bytes_ = batch_bytes;
   host_ = host_identity();
   ring_ = ImmRing::create();
   address_ = host_ + "\n" + uuid_ + "\n" + std::to_string(getpid()) + "\n" + std::to_string(ring_.fd());
@@ -340,7 +361,7 @@ CudaTransport::~CudaTransport() {
   if (ctx_ == nullptr) return;
   make_current();
   for (auto& f : inflight_) {
-    if (f.event) api_->cuEventDestroy(f.event);
+    if (f.event && f.owns_event) api_->cuEventDestroy(f.event);
   }
   if (landing_stream_) api_->cuStreamSynchronize(landing_stream_);
   for (auto& [ev, ctx] : landing_) api_->cuEventDestroy(ev);
@@ -862,6 +883,21 @@ int CudaTransport::post_write(const WriteRequest& req) {
     return 0;
   }
   make_current();
+  const bool one_d = req.rows <= 1 || (req.src_pitch == req.len && req.dst_pitch == req.len);
+  const uint64_t bytes = req.len * std::max<uint64_t>(req.rows, 1);
+  if (batch_bytes_ > 0 && one_d && bytes < batch_bytes_) {
+    // Into the batch: the copy engines then take the copies back to back, without the few
+    // microseconds each separate copy costs them (docs/BENCHMARKS.md).
+    if (batched_ + bytes > batch_bytes_) flush_batch();
+    batch_dst_.push_back(static_cast<CUdeviceptr>(req.remote_addr));
+    batch_src_.push_back(reinterpret_cast<CUdeviceptr>(req.src));
+    batch_len_.push_back(bytes);
+    batch_.push_back({nullptr, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
+    batched_ += bytes;
+    if (batch_.size() >= kMaxBatchCopies) flush_batch();
+    return 0;
+  }
+  flush_batch();  // copies leave in the order they were posted
   void* ev = take_event();
   if (ev == nullptr) return -ENOMEM;
   void* stream = streams_[next_stream_++ % streams_.size()];
@@ -878,7 +914,72 @@ int CudaTransport::post_write(const WriteRequest& req) {
   return 0;
 }
 
+void CudaTransport::flush_batch() {
+  if (batch_.empty()) return;
+  make_current();
+  void* stream = streams_[next_stream_++ % streams_.size()];
+  const size_t n = batch_.size();
+  CUresult rc = CUDA_SUCCESS;
+  if (n > 1) {
+    CUmemcpyAttributes attr{};
+    attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;  // the source may still be being written
+    size_t first = 0;
+    size_t fail = 0;
+    rc = api_->cuMemcpyBatchAsync_v2
+             ? api_->cuMemcpyBatchAsync_v2(batch_dst_.data(), batch_src_.data(), batch_len_.data(), n, &attr,
+                                           &first, 1, stream)
+             : api_->cuMemcpyBatchAsync_v1(batch_dst_.data(), batch_src_.data(), batch_len_.data(), n, &attr,
+                                           &first, 1, &fail, stream);
+  }
+  if (n == 1 || rc != CUDA_SUCCESS) {
+    // One copy, or a batch the driver refused (how much of it was queued is not said): each copy on
+    // its own, so that the one at fault is the one that fails. A copy queued twice writes the same bytes.
+    for (size_t i = 0; i < n; ++i) {
+      batch_[i].error = api_->cuMemcpyAsync(batch_dst_[i], batch_src_[i], batch_len_[i], stream);
+    }
+  }
+  void* ev = take_event();
+  if (ev != nullptr && api_->cuEventRecord(ev, stream) != CUDA_SUCCESS) {
+    free_events_.push_back(ev);
+    ev = nullptr;
+  }
+  if (ev == nullptr) {
+    // No event to tell when the copies end: wait for them here (rare: the driver is out of resources).
+    CUresult sync = api_->cuStreamSynchronize(stream);
+    for (auto& f : batch_) {
+      if (f.error == CUDA_SUCCESS) f.error = sync;
+    }
+  }
+  size_t waiting = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Inflight f = batch_[i];
+    if (f.error != CUDA_SUCCESS || ev == nullptr) {
+      f.event = nullptr;
+      ready_.push_back(f);
+      continue;
+    }
+    f.event = ev;
+    f.owns_event = false;
+    inflight_.push_back(f);
+    ++waiting;
+  }
+  // The batch's last entry returns the event to the pool (entries complete in order); with none
+  // waiting on it, it goes back now.
+  if (waiting > 0) {
+    inflight_.back().owns_event = true;
+  } else if (ev != nullptr) {
+    free_events_.push_back(ev);
+  }
+  batch_.clear();
+  batch_dst_.clear();
+  batch_src_.clear();
+  batch_len_.clear();
+  batched_ = 0;
+}
+
 size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
+  // Whatever the worker posted since its last poll goes to the GPU now, as one batch.
+  flush_batch();
   size_t got = 0;
   uint32_t imm = 0;
   while (got < max && ring_.pop(imm)) {
@@ -914,14 +1015,14 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
   while ((!ready_.empty() || !inflight_.empty()) && got < max) {
     const bool instant = !ready_.empty();
     Inflight f = instant ? ready_.front() : inflight_.front();
-    CUresult rc = f.event ? api_->cuEventQuery(f.event) : CUDA_SUCCESS;
+    CUresult rc = f.event ? api_->cuEventQuery(f.event) : f.error;
     if (rc == CUDA_ERROR_NOT_READY) break;
     if (instant) {
       ready_.pop_front();
     } else {
       inflight_.pop_front();
     }
-    if (f.event) free_events_.push_back(f.event);
+    if (f.event && f.owns_event) free_events_.push_back(f.event);
     last_busy_ = std::chrono::steady_clock::now();
     Completion c;
     c.context = f.context;
@@ -965,6 +1066,7 @@ void CudaTransport::wait(int timeout_ms) {
   // spin_us: sleep until a peer pushes an immediate, the worker is signalled (new work), or the
   // timeout passes. Within spin_us of the last copy or immediate, keep polling: a write or immediate
   // that follows soon (a stream of small writes) then costs neither side a futex wake-up.
+  flush_batch();
   const auto idle = std::chrono::steady_clock::now() - last_busy_;
   if (inflight_.empty() && ready_.empty() && landing_.empty() &&
       idle > std::chrono::duration<double, std::micro>(spin_us_)) {

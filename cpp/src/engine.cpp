@@ -81,7 +81,8 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg), uid_(random_uid()) {
     if (cfg_.cuda_streams < 1) throw TransportError("cuda_streams must be at least 1");
     cuda_lane_ = static_cast<int>(workers_.size());
     workers_.push_back(std::make_unique<NicWorker>(
-        this, cuda_lane_, std::make_unique<CudaTransport>(cfg_.cuda_device, cfg_.cuda_streams, cfg_.cuda_spin_us),
+        this, cuda_lane_, std::make_unique<CudaTransport>(cfg_.cuda_device, cfg_.cuda_streams, cfg_.cuda_spin_us,
+                                                         cfg_.cuda_batch_bytes),
         cfg_));
   }
 }

@@ -141,7 +141,7 @@ NB_MODULE(_core, m) {
              uint64_t stripe_threshold, uint64_t max_piece, uint64_t window_bytes, uint64_t window_ops,
              double stall_timeout_s, int cuda_device, uint64_t cuda_piece, int cuda_streams,
              double cuda_spin_us, uint64_t staging_slots, bool stage_host_sources, uint64_t landing_slots,
-             uint64_t landing_slot_bytes, bool land_host_regions, bool cuda_peers) {
+             uint64_t landing_slot_bytes, bool land_host_regions, bool cuda_peers, uint64_t cuda_batch_bytes) {
             ws::EngineConfig cfg;
             cfg.transport = transport;
             cfg.provider = provider;
@@ -161,14 +161,16 @@ NB_MODULE(_core, m) {
             cfg.landing_slot_bytes = landing_slot_bytes;
             cfg.land_host_regions = land_host_regions;
             cfg.cuda_peers = cuda_peers;
+            cfg.cuda_batch_bytes = cuda_batch_bytes;
             nb::gil_scoped_release release;
             return ws::Engine::create(cfg);
           },
           "transport"_a, "provider"_a, "nics"_a, "stripe_threshold"_a, "max_piece"_a, "window_bytes"_a,
           "window_ops"_a, "stall_timeout_s"_a, "cuda_device"_a = -1, "cuda_piece"_a = 64ull << 20,
-          "cuda_streams"_a = 2, "cuda_spin_us"_a = 50.0, "staging_slots"_a = 4, "stage_host_sources"_a = false,
+          "cuda_streams"_a = 1, "cuda_spin_us"_a = 50.0, "staging_slots"_a = 4, "stage_host_sources"_a = false,
           "landing_slots"_a = 8,
-          "landing_slot_bytes"_a = 0, "land_host_regions"_a = false, "cuda_peers"_a = true)
+          "landing_slot_bytes"_a = 0, "land_host_regions"_a = false, "cuda_peers"_a = true,
+          "cuda_batch_bytes"_a = 64ull << 20)
       .def_prop_ro("uid", &ws::Engine::uid)
       .def_prop_ro("provider", &ws::Engine::provider)
       .def_prop_ro("transport", &ws::Engine::transport_kind)
@@ -187,6 +189,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("two_d_mode", &ws::Engine::two_d_mode)
       .def_prop_ro("cuda_piece", [](const ws::Engine& e) { return e.config().cuda_piece; })
       .def_prop_ro("cuda_streams", [](const ws::Engine& e) { return e.config().cuda_streams; })
+      .def_prop_ro("cuda_batch_bytes", [](const ws::Engine& e) { return e.config().cuda_batch_bytes; })
       .def_prop_ro("landing_slots", [](const ws::Engine& e) { return e.config().landing_slots; })
       .def_prop_ro("landing_slot_bytes", [](const ws::Engine& e) { return e.config().landing_slot_bytes; })
       .def_prop_ro("cuda_peers", [](const ws::Engine& e) { return e.config().cuda_peers; })

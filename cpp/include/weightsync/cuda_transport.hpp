@@ -45,7 +45,9 @@ class CudaTransport final : public Transport {
  public:
   // `streams`: copies are spread over this many streams; `spin_us`: an idle worker keeps polling this
   // long after its last copy before it sleeps (back-to-back writes then skip a wake-up).
-  CudaTransport(int device, int streams, double spin_us);
+  // batch_bytes > 0: consecutive 1-D copies posted between two polls go to the driver as one batched
+  // copy (cuMemcpyBatchAsync, CUDA >= 12.8) of at most this many bytes, completing together.
+  CudaTransport(int device, int streams, double spin_us, uint64_t batch_bytes = 0);
   ~CudaTransport() override;
 
   std::string kind() const override { return "cuda"; }
@@ -93,6 +95,8 @@ class CudaTransport final : public Transport {
   void* take_event();
   // Queues the copy of `req` (1-D or 2-D) on `stream`; returns a CUresult.
   int enqueue_copy(const WriteRequest& req, void* stream);
+  // Sends the batch gathered so far to the driver (one call, one event for all of it).
+  void flush_batch();
   // The VMM export of [ptr, ptr+len) (ipc_error: why cuIpcGetMemHandle refused it): fills reg.blob and
   // reg.handle (the key of its file descriptors in vmm_exports_).
   void export_vmm(uint64_t ptr, size_t len, int ipc_error, MemRegistration& reg);
@@ -115,7 +119,16 @@ class CudaTransport final : public Transport {
     bool has_imm;
     uint32_t imm;
     uint32_t imm_repeat;
+    // The copies of a batch share one event: the batch's last entry returns it to the pool.
+    bool owns_event = true;
+    int error = 0;  // a CUresult: the copy could not be queued (reported from ready_)
   };
+  // The batch being gathered: consecutive 1-D copies, all for one stream, sent at the next poll.
+  uint64_t batch_bytes_ = 0;  // the most bytes per batch (0: no batching)
+  uint64_t batched_ = 0;      // bytes in the batch so far
+  std::vector<unsigned long long> batch_dst_, batch_src_;
+  std::vector<size_t> batch_len_;
+  std::vector<Inflight> batch_;
   size_t max_pitch_ = 0;  // CU_DEVICE_ATTRIBUTE_MAX_PITCH: larger pitches are copied row by row
   double spin_us_ = 0;
   std::chrono::steady_clock::time_point last_busy_{};

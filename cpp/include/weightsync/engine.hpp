@@ -40,7 +40,10 @@ struct EngineConfig {
   // cuda lane: a 1-D write is cut into copies of this size (0: one copy per write), spread over
   // `cuda_streams` streams. Copy engines need no NIC-sized pieces; fewer, larger copies cost less.
   uint64_t cuda_piece = 0;  // one copy per write: measured best on H100 (docs/BENCHMARKS.md)
-  int cuda_streams = 2;
+  int cuda_streams = 1;
+  // cuda lane: 1-D copies smaller than this, posted together, go to the driver as one batched copy of at
+  // most this many bytes (0: one call per copy). The copy engines then skip their per-copy gap.
+  uint64_t cuda_batch_bytes = 64ull << 20;
   // cuda lane: how long an idle worker keeps polling before it sleeps (a wake-up costs microseconds).
   double cuda_spin_us = 50.0;
   // GPU sources the NICs cannot register (no FI_HMEM) reach fabric peers through this many pinned host
