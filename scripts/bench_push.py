@@ -429,10 +429,10 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
 
     def weightsync() -> dict[str, Any]:
         name = f"bench-s{num}-{os.getpid()}"
-        group = ws.Group.create(name, num_sources=T, num_destinations=R)
+        group = ws.Group.create(name, num_sources=T, num_destinations=R, **args.group_opts)
         try:
             t0 = time.perf_counter()
-            setup = team.call("ws_setup", name, "inplace", timeout=tmo)
+            setup = team.call("ws_setup", name, "inplace", args.tuning, timeout=tmo)
             res: dict[str, Any] = {"mode": "inplace", "setup_s": time.perf_counter() - t0,
                                    "times": [], "phases": [], "writes": 0, "verified_bytes": 0}
             del setup
@@ -681,8 +681,9 @@ def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
                 _write(args.out, rows, bw, card, partial=True)
     finally:
         ray.shutdown()
-    result = {"card": card, "date": time.strftime("%Y-%m-%d"), "bound_bandwidth": bw, "scenarios": rows,
-              "wall_s": time.perf_counter() - t0, "device": args.device, "scale": args.scale}
+    result = {"card": card, "date": time.strftime("%Y-%m-%d"), "bound_bandwidth": bw, "tuning": args.tuning,
+              "scenarios": rows, "wall_s": time.perf_counter() - t0, "device": args.device,
+              "scale": args.scale}
     result["goals"] = goals(rows)
     print()
     print(table(rows, bw, card))
@@ -747,6 +748,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="start no scenario and no measured part after this many seconds from the start")
     ap.add_argument("--out", default=None, help="write bench_push.md, bench_push.json, bench_push.png here")
     ap.add_argument("--verbose", action="store_true", help="actors' logs on the driver's terminal")
+    ap.add_argument("--cuda-streams", type=int, default=None,
+                    help="engine cuda_streams (default: the library's)")
+    ap.add_argument("--cuda-batch-mib", type=float, default=None,
+                    help="engine cuda_batch_bytes in MiB (0: no batched copies; default: the library's)")
+    ap.add_argument("--local-round-mib", type=float, default=None,
+                    help="Group.create(local_round_bytes=) in MiB (default: the library's)")
+    ap.add_argument("--cuda-rounds-in-flight", type=int, default=None,
+                    help="rounds a source posts ahead on the cuda lane (0: all; default: the library's)")
     args = ap.parse_args(argv)
     args.deadline = time.monotonic() + args.budget_s
     args.scenarios = [int(s) for s in args.scenarios.split(",") if s]
@@ -766,6 +775,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.quick:
             args.buckets_mib = "1"  # a smoke test: one bucket size shows the path works
     args.buckets_mib = [float(x) for x in args.buckets_mib.split(",") if x]
+    args.tuning = {}
+    if args.cuda_streams is not None:
+        args.tuning["cuda_streams"] = args.cuda_streams
+    if args.cuda_rounds_in_flight is not None:
+        args.tuning["cuda_rounds_in_flight"] = args.cuda_rounds_in_flight or None
+    if args.cuda_batch_mib is not None:
+        args.tuning["cuda_batch_bytes"] = int(args.cuda_batch_mib * 2**20)
+    args.group_opts = {}
+    if args.local_round_mib is not None:
+        args.group_opts["local_round_bytes"] = int(args.local_round_mib * 2**20)
+        args.tuning["local_round_bytes"] = args.group_opts["local_round_bytes"]
     return args
 
 

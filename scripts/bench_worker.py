@@ -349,6 +349,7 @@ class Worker:
                                                                  box(pc[2], pc[3])))
         self.src: Any = None
         self.dst: Any = None
+        self.engine: Any = None
         self._sync()
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -400,14 +401,25 @@ class Worker:
         return {"ok": not bad, "bytes": checked, "bad": bad[:5], "nbad": len(bad)}
 
     # -- weightsync ---------------------------------------------------------------------------------
-    def ws_setup(self, group: str, mode: str = "inplace") -> dict[str, Any]:
+    def ws_setup(self, group: str, mode: str = "inplace",
+                 tuning: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``tuning`` (for A/B runs): ``cuda_streams``, ``cuda_batch_bytes`` for the engine,
+        ``cuda_rounds_in_flight`` for the sources (weightsync.group.CUDA_ROUNDS_IN_FLIGHT); absent keys
+        keep the library's defaults."""
+        from weightsync import group as ws_group
+
         t0 = time.perf_counter()
+        tuning = tuning or {}
+        if "cuda_rounds_in_flight" in tuning:
+            ws_group.CUDA_ROUNDS_IN_FLIGHT = tuning["cuda_rounds_in_flight"]
+        engine_opts = {k: tuning[k] for k in ("cuda_streams", "cuda_batch_bytes") if k in tuning}
+        self.engine = ws.TransferEngine(**engine_opts) if engine_opts else None
         tensors = {p.key: as_ws(p, self.local[p.key]) for p in self.params}
         if self.trainer:
-            self.src = ws.Source(group, rank=self.rank, tensors=tensors, timeout=300)
+            self.src = ws.Source(group, rank=self.rank, tensors=tensors, timeout=300, engine=self.engine)
         else:
             self.dst = ws.Destination(group, rank=self.rank - self.T, tensors=tensors, mode=mode, timeout=300,
-                                      push_timeout=120)
+                                      push_timeout=120, engine=self.engine)
         return {"setup_s": time.perf_counter() - t0}
 
     def ws_push(self, version: int) -> dict[str, Any]:
@@ -425,7 +437,9 @@ class Worker:
         for p in (self.src, self.dst):
             if p is not None:
                 p.close()
-        self.src = self.dst = None
+        if self.engine is not None:
+            self.engine.close()
+        self.src = self.dst = self.engine = None
 
     # -- broadcast baselines ------------------------------------------------------------------------
     def broadcast(self, bucket_bytes: int) -> float:
