@@ -1231,6 +1231,7 @@ class Destination(_Participant):
         counter = self.engine.counter(data_imm(self.epoch, target))
         deadline = time.monotonic() + self._push_timeout
         complete = False
+        acks = self._arm_acks(counter, target) if self._relay is None and self.mode == "inplace" else None
         if self._relay is not None:
             if self._armed != self.epoch:
                 # Staged: the shadows are known only now; or the first push after a failed one.
@@ -1243,6 +1244,14 @@ class Destination(_Participant):
                 break
             except TimeoutError:
                 continue
+        if not complete and acks:
+            # Too late for the ack to go out unless it already has: then every immediate was here.
+            if not all(f.cancel() for _, f in acks):
+                try:
+                    counter.wait(self._expected, timeout=1.0)
+                    complete = True
+                except TimeoutError:
+                    pass
         if not complete:
             with self._lock:
                 self._landing = None
@@ -1267,7 +1276,14 @@ class Destination(_Participant):
             else:
                 next_buffer = 0
             self._lock.notify_all()
-        self._ack(target, next_buffer)
+        if acks is None:
+            self._ack(target, next_buffer)
+        else:
+            for rank, f in acks:
+                try:
+                    f.transfer.wait(10.0)
+                except (TransportError, TimeoutError) as exc:
+                    self.log.warning("destination %d: ack to source %d failed: %s", self.rank, rank, exc)
         if self._relay is not None:
             # After the ack (it is on the sources' critical path): inplace arms the next push's triggers
             # now (a trigger whose data has already arrived fires at once); staged arms at the announce,
@@ -1277,13 +1293,37 @@ class Destination(_Participant):
             else:
                 self._disarm()
 
+    def _arm_acks(self, counter: Any, version: int) -> list[tuple[int, Any]] | None:
+        """``inplace``: one trigger per source, so that the engine's own thread acks ``version`` the moment
+        its last immediate arrives, without waking this thread on the sources' critical path (0.2 to
+        1.3 ms per push on 4 x H100). The ack's slot alternates with the version's parity: a NIC may
+        still be reading the previous one. None (the ack is then written by this thread) if arming failed."""
+        slot = version & 1
+        self._outbox[slot] = (version, 0, 0)
+        due = self._used(counter) + self._expected
+        armed: list[tuple[int, Any]] = []
+        try:
+            for rank, s in self._sources.items():
+                armed.append((rank, self.engine.forward(
+                    counter.imm, due, self._outbox_region, slot * _SLOT.itemsize, s["peer"], s["mailbox"],
+                    self.rank * _SLOT.itemsize, _SLOT.itemsize, imm=ACK)))
+        except TransportError as exc:
+            for _, f in armed:
+                f.cancel()
+            self.log.warning("destination %d: arming the acks of version %d failed (%s); acking from "
+                             "Python", self.rank, version, exc)
+            return None
+        return armed
+
     def _ack(self, version: int, next_buffer: int) -> None:
-        self._outbox[0] = (version, next_buffer, 0)
+        slot = version & 1
+        self._outbox[slot] = (version, next_buffer, 0)
         transfers = []
         for rank, s in self._sources.items():
             try:
-                transfers.append(self.engine.write(self._outbox_region, 0, s["peer"], s["mailbox"],
-                                                   self.rank * _SLOT.itemsize, _SLOT.itemsize, imm=ACK))
+                transfers.append(self.engine.write(self._outbox_region, slot * _SLOT.itemsize, s["peer"],
+                                                   s["mailbox"], self.rank * _SLOT.itemsize, _SLOT.itemsize,
+                                                   imm=ACK))
             except TransportError as exc:
                 self.log.warning("destination %d: ack to source %d failed: %s", self.rank, rank, exc)
         for t in transfers:
