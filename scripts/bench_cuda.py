@@ -100,25 +100,30 @@ def shards_round(args: argparse.Namespace, card: str) -> dict[str, Any]:
                            "bound_how": bound["how"]}
     print(f"{len(sizes)} tensors, {total / 1e9:.2f} GB; one {at / 1e9:.2f} GB copy: {bound['gbps']:.1f} GB/s",
           flush=True)
-    name = "copy engines, one copy per tensor"
     src, dst = end.remote(), end.remote()
     dst_info = ray.get(dst.info.remote())
-    s_id, _ = ray.get(src.alloc.remote(at, seed=11))
-    times = []
-    for rep in range(args.repeat + 1):
-        d_id, d_desc = ray.get(dst.alloc.remote(at))  # poisoned afresh each time
-        res = ray.get(src.write_batch.remote(s_id, dst_info["address"], d_desc, ops, imm=5 + rep))
-        ray.get(dst.counter_wait.remote(5 + rep, res["imm_count"]))
-        ok = ray.get(dst.check_ops.remote(d_id, ops, 11, at))
-        if ok != {"data": True}:
-            raise SystemExit(f"wrong bytes with {name}: {ok}")
-        ray.get(dst.free.remote(d_id))
-        if rep > 0:
-            times.append(res["seconds"])
-    gbps = total / statistics.median(times) / 1e9
-    out[name] = {"gbps": gbps, "ratio": gbps / bound["gbps"], "times": times}
-    print(f"{name}: median {statistics.median(times) * 1e3:.2f} ms, {gbps:.1f} GB/s, "
-          f"{gbps / bound['gbps']:.3f} of one copy, verified", flush=True)
+    imm = 5
+    for batch_mib in (float(x) for x in args.cuda_batch_mib.split(",") if x):
+        name = f"copies under {batch_mib:g} MiB batched" if batch_mib else "copy engines, one copy per tensor"
+        ray.get(src.reconfigure.remote(cuda_batch_bytes=int(batch_mib * 2**20)))
+        s_id, _ = ray.get(src.alloc.remote(at, seed=11))
+        times = []
+        for rep in range(args.repeat + 1):
+            imm += 1
+            d_id, d_desc = ray.get(dst.alloc.remote(at))  # poisoned afresh each time
+            res = ray.get(src.write_batch.remote(s_id, dst_info["address"], d_desc, ops, imm=imm))
+            ray.get(dst.counter_wait.remote(imm, res["imm_count"]))
+            ok = ray.get(dst.check_ops.remote(d_id, ops, 11, at))
+            if ok != {"data": True}:
+                raise SystemExit(f"wrong bytes with {name}: {ok}")
+            ray.get(dst.free.remote(d_id))
+            if rep > 0:
+                times.append(res["seconds"])
+        ray.get(src.free.remote(s_id))
+        gbps = total / statistics.median(times) / 1e9
+        out[name] = {"gbps": gbps, "ratio": gbps / bound["gbps"], "times": times}
+        print(f"{name}: median {statistics.median(times) * 1e3:.2f} ms, {gbps:.1f} GB/s, "
+              f"{gbps / bound['gbps']:.3f} of one copy, verified", flush=True)
     ray.kill(src)
     ray.kill(dst)
     ray.shutdown()
@@ -136,6 +141,8 @@ def main() -> None:
     ap.add_argument("--spin-us", default="50", help="comma-separated idle polling times to sweep (us)")
     ap.add_argument("--latency-samples", type=int, default=200)
     ap.add_argument("--shards", action="store_true", help="only the many-tensor round")
+    ap.add_argument("--cuda-batch-mib", default="64,0",
+                    help="--shards: cuda_batch_bytes settings to compare, in MiB (0: one call per copy)")
     args = ap.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     gpus = torch.cuda.device_count()
