@@ -1245,8 +1245,9 @@ class Destination(_Participant):
             except TimeoutError:
                 continue
         if not complete and acks:
-            # Too late for the ack to go out unless it already has: then every immediate was here.
-            if not all(f.cancel() for _, f in acks):
+            # Too late for the ack to go out unless it already has: then every immediate was here. Every
+            # trigger is cancelled (a list, not all()'s short cut): none may ack an abandoned version later.
+            if not all([f.cancel() for _, f in acks]):
                 try:
                     counter.wait(self._expected, timeout=1.0)
                     complete = True
