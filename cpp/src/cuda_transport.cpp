@@ -832,13 +832,20 @@ std::vector<void*> CudaTransport::drain_landing() {
   return out;
 }
 
+// Bytes of `req` when they form one contiguous run on both sides (a 1-D write, or rows packed without
+// gaps), else 0: such a write is one plain copy, and may join a batch.
+static uint64_t contiguous_bytes(const WriteRequest& req) {
+  if (req.rows <= 1 || (req.src_pitch == req.len && req.dst_pitch == req.len)) {
+    return req.len * std::max<uint64_t>(req.rows, 1);
+  }
+  return 0;
+}
+
 int CudaTransport::enqueue_copy(const WriteRequest& req, void* stream) {
   const CUdeviceptr dst = static_cast<CUdeviceptr>(req.remote_addr);
   const CUdeviceptr src = reinterpret_cast<CUdeviceptr>(req.src);
   if (req.len == 0) return CUDA_SUCCESS;
-  if (req.rows <= 1 || (req.src_pitch == req.len && req.dst_pitch == req.len)) {
-    return api_->cuMemcpyAsync(dst, src, req.len * std::max<uint64_t>(req.rows, 1), stream);
-  }
+  if (const uint64_t bytes = contiguous_bytes(req); bytes > 0) return api_->cuMemcpyAsync(dst, src, bytes, stream);
   if (req.src_pitch > max_pitch_ || req.dst_pitch > max_pitch_) {
     // Beyond what a 2-D copy accepts: one copy per row, all on this stream (the event covers them all).
     for (uint64_t r = 0; r < req.rows; ++r) {
@@ -883,9 +890,8 @@ int CudaTransport::post_write(const WriteRequest& req) {
     return 0;
   }
   make_current();
-  const bool one_d = req.rows <= 1 || (req.src_pitch == req.len && req.dst_pitch == req.len);
-  const uint64_t bytes = req.len * std::max<uint64_t>(req.rows, 1);
-  if (batch_bytes_ > 0 && one_d && bytes < batch_bytes_) {
+  const uint64_t bytes = contiguous_bytes(req);
+  if (batch_bytes_ > 0 && bytes > 0 && bytes < batch_bytes_) {
     // Into the batch: the copy engines then take the copies back to back, without the few
     // microseconds each separate copy costs them (docs/BENCHMARKS.md).
     if (batched_ + bytes > batch_bytes_) flush_batch();
