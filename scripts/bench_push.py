@@ -681,7 +681,8 @@ def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
                 _write(args.out, rows, bw, card, partial=True)
     finally:
         ray.shutdown()
-    result = {"card": card, "date": time.strftime("%Y-%m-%d"), "bound_bandwidth": bw, "tuning": args.tuning,
+    result = {"card": card, "date": time.strftime("%Y-%m-%d"), "bound_bandwidth": bw,
+              "tuning": {**args.tuning, **args.group_opts},
               "scenarios": rows, "wall_s": time.perf_counter() - t0, "device": args.device,
               "scale": args.scale}
     result["goals"] = goals(rows)
@@ -785,7 +786,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.group_opts = {}
     if args.local_round_mib is not None:
         args.group_opts["local_round_bytes"] = int(args.local_round_mib * 2**20)
-        args.tuning["local_round_bytes"] = args.group_opts["local_round_bytes"]
     return args
 
 
