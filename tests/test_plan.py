@@ -228,6 +228,26 @@ def test_one_writer_per_destination_per_round() -> None:
         assert ops["dst_rank"][0] != ops["dst_rank"][1]
 
 
+def test_rounds_between_gpus_of_one_host_use_local_round_bytes() -> None:
+    """Two sources each holding half of 2 x 64 KiB, two destinations needing everything: with 4 KiB
+    rounds over NICs a source visits each destination as often as its writes allow (twice); on one host
+    it uses the local round size (here larger than the whole push: one visit each, still one writer per
+    destination)."""
+    g = {f"t{i}": _global((128, 128), np.float32, i) for i in range(2)}
+    shards = zip(*[_fsdp(v, 2, k) for k, v in g.items()], strict=True)  # per rank: one dict per tensor
+    srcs = [describe_tensors({k: t for part in parts for k, t in part.items()}) for parts in shards]
+    dl = [describe_tensors({k: np.zeros_like(v) for k, v in g.items()}) for _ in range(2)]
+    remote = plan(srcs, dl, source_hosts=[0, 0], destination_hosts=[1, 1], round_bytes=4096,
+                  local_round_bytes=1 << 30)
+    local = plan(srcs, dl, source_hosts=[0, 0], destination_hosts=[0, 0], round_bytes=4096,
+                 local_round_bytes=1 << 30)
+    assert local.ops["round"].max() == 1
+    assert remote.ops["round"].max() == 3  # each of its 2 writes per destination a visit of its own
+    assert local.max_writers_per_round() == remote.max_writers_per_round() == 1
+    with pytest.raises(PlanError, match="local_round_bytes"):
+        plan(srcs, dl, local_round_bytes=0)
+
+
 def test_same_host_source_preferred_and_bytes_balanced() -> None:
     g = {f"t{i}": _global((16, 16), np.float32, i) for i in range(8)}
     # 4 replicated sources on hosts 0,0,1,1; 2 destinations on hosts 0 and 1

@@ -165,6 +165,9 @@ class Group:
 
         if num_sources < 1 or num_destinations < 1:
             raise LayoutError(f"group {name!r} needs at least one source and one destination")
+        if round_bytes < 1 or local_round_bytes < 1:
+            raise PlanError(f"group {name!r}: round_bytes ({round_bytes}) and local_round_bytes "
+                            f"({local_round_bytes}) must be at least 1")
         if not ray.is_initialized():
             ray.init()
         secret = secrets.token_hex(16)

@@ -758,6 +758,9 @@ class _Planner:
         self.fp8_block = fp8_block
         self.round_bytes = int(round_bytes)
         self.local_round_bytes = int(local_round_bytes)
+        if self.round_bytes < 1 or self.local_round_bytes < 1:
+            raise PlanError(f"round_bytes ({self.round_bytes}) and local_round_bytes "
+                            f"({self.local_round_bytes}) must be at least 1")
         self.coalesce = coalesce
         self.validate = validate
         hosts = list(source_hosts) if source_hosts is not None else [("src", i) for i in range(self.T)]
