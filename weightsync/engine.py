@@ -387,7 +387,18 @@ class TransferEngine:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` was called (every later call fails with a TransportError)."""
         return self._native.closed
+
+    @property
+    def stripe_threshold(self) -> int:
+        """Writes larger than this many bytes are striped over the NICs (after clamping to ``max_piece``)."""
+        return self._native.stripe_threshold
+
+    @property
+    def max_piece(self) -> int:
+        """Largest piece a write is cut into (after clamping to what every NIC accepts)."""
+        return self._native.max_piece
 
     # --- memory ---------------------------------------------------------------------------------------
     def register(self, buffer: Any, name: str | None = None) -> Region:

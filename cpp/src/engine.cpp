@@ -24,8 +24,6 @@ std::string random_uid() {
   return std::string(buf, 32);
 }
 
-uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
-
 }  // namespace
 
 RegistrationHold::~RegistrationHold() {
@@ -381,20 +379,14 @@ std::shared_ptr<RemoteRegion> Engine::import_region(const std::shared_ptr<Peer>&
   return rr;
 }
 
-uint64_t Engine::piece_size(uint64_t nbytes) const {
-  if (nbytes <= cfg_.stripe_threshold) return std::max<uint64_t>(nbytes, 1);
-  // Above the threshold: a multiple of the NIC count of equal pieces (so every NIC carries the same
-  // share), 4 KiB aligned, none larger than max_piece.
-  const uint64_t nics = std::max<size_t>(fabric_nics_, 1);
-  const uint64_t count = nics * ceil_div(nbytes, nics * cfg_.max_piece);
-  return std::min(ceil_div(ceil_div(nbytes, count), 4096) * 4096, cfg_.max_piece);
+PieceRule Engine::piece_rule() const {
+  return PieceRule{std::max<uint64_t>(fabric_nics_, 1), cfg_.stripe_threshold, cfg_.max_piece};
 }
 
+uint64_t Engine::piece_size(uint64_t nbytes) const { return piece_rule().piece_size(nbytes); }
+
 uint64_t Engine::imm_count(uint64_t nbytes, bool has_imm, uint64_t rows) const {
-  if (!has_imm) return 0;
-  if (rows > 1) return 1;  // a 2-D write: one trailing immediate, whatever its size and lane
-  if (nbytes == 0) return 1;  // a zero-length write still delivers its immediate
-  return ceil_div(nbytes, piece_size(nbytes));
+  return piece_rule().imm_count(nbytes, has_imm, rows);
 }
 
 int Engine::pick_nic(Peer& peer, uint64_t hint) {

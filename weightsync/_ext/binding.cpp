@@ -11,12 +11,14 @@
 #include <nanobind/stl/vector.h>
 
 #include <optional>
+#include <stdexcept>
 
 #include "weightsync/cuda_transport.hpp"
 #include "weightsync/engine.hpp"
 #include "weightsync/imm_ring.hpp"
 #include "weightsync/errors.hpp"
 #include "weightsync/fabric_transport.hpp"
+#include "weightsync/pieces.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -52,6 +54,32 @@ NB_MODULE(_core, m) {
   m.def("cuda_unavailable_reason", &ws::cuda_unavailable_reason);
   m.def("cuda_device_count", &ws::cuda_device_count);
   m.def("host_identity", &ws::host_identity);
+  m.def(
+      "imm_counts",
+      [](Column<int64_t> nbytes, Column<int64_t> rows, int64_t nics, int64_t stripe_threshold, int64_t max_piece) {
+        const size_t n = nbytes.shape(0);
+        if (rows.shape(0) != n) throw std::invalid_argument("imm_counts: nbytes and rows differ in length");
+        if (nics < 1) throw std::invalid_argument("imm_counts: nics must be at least 1");
+        if (stripe_threshold < 0) throw std::invalid_argument("imm_counts: stripe_threshold must be >= 0");
+        if (max_piece < 1) throw std::invalid_argument("imm_counts: max_piece must be positive");
+        const ws::PieceRule rule{uint64_t(nics), uint64_t(stripe_threshold), uint64_t(max_piece)};
+        auto* out = new int64_t[n];
+        nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<int64_t*>(p); });
+        for (size_t i = 0; i < n; ++i) {
+          if (nbytes(i) < 0 || rows(i) < 1) {
+            throw std::invalid_argument("imm_counts: write " + std::to_string(i) + " has " +
+                                        std::to_string(nbytes(i)) + " bytes and " + std::to_string(rows(i)) +
+                                        " rows (need bytes >= 0, rows >= 1)");
+          }
+          out[i] = int64_t(rule.imm_count(uint64_t(nbytes(i)), true, uint64_t(rows(i))));
+        }
+        return nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(out, {n}, owner);
+      },
+      "nbytes"_a, "rows"_a, "nics"_a, "stripe_threshold"_a, "max_piece"_a,
+      "Immediates each write delivers from an engine with `nics` fabric NICs and this stripe_threshold and\n"
+      "max_piece (an engine's values: TransferEngine.stripe_threshold, .max_piece). Every write carries an\n"
+      "immediate; rows > 1 makes it a 2-D write of rows x nbytes, which delivers exactly one. The engine's\n"
+      "own rule (cpp PieceRule), evaluated for each element.");
   m.def("discover", [](const std::string& provider) {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& nic : ws::FabricTransport::discover(provider)) out.emplace_back(nic.provider, nic.domain, nic.fabric);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "weightsync/imm_counter.hpp"
+#include "weightsync/pieces.hpp"
 #include "weightsync/transfer.hpp"
 #include "weightsync/transport.hpp"
 
@@ -349,9 +350,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
                                               const std::vector<uint64_t>& key, const std::string& cuda_blob,
                                               int landing = -1, uint64_t slot_bytes = 0);
 
-  // Immediates a write of `nbytes` (per row) delivers: one per piece for a 1-D write (see piece_size),
-  // exactly one for a 2-D write (rows > 1), none without an immediate.
+  // Immediates a write of `nbytes` (per row) delivers: PieceRule::imm_count with this engine's NIC
+  // count and (clamped) stripe_threshold and max_piece.
   uint64_t imm_count(uint64_t nbytes, bool has_imm, uint64_t rows = 1) const;
+  PieceRule piece_rule() const;
 
   std::shared_ptr<TransferState> write(const std::vector<std::shared_ptr<LocalRegion>>& srcs,
                                        const std::vector<std::shared_ptr<RemoteRegion>>& dsts,
