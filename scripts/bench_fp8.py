@@ -8,7 +8,7 @@ push is timed from the trainers' ``ws.push`` call until every rollout acknowledg
 median over ``--pushes`` after two warm-ups (IPC mappings; CUDA graph capture). After timing, one
 layer and the embedding of the last version are checked bit for bit on both rollouts against a
 reference quantizer applied to the full tensors (tests/test_transforms.py's, written independently of
-weightsync.transforms): a run that moves wrong bytes exits non-zero instead of reporting a figure.
+weightsync.runtime.transforms): a run that moves wrong bytes exits non-zero instead of reporting a figure.
 
 Reported: both medians, their ratio, the ratio per byte moved (FP8 moves about half the bytes of the
 linear weights), the FP8 push's preparation and write times, peak staging against the watermark.
@@ -34,7 +34,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 import weightsync as ws  # noqa: E402
-from tests.test_transforms import reference_fp8, same_bits  # noqa: E402
+from tests.runtime.test_transforms import reference_fp8, same_bits  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 LLAMA_LAYERS = 32

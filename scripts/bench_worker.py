@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import weightsync as ws
-from weightsync import models
+from weightsync.plan import models
 
 # Public config facts (Hugging Face config.json) of the models the issue names; no 8B file exists in
 # shared/models. Tiny shapes of the same families are for CPU runs and smoke tests.
@@ -404,14 +404,15 @@ class Worker:
     def ws_setup(self, group: str, mode: str = "inplace",
                  tuning: dict[str, Any] | None = None) -> dict[str, Any]:
         """``tuning`` (for A/B runs): ``cuda_streams``, ``cuda_batch_bytes`` for the engine,
-        ``cuda_rounds_in_flight`` for the sources (weightsync.group.CUDA_ROUNDS_IN_FLIGHT); absent keys
-        keep the library's defaults."""
-        from weightsync import group as ws_group
+        ``cuda_rounds_in_flight`` for the sources (weightsync.runtime.source.ORDERED_ROUNDS_IN_FLIGHT:
+        rounds into peers whose lane keeps posting order, the cuda lane); absent keys keep the library's
+        defaults."""
+        from weightsync.runtime import source as ws_source
 
         t0 = time.perf_counter()
         tuning = tuning or {}
         if "cuda_rounds_in_flight" in tuning:
-            ws_group.CUDA_ROUNDS_IN_FLIGHT = tuning["cuda_rounds_in_flight"]
+            ws_source.ORDERED_ROUNDS_IN_FLIGHT = tuning["cuda_rounds_in_flight"]
         engine_opts = {k: tuning[k] for k in ("cuda_streams", "cuda_batch_bytes") if k in tuning}
         self.engine = ws.TransferEngine(**engine_opts) if engine_opts else None
         tensors = {p.key: as_ws(p, self.local[p.key]) for p in self.params}

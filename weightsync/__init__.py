@@ -1,13 +1,29 @@
 """weightsync: push RL trainer weights into inference engines, one-sided, over every NIC.
 
-Three layers: the control plane (``Group``, ``Source``, ``Destination``, ``push``; Ray), the planner
-(``weightsync.layout``, ``weightsync.plan``; pure Python) and the data plane (``TransferEngine``;
-C++ in cpp/, bound as ``weightsync._ext``).
+The rooms (docs/ARCHITECTURE.md): the control plane (``weightsync.control``: ``Group``, the
+coordinator; the only package that imports Ray), the participant runtime (``weightsync.runtime``:
+``Source``, ``Destination``, ``push``), planning (``weightsync.plan``: layouts, ``plan``; numpy only),
+the wire protocol (``weightsync.wire``) and the data plane (``TransferEngine``: C++ in cpp/, bound as
+``weightsync._ext``).
 """
 
 from weightsync.errors import LayoutError, PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
-from weightsync.layout import Fused, Placed, Sharded, describe_tensors
 from weightsync.plan import Plan, plan
+from weightsync.runtime.describe import Fused, Placed, Sharded, describe_tensors
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover - Python without importlib.metadata
+        return "0.1.0"
+    try:
+        return version("weightsync")
+    except PackageNotFoundError:  # a source tree that was never installed: pyproject's version
+        return "0.1.0"
+
+
+__version__ = _version()
 
 __all__ = [
     "Destination",
@@ -26,6 +42,7 @@ __all__ = [
     "TransferEngine",
     "TransportError",
     "WeightSyncError",
+    "__version__",
     "describe_tensors",
     "plan",
     "push",
@@ -35,11 +52,11 @@ _LAZY = {
     "TransferEngine": "weightsync.engine",
     "Transfer": "weightsync.engine",
     "ImmCounter": "weightsync.engine",
-    "Group": "weightsync.group",
-    "Source": "weightsync.group",
-    "Destination": "weightsync.group",
-    "PushStats": "weightsync.group",
-    "push": "weightsync.group",
+    "Group": "weightsync.control.group",
+    "Source": "weightsync.runtime.source",
+    "Destination": "weightsync.runtime.destination",
+    "PushStats": "weightsync.runtime.source",
+    "push": "weightsync.runtime.source",
 }
 
 

@@ -1,0 +1,84 @@
+"""Cost model and simulator: small and fast (the full Kimi-K2 run lives in scripts/simulate.py and in
+docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from weightsync.plan import plan
+from weightsync.plan.simulate import CostModel, run_model, simulate
+from weightsync.runtime.describe import Sharded, describe_tensors
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT.parent / "shared" / "models"
+if not MODELS.exists():
+    MODELS = Path("/work/shared/models")
+
+TINY_MOE = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 512, "num_hidden_layers": 3,
+            "first_k_dense_replace": 1, "intermediate_size": 1024, "moe_intermediate_size": 256,
+            "n_routed_experts": 16, "n_shared_experts": 1, "num_experts_per_tok": 2, "num_attention_heads": 8,
+            "num_key_value_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16, "v_head_dim": 32, "vocab_size": 4096, "tie_word_embeddings": False,
+            "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+
+
+def test_two_by_two_one_writer_at_a_time_meets_the_bound() -> None:
+    """The DESIGN measurement, simulated: two sources holding halves, two destinations needing all."""
+    g = np.zeros((1 << 12, 1 << 12), np.float32)
+    srcs = [describe_tensors({"w": Sharded(g[:2048], g.shape, (0, 0))}),
+            describe_tensors({"w": Sharded(g[2048:], g.shape, (2048, 0))})]
+    dsts = [describe_tensors({"w": g}) for _ in range(2)]
+    p = plan(srcs, dsts, source_hosts=[0, 1], destination_hosts=[2, 3])
+    for window in (1, 4):
+        r = simulate(p, [0, 1], [2, 3], CostModel(msg_overhead_us=0.0, window=window))
+        assert r.bound_s == pytest.approx(g.nbytes / 50e9)
+        assert r.sim_s == pytest.approx(r.bound_s, rel=0.01)
+
+
+def test_same_host_writes_use_nvlink() -> None:
+    g = np.zeros((1024, 1024), np.float32)
+    srcs = [describe_tensors({"w": g}) for _ in range(2)]
+    dsts = [describe_tensors({"w": g})]
+    p = plan(srcs, dsts, source_hosts=[0, 1], destination_hosts=[1])
+    assert set(p.ops["src_rank"].tolist()) == {1}
+    r = simulate(p, [0, 1], [1], CostModel(nvlink_gbs=400.0, msg_overhead_us=0.0))
+    assert r.bound_s == pytest.approx(g.nbytes / 400e9)
+
+
+def test_tiny_moe_fp8_through_run_model(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-moe.json"
+    path.write_text(json.dumps(TINY_MOE))
+    out = run_model(path, trainers=16, trainer_layout="hsdp:8", inference_gpus=8, replica_gpus=4,
+                    inference_dtype="fp8")
+    for k in ("model", "trainers", "inference_gpus", "bytes_total", "bound_s", "sim_s", "ratio", "plan_s",
+              "peak_rss_gib"):
+        assert k in out
+    assert out["bound_s"] > 0 and out["ratio"] >= 0.999
+    assert out["detail"]["gather_bytes"] > 0  # 192-row q_a shards: tiles span shards, rows are gathered
+
+
+def test_llama_70b_moderate_scale_near_bound() -> None:
+    out = run_model(MODELS / "llama-3.1-70b.json", trainers=32, trainer_layout="hsdp:8", inference_gpus=16,
+                    replica_gpus=8, inference_dtype="fp8")
+    assert out["ratio"] < 1.1
+    assert out["writes_per_trainer_gpu"]["max"] < 10_000
+
+
+def test_cli_prints_json_last(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-moe.json"
+    path.write_text(json.dumps(TINY_MOE))
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate.py"), "--model", str(path),
+                          "--trainers", "16", "--trainer-layout", "hsdp:8", "--inference-gpus", "8",
+                          "--replica-gpus", "4", "--nic-gbps", "400", "--nics-per-gpu", "2",
+                          "--nvlink-gbps", "400", "--inference-dtype", "bf16"],
+                         capture_output=True, text=True, check=True, timeout=120)
+    last = json.loads(res.stdout.strip().splitlines()[-1])
+    assert last["trainers"] == 16 and last["inference_gpus"] == 8
+    assert last["cost_model"]["nics_per_gpu"] == 2
+    assert "lower bound" in res.stdout and "writes per trainer GPU" in res.stdout

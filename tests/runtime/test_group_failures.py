@@ -1,0 +1,93 @@
+"""Control plane under failures and membership changes (CPU, Ray started by the test)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+import weightsync as ws
+from tests.runtime.group_actors import DESTS, Rollout, Trainer, destination_view, free_port, full_tensors
+
+
+def _check(rollouts: list, layouts: list[tuple[str, int]], version: int) -> None:
+    full = full_tensors(version)
+    for (layout, tp), r in zip(layouts, rollouts, strict=True):
+        live, got = ray.get(r.snapshot.remote(), timeout=60)
+        assert live == version
+        want = destination_view(layout, tp, full)
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"{layout}{tp} {k} differs at version {version}"
+
+
+def _start(name: str) -> tuple[ws.Group, list, list, type, type]:
+    group = ws.Group.create(name, num_sources=2, num_destinations=3)
+    trainer_cls = ray.remote(num_cpus=0, max_restarts=0)(Trainer)
+    rollout_cls = ray.remote(num_cpus=0, max_restarts=0)(Rollout)
+    port = free_port()
+    rollouts = [rollout_cls.remote(name, j, layout, tp, "staged") for j, (layout, tp) in enumerate(DESTS)]
+    trainers = [trainer_cls.remote(name, i, 2, port, use_dtensor=False) for i in range(2)]
+    ray.get([a.__ray_ready__.remote() for a in trainers + rollouts], timeout=120)
+    return group, trainers, rollouts, trainer_cls, rollout_cls
+
+
+def test_destination_dies_mid_push_then_replacement_and_new_replica(ray_cluster) -> None:
+    group, trainers, rollouts, _tc, rollout_cls = _start("failures-dst")
+    try:
+        ray.get([t.push.remote(1) for t in trainers], timeout=60)
+        _check(rollouts, DESTS, 1)
+
+        # Kill the full replica while version 2 is being pushed.
+        pushes = [t.push.remote(2, timeout=20.0) for t in trainers]
+        ray.kill(rollouts[2])
+        start = time.monotonic()
+        stats2 = ray.get(pushes, timeout=60)
+        assert time.monotonic() - start < 30  # back within the push timeout (plus Ray overhead)
+        # Killed before or after it acked: either way the healthy ones hold version 2.
+        assert all(set(s["failed_destinations"]) <= {2} for s in stats2)
+        _check(rollouts[:2], DESTS[:2], 2)
+
+        # Version 3 with the replica gone: the coordinator re-planned without it (if it was reported).
+        stats = ray.get([t.push.remote(3, timeout=20.0) for t in trainers], timeout=60)
+        assert all(s["failed_destinations"] in ([], [2]) for s in stats)
+        for s2, s3 in zip(stats2, stats, strict=True):
+            if 2 in s2["failed_destinations"]:
+                # This source reported it: its next push uses the plan made without it.
+                assert 2 not in s3["destinations"] and s3["epoch"] > s2["epoch"], (s2, s3)
+        _check(rollouts[:2], DESTS[:2], 3)
+
+        # A replacement under rank 2 and a new replica as rank 3: complete after the next push.
+        rollouts[2] = rollout_cls.remote("failures-dst", 2, "replica", 0, "staged")
+        rollouts.append(rollout_cls.remote("failures-dst", 3, "replica", 0, "staged"))
+        ray.get([r.__ray_ready__.remote() for r in rollouts[2:]], timeout=120)
+        stats = ray.get([t.push.remote(4, timeout=30.0) for t in trainers], timeout=90)
+        assert all(s["failed_destinations"] == [] for s in stats), stats
+        assert ray.get([r.wait.remote(4) for r in rollouts], timeout=60) == [4] * 4
+        _check(rollouts, [*DESTS, ("replica", 0)], 4)
+        assert group.status()["destinations"] == [0, 1, 2, 3]
+    finally:
+        for a in trainers + rollouts:
+            ray.kill(a)
+        group.shutdown()
+
+
+def test_source_dies_no_destination_flips(ray_cluster) -> None:
+    group, trainers, rollouts, _tc, _rc = _start("failures-src")
+    try:
+        ray.get([t.push.remote(1) for t in trainers], timeout=60)
+        _check(rollouts, DESTS, 1)
+        ray.kill(trainers[1])
+        start = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(trainers[0].push.remote(2, timeout=8.0), timeout=60)
+        assert isinstance(info.value.cause, ws.TimeoutError), info.value
+        assert time.monotonic() - start < 30
+        # Source 0's bytes landed, source 1's never came: nobody may show version 2.
+        assert ray.get([r.version.remote() for r in rollouts]) == [1, 1, 1]
+        _check(rollouts, DESTS, 1)
+    finally:
+        for a in trainers + rollouts:
+            ray.kill(a)
+        group.shutdown()

@@ -1,0 +1,153 @@
+"""What a participant's runtime asks of the control plane, behind one object: join, fetch its plan part,
+learn the plan epoch, report dead peers, exchange FP8 receive buffers, record metrics.
+
+The runtime (weightsync.runtime) never imports Ray: it holds a :class:`ControlClient`, which does.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from weightsync.control.group import actor_name, secret_key
+from weightsync.control.watcher import EpochWatcher
+from weightsync.errors import TimeoutError, WeightSyncError  # noqa: A004
+from weightsync.plan.parts import EngineInfo, Part, PlanFailure, unpack_part
+
+log = logging.getLogger("weightsync")
+
+
+def host_id() -> str:
+    """This process's host as the planner compares hosts: Ray's node id inside Ray, else the host name."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # outside Ray: the host name is as good an identity
+        pass
+    return socket.gethostname()
+
+
+class ControlClient:
+    """One participant's connection to its group's coordinator (found by name in the caller's Ray
+    namespace). ``secret`` None: read the group's secret from Ray's key-value store."""
+
+    def __init__(self, group: str, role: str, rank: int, secret: str | None = None) -> None:
+        import ray
+
+        self.group = group
+        self.role = role
+        self.rank = int(rank)
+        self._coord = ray.get_actor(actor_name(group))
+        self._secret = secret or self._read_secret(group)
+        self._reported: Any = None  # the last report_dead, not yet known to have re-planned
+        self._metrics: Any = None
+
+    @staticmethod
+    def _read_secret(group: str) -> str:
+        from ray.experimental import internal_kv
+
+        value = internal_kv._internal_kv_get(secret_key(group))
+        if value is None:
+            raise WeightSyncError(f"group {group!r}: no secret found in this Ray cluster (was it created?)")
+        return value.decode()
+
+    # -- membership and parts ----------------------------------------------------------------------
+    def join(self, layout: bytes, address: bytes, engine: EngineInfo, descriptors: Mapping[str, list[bytes]],
+             mailbox: bytes, timeout: float) -> int:
+        """Joins the group; returns the plan epoch before the join (the first part is newer than it)."""
+        import ray
+
+        return ray.get(self._coord.join.remote(
+            self._secret, self.role, self.rank, layout, address, host_id(), engine.to_dict(),
+            dict(descriptors), mailbox), timeout=timeout)
+
+    def fetch_part(self, after_epoch: int, timeout: float) -> Part:
+        """This participant's part of the first plan newer than ``after_epoch``. A failed planning
+        comes back as a PlanFailure (its ``error()`` is what to raise)."""
+        import ray
+
+        try:
+            blob = ray.get(self._coord.part.remote(self._secret, self.role, self.rank, after_epoch, timeout),
+                           timeout=timeout + 10)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+            if isinstance(cause, WeightSyncError):
+                raise type(cause)(str(cause)) from None
+            raise WeightSyncError(str(cause)) from None
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"group {self.group!r}: {self.role} rank {self.rank} got no plan "
+                               f"within {timeout} s") from None
+        return unpack_part(blob)
+
+    def current_epoch(self, timeout: float) -> int:
+        """The coordinator's plan epoch (a round trip: sources use their watcher first)."""
+        import ray
+
+        return int(ray.get(self._coord.current_epoch.remote(), timeout=timeout))
+
+    def report_dead(self, role: str, ranks: list[int], epoch: int) -> None:
+        """Reports peers that failed during plan ``epoch``; not awaited here (see ``reported_epoch``)."""
+        self._reported = self._coord.report_dead.remote(f"{self.role} {self.rank}", role, ranks, epoch)
+
+    def reported_epoch(self, timeout: float) -> int:
+        """The epoch after the last report (-1: none pending); a lost report is logged, not raised."""
+        import ray
+
+        if self._reported is None:
+            return -1
+        ref, self._reported = self._reported, None
+        try:
+            return int(ray.get(ref, timeout=timeout))
+        except Exception as exc:  # the report is lost; the epoch still comes from the watcher
+            log.warning("%s %d: reporting failed destinations failed: %s", self.role, self.rank, exc)
+            return -1
+
+    def start_watcher(self, owner: object) -> EpochWatcher:
+        """Starts this source's epoch watcher; it stops when ``owner`` is collected without close()."""
+        watcher = EpochWatcher(self._coord, self._secret, self.group, self.rank)
+        weakref.finalize(owner, watcher.stop, 0.0)
+        return watcher
+
+    # -- FP8 gathers -------------------------------------------------------------------------------
+    def publish_receive(self, epoch: int, descriptor: bytes, timeout: float) -> None:
+        """Publishes this source's FP8 receive buffer for plan ``epoch``."""
+        import ray
+
+        ray.get(self._coord.publish_receive.remote(self._secret, self.rank, epoch, descriptor),
+                timeout=timeout)
+
+    def receive_buffers(self, epoch: int, ranks: list[int], deadline: float) -> dict[int, bytes]:
+        """The receive-buffer descriptors of source ``ranks`` for plan ``epoch`` (by a monotonic deadline)."""
+        import ray
+
+        left = max(deadline - time.monotonic(), 0.1)
+        return ray.get(self._coord.receive_buffers.remote(self._secret, epoch, ranks, left),
+                       timeout=left + 10)
+
+    # -- metrics -----------------------------------------------------------------------------------
+    def record_push(self, seconds: float, nbytes: int) -> None:
+        """Ray metrics of one push (best effort: no metrics agent outside a cluster)."""
+        try:
+            from ray.util import metrics
+
+            if self._metrics is None:
+                tags = ("group", "rank")
+                self._metrics = (
+                    metrics.Histogram("weightsync_push_seconds", "Seconds per push",
+                                      boundaries=[0.001, 0.01, 0.1, 1, 10, 60], tag_keys=tags),
+                    metrics.Counter("weightsync_push_bytes", "Bytes pushed", tag_keys=tags),
+                )
+            tags = {"group": self.group, "rank": str(self.rank)}
+            self._metrics[0].observe(seconds, tags=tags)
+            self._metrics[1].inc(nbytes, tags=tags)
+        except Exception:  # metrics are best effort: no Ray metrics agent outside a cluster
+            pass
+
+
+__all__ = ["ControlClient", "PlanFailure", "host_id"]

@@ -1,0 +1,13 @@
+"""What runs inside one participant (no Ray here: the control client does that).
+
+* ``describe``: tensors (torch, DTensor, numpy; ``Sharded``, ``Fused``, ``Placed``) to a layout;
+* ``participant``: engine, mailbox and outbox, join and part fetch shared by both roles;
+* ``source``: ``Source`` and its ``push``, ``PushStats``; ``staging``: the staging pool, chunk
+  preparation with CUDA graphs and the staged pipeline; ``transforms``: casts and FP8 quantization;
+* ``destination``: ``Destination`` (receiving thread, versions, acks); ``relay``: a chain member;
+* ``reference``: a plain executor of plans on CPU tensors, the oracle tests compare against.
+"""
+
+from weightsync.runtime.describe import Fused, Placed, Sharded, describe_tensors
+
+__all__ = ["Fused", "Placed", "Sharded", "describe_tensors"]

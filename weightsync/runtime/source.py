@@ -1,0 +1,354 @@
+"""A trainer rank's side of a push: ``Source`` (its ``push`` method) and ``PushStats``.
+
+A push, from one source's point of view (every source does this at the same time, SPMD):
+
+1. fetch a new plan part only if the coordinator's epoch moved (membership changed): the source's epoch
+   watcher (a thread long-polling the coordinator) keeps the epoch at hand, so this costs no round trip
+   unless the watcher is unhealthy;
+2. per destination write a 24-byte *announce* (weightsync.wire.ANNOUNCE_RECORD: epoch, version,
+   shadow) into its mailbox slot with immediate ``ANNOUNCE``, then post the direct writes (contiguous
+   or 2-D, no transform) round by round with immediate ``data_imm(epoch, version)``;
+3. run the staged chunks (weightsync.runtime.staging): gathers of FP8 tile rows other sources own
+   first, then packed blocks and casts, then FP8 units, each chunk prepared while the previous ones
+   are written;
+4. wait for the local completion of every batch, then for each destination's *ack*
+   (weightsync.wire.ACK_RECORD: version, next shadow) with immediate ``ACK`` (and, as a provider of
+   gathers, for the gatherers' ``GATHERED``).
+
+Failures: a destination whose writes fail or that does not ack within the timeout is reported in
+``PushStats.failed_destinations`` (the push does not raise for it) and reported to the coordinator, which
+re-plans without it; the other destinations still complete. If no destination acks at all, or a source
+is missing (every destination waits for all sources), the push raises ``weightsync.TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from weightsync.engine import Region, TransferEngine
+from weightsync.errors import TimeoutError, TransportError, WeightSyncError  # noqa: A004
+from weightsync.plan.lower import Round, source_program
+from weightsync.plan.parts import DESTINATION, SOURCE, EngineInfo, SourcePart
+from weightsync.plan.writes import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
+from weightsync.runtime.links import DestinationLink, PeerLink
+from weightsync.runtime.participant import Participant, contiguous
+from weightsync.runtime.staging import Staging
+from weightsync.wire import (
+    ACK,
+    ACK_RECORD,
+    ANNOUNCE,
+    ANNOUNCE_RECORD,
+    EMPTY,
+    SLOT_BYTES,
+    data_imm,
+    gathered_imm,
+)
+
+ROUNDS_IN_FLIGHT = 2  # direct-write rounds a source keeps posted: one running, one queued behind it
+# Rounds into peers whose lane runs copies in the order they are posted (the cuda lane, one stream by
+# default) are not held back: posting ahead keeps the schedule, and waiting costs a bubble per round
+# (scenario 2's 75 MB cross rounds take 0.19 ms on H100, about a wake-up and a post). None: no limit.
+ORDERED_ROUNDS_IN_FLIGHT: int | None = None
+DEFAULT_CPU_STAGING = 256 << 20
+
+
+def keeps_posting_order(peer: Any) -> bool:
+    """Whether writes to ``peer`` run in the order they are posted (the cuda lane's copy stream), so
+    that posting every round at once keeps the plan's schedule."""
+    # TODO(engine): ask the peer's lane (a property of the engine's Peer) once the engine package
+    # exposes one; until then the lane's name says it.
+    return peer.transport == "cuda"
+
+
+@dataclass
+class PushStats:
+    """What one source's push did. Times are seconds; ``gbps`` is GB/s of this source's bytes."""
+
+    version: int
+    bytes: int
+    seconds: float
+    gbps: float
+    writes: int
+    destinations: list[int]
+    failed_destinations: list[int] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    epoch: int = 0
+    prepare_seconds: float = 0.0      # packing, casting, quantizing into staging (overlaps the writes)
+    write_seconds: float = 0.0        # first write posted to the last one completed locally
+    peak_staging_bytes: int = 0       # most staging bytes held at once (never above the watermark)
+    staging_limit_bytes: int = 0      # the watermark
+    chunks: int = 0                   # staged chunks written
+    gather_bytes: int = 0             # FP8 tile rows this source received from other sources
+    relayed: list[int] = field(default_factory=list)  # destinations reached through the relay chain
+
+
+def _settle(rank: int, transfer: Any, deadline: float, failed: dict[int, str]) -> None:
+    """Waits for one posted batch to destination ``rank``; a failure marks the destination failed."""
+    try:
+        transfer.wait(max(deadline - time.monotonic(), 0.0))
+    except (TransportError, TimeoutError) as exc:
+        failed.setdefault(rank, str(exc))
+
+
+class Source(Participant):
+    """A trainer rank: holds (shards of) the weights and pushes them. See ``push``.
+
+    ``staging_bytes`` is the watermark of the staging pool (packed blocks, casts, FP8 tiles and gathers
+    are prepared there, one chunk per slot, and written from there): by default 5% of the GPU's memory
+    when the tensors are on a GPU, 256 MiB otherwise. ``chunk_bytes`` (default: 8 MiB, 256 MiB on a
+    GPU, at most half the watermark) is the largest staged write; the coordinator lowers this source's
+    ops with it.
+    """
+
+    role = SOURCE
+    inbox_record = ACK_RECORD  # destinations ack into this source's mailbox
+    outbox_record = ANNOUNCE_RECORD  # and it announces from its outbox
+
+    def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], *, timeout: float = 120.0,
+                 engine: TransferEngine | None = None, secret: str | None = None,
+                 staging_bytes: int | None = None, chunk_bytes: int | None = None,
+                 one_writer_at_a_time: bool = False) -> None:
+        import torch
+
+        super().__init__(group, rank, tensors, timeout, engine, secret)
+        self._regions: dict[str, Region] = {}
+        self._locals: dict[str, Any] = {}
+        for key in self.tensors:
+            local = contiguous(self._local_tensor(key), key)
+            self._locals[key] = local
+            self._regions[key] = self.engine.register(local, name=key)
+        first = next(iter(self._locals.values()))
+        self.device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        if staging_bytes is None:
+            if self.device.type == "cuda":
+                staging_bytes = torch.cuda.get_device_properties(self.device).total_memory // 20
+            else:
+                staging_bytes = DEFAULT_CPU_STAGING
+        self.staging_limit = int(staging_bytes)
+        # Staged chunks in one pass per destination (see Staging._passes). Off by default: on 4 x H100
+        # the 8B FP8 push took 103 ms with it against 65 ms without (the second pass re-prepares every
+        # chunk and waits for its slot), more than the contention it avoids (docs/BENCHMARKS.md).
+        self.one_writer_at_a_time = bool(one_writer_at_a_time)
+        if chunk_bytes is None:
+            # On a GPU, fewer and larger chunks: the copy engine and the quantization kernels want
+            # large pieces, and each chunk costs a few Python calls and a stream synchronization.
+            default = DEFAULT_CHUNK_BYTES * 32 if self.device.type == "cuda" else DEFAULT_CHUNK_BYTES
+            chunk_bytes = min(default, self.staging_limit // 2)
+        self.chunk_bytes = int(chunk_bytes)
+        if self.chunk_bytes < MIN_CHUNK_BYTES or self.chunk_bytes > self.staging_limit:
+            raise WeightSyncError(
+                f"group {group!r}: source rank {rank}: staging watermark {self.staging_limit} bytes and "
+                f"chunk {self.chunk_bytes} bytes: a chunk must be at least {MIN_CHUNK_BYTES} bytes and "
+                f"fit the watermark")
+        self._staging = Staging(self.engine, self._control, self.rank, self.device, self.staging_limit,
+                                self._locals, self._outbox_region, self.log)
+        self._dests: dict[int, DestinationLink] = {}
+        self._watcher: Any = None
+        self._epoch_fallbacks = 0  # pushes that asked the coordinator for the epoch (watcher unhealthy)
+        self._join({})
+        self._watcher = self._control.start_watcher(self)
+
+    def _engine_info(self) -> EngineInfo:
+        # A GPU source's writes go over the cuda lane, where a 2-D copy reads strided rows at full speed:
+        # no packing into staging for it (weightsync/plan/writes.py, ``pack_strided``).
+        base = super()._engine_info()
+        return EngineInfo(base.nics, base.stripe_threshold, base.max_piece, self.chunk_bytes,
+                          self.device.type != "cuda")
+
+    def _apply_part(self, part: SourcePart) -> None:
+        program = source_program(part, list(self._regions), self.rank)
+        self._part = part
+        self._relay = part.relay
+        gatherers = {r: PeerLink(g, self._peer(g.address)) for r, g in part.gatherers.items()}
+        providers = {r: PeerLink(p, self._peer(p.address)) for r, p in part.providers.items()}
+        self._gatherers, self._providers = gatherers, providers
+        self._staging.load(part, program, gatherers, providers, self._timeout)
+        # Per destination: its peer, descriptors, and the buffer (shadow) the next push writes.
+        old = self._dests
+        self._dests = {}
+        for rank, t in part.destinations.items():
+            prev = old.get(rank)
+            # Remember which shadow a known destination wants next; a new process starts at shadow 0.
+            buffer = prev.buffer if prev is not None and prev.target.address == t.address else 0
+            self._dests[rank] = DestinationLink(t, self._peer(t.address), program.batches[rank], buffer)
+        self._direct_srcs = [self._regions[k] for k in program.src_keys]
+        self._rounds: list[Round] = program.rounds
+        staged = int((part.writes["staged"] == 1).sum())
+        self.log.info("source %d: plan epoch %d, %d writes (%d staged in %d chunks), %d bytes to "
+                      "destinations %s", self.rank, self.epoch, len(part.writes), staged,
+                      len(part.chunks), part.bytes, sorted(self._dests))
+
+    def _plan_epoch(self, timeout: float) -> int:
+        """The coordinator's plan epoch as this push must see it.
+
+        From the epoch watcher, without a round trip. Like the round trip it replaces, it may lag a
+        re-plan: a re-plan could always land just after the coordinator answered; now the lag is the
+        long-poll's delivery (a one-way Ray reply, well under a push). Membership changes wait for the
+        watchers to hear them before they return (Coordinator._await_watchers), so a push that starts
+        after a join or report returned sees the new plan. A report this source made itself is awaited
+        (its answer is the epoch after it); with the watcher unhealthy the coordinator is asked."""
+        epoch = self._control.reported_epoch(timeout)
+        heard = self._watcher.epoch() if self._watcher is not None else None
+        if heard is None:
+            self._epoch_fallbacks += 1
+            heard = self._control.current_epoch(timeout)
+        return max(epoch, heard)
+
+    def close(self) -> None:
+        """Stops the epoch watcher and closes the engine."""
+        if self._watcher is not None:
+            self._watcher.stop()
+        super().close()
+
+    # -- the push ----------------------------------------------------------------------------------
+    def push(self, version: int, timeout: float = 60.0) -> PushStats:
+        """Writes the current contents of this source's tensors to every destination as ``version``.
+
+        Called by every source rank (like a collective). Returns once every destination this source
+        writes to has confirmed the complete version, or reports the ones that failed (see the module
+        doc)."""
+        if not 0 <= version < 1 << 62:
+            raise WeightSyncError(f"version {version} must be a non-negative integer")
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        phases: dict[str, float] = {}
+        # ">": the watcher may not have heard yet an epoch this source already fetched by itself.
+        if self._plan_epoch(timeout) > self.epoch:
+            self._fetch_part(max(deadline - time.monotonic(), 0.1))
+        phases["plan"] = time.perf_counter() - t0
+
+        t = time.perf_counter()
+        if self.device.type == "cuda":
+            import torch
+
+            # The engine reads the tensors outside torch's streams: the caller's last update must be done.
+            torch.cuda.current_stream(self.device).synchronize()
+        failed: dict[int, str] = {}
+        transfers = self._announce(version, failed)
+        transfers += self._post_rounds(data_imm(self.epoch, version), deadline, failed)
+        staged = self._staging.run(version, deadline, self._dests, failed, self.one_writer_at_a_time)
+        for rank, tr in transfers:
+            _settle(rank, tr, deadline, failed)
+        phases["write"] = time.perf_counter() - t
+        phases["prepare"] = staged["prepare"]
+        phases["gather_wait"] = staged["gather_wait"]
+
+        t = time.perf_counter()
+        waiting = {r for r in self._dests if r not in failed}
+        acked = self._await_acks(version, waiting, deadline)
+        phases["ack"] = time.perf_counter() - t
+        for r in waiting - acked:
+            failed[r] = f"no confirmation of version {version} within {timeout} s"
+
+        seconds = time.perf_counter() - t0
+        nbytes = sum(d.batch.bytes for r, d in self._dests.items() if r not in failed)
+        stats = PushStats(version=version, bytes=nbytes, seconds=seconds, gbps=nbytes / seconds / 1e9,
+                          writes=sum(d.batch.writes for d in self._dests.values()),
+                          destinations=sorted(self._dests), failed_destinations=sorted(failed),
+                          phases=phases, epoch=self.epoch, prepare_seconds=staged["prepare"],
+                          write_seconds=phases["write"], peak_staging_bytes=int(staged["peak"]),
+                          staging_limit_bytes=self.staging_limit, chunks=int(staged["chunks"]),
+                          gather_bytes=int(self._staging.prep.received["nbytes"].sum()),
+                          relayed=[r for r in self._relay[1:] if r in self._dests])
+        self._control.record_push(stats.seconds, stats.bytes)
+        if failed:
+            self._report_failures(version, timeout, failed, waiting, acked)
+        return stats
+
+    def _announce(self, version: int, failed: dict[int, str]) -> list[tuple[int, Any]]:
+        """Forgets the previous push's acks, then announces (epoch, version, shadow) to every destination
+        before its data lands."""
+        # An ack is recognised by its version, and a stale slot must not pass for this push's (it did for
+        # version 0 when slots started as zeros).
+        for rank in self._dests:
+            self._mailbox[rank] = (EMPTY, EMPTY, EMPTY)
+        transfers: list[tuple[int, Any]] = []
+        for rank, d in self._dests.items():
+            # Relay: bit 1 is the shadow the next chain member receives into (this member forwards there).
+            succ = self._dests.get(d.target.successor)
+            self._outbox[rank] = (self.epoch, version, d.buffer | ((succ.buffer if succ else 0) << 1))
+            d.descs = d.descriptors()
+            try:
+                transfers.append((rank, self.engine.write(
+                    self._outbox_region, rank * SLOT_BYTES, d.peer, d.target.mailbox, self.rank * SLOT_BYTES,
+                    SLOT_BYTES, imm=ANNOUNCE)))
+            except TransportError as exc:
+                failed[rank] = str(exc)
+        return transfers
+
+    def _post_rounds(self, imm: int, deadline: float, failed: dict[int, str]) -> list[tuple[int, Any]]:
+        """Posts the direct writes round by round with at most ROUNDS_IN_FLIGHT posted per kind of lane:
+        the plan's schedule gives each destination as few writers at a time as it can, and a source that
+        posted every round at once would undo it (two writers into one GPU share its links: both go at
+        half speed). Returns the batches still in flight."""
+        in_flight: dict[bool, list[tuple[int, Any]]] = {False: [], True: []}  # by lane: keeps order or not
+        for r in self._rounds:
+            rank = r.rank
+            if rank in failed:
+                continue
+            d = self._dests[rank]
+            ordered = keeps_posting_order(d.peer)
+            limit = (ORDERED_ROUNDS_IN_FLIGHT if ordered else ROUNDS_IN_FLIGHT) or len(self._rounds)
+            queue = in_flight[ordered]
+            while len(queue) >= limit:
+                _settle(*queue.pop(0), deadline, failed)
+            imms = np.full(len(r.nbytes), imm, dtype=np.uint32) if r.imms is None else r.imms
+            try:
+                queue.append((rank, self.engine.write_batch(
+                    self._direct_srcs, d.descs, r.src_index, r.src_off, r.dst_index, r.dst_off, r.nbytes,
+                    imms, *r.geometry)))
+            except TransportError as exc:
+                failed[rank] = str(exc)
+        return in_flight[False] + in_flight[True]
+
+    def _await_acks(self, version: int, waiting: set[int], deadline: float) -> set[int]:
+        """Waits for the acks of ``version`` from ``waiting`` (and, as a provider of FP8 gathers, for the
+        gatherers' GATHERED); returns the destinations that acked."""
+        acks = self.engine.counter(ACK)
+        acked: set[int] = set()
+        while waiting - acked:
+            try:
+                acks.wait(1, timeout=min(max(deadline - time.monotonic(), 0.0), 0.5))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    break
+            for r in waiting - acked:
+                slot = self._mailbox[r]
+                if int(slot["version"]) == version:
+                    acked.add(r)
+                    self._dests[r].buffer = int(slot["next_buffer"])
+        if self._gatherers:
+            # The gatherers' receive buffers hold this version's rows until they have quantized them.
+            self.engine.counter(gathered_imm(self.epoch, version)).wait(
+                len(self._gatherers), max(deadline - time.monotonic(), 0.0))
+        return acked
+
+    def _report_failures(self, version: int, timeout: float, failed: dict[int, str], waiting: set[int],
+                         acked: set[int]) -> None:
+        for r, why in sorted(failed.items()):
+            self.log.warning("group %s: push %d to destination %d failed: %s", self.group, version, r, why)
+        # Writes that failed are evidence against the destination; a missing ack only when others acked
+        # (otherwise a source may be what is missing).
+        dead = sorted(r for r in failed if r not in waiting or acked)
+        if self._relay and acked:
+            # A chain member that did not confirm starves the ones after it: only the first of them is
+            # evidence of a failure (its predecessor confirmed); the others are healthy and stay.
+            missing = [r for r in self._relay if r in failed and r in waiting]
+            dead = sorted({r for r in failed if r not in waiting} | set(missing[:1]))
+        if dead:
+            # Not awaited here (the push's caller gets its answer now): the next push awaits it.
+            self._control.report_dead(DESTINATION, dead, self.epoch)
+        if not acked:
+            raise TimeoutError(f"group {self.group!r}: push of version {version} from source {self.rank}: "
+                               f"no destination confirmed within {timeout} s ({failed[min(failed)]})")
+
+
+def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
+    """Writes the current contents of ``src``'s tensors to every destination as ``version``
+    (``src.push``). Called by every source rank (like a collective)."""
+    return src.push(version, timeout)
