@@ -421,6 +421,11 @@ def test_expected_immediates_follow_the_engine_rule() -> None:
     assert e.immediates(nics=2) == 2
     assert e.immediates(nics=2, max_piece=1 << 20) == 4
     assert e.immediates(imm_count=lambda n: 3) == 3
+    # 80 MiB over 2 NICs: 6 pieces of 13.3 MiB (a multiple of the NIC count), as the engine cuts it; the
+    # planner's own copy of the rule once said 5
+    big = np.zeros((20, 1 << 20), np.float32)
+    p = plan([describe_tensors({"w": big})], [describe_tensors({"w": np.zeros_like(big)})])
+    assert p.expected_for_destination(0).immediates(nics=2) == 6
 
 
 def test_validate_catches_overlapping_writes() -> None:

@@ -63,6 +63,7 @@ import numpy as np
 
 from weightsync.errors import PlanError
 from weightsync.plan.layout import DTYPE_SIZES, DTYPES
+from weightsync.wire import imm_counts
 
 OP_DTYPE = np.dtype([
     ("src_offset", "<i8"), ("dst_offset", "<i8"), ("rows", "<i8"), ("row_bytes", "<i8"),
@@ -122,17 +123,13 @@ class Expected:
                    imm_count: Callable[[int], int] | None = None) -> int:
         """Immediates this destination's counter will see when every op is one engine write (packed
         blocks are written as one contiguous piece of rows*row_bytes). ``imm_count`` (for example a
-        ``TransferEngine.imm_count``) is used when given; otherwise the engine's documented rule: one
-        piece up to ``stripe_threshold``, else pieces of min(max_piece, ceil(n/nics) rounded up to
-        4 KiB)."""
+        ``TransferEngine.imm_count``) is used when given; otherwise the engine's own rule for an engine
+        with these NICs, threshold and largest piece (weightsync.wire.imm_counts)."""
         b = (self.ops["rows"] * self.ops["row_bytes"]).astype(np.int64)
         if imm_count is not None:
             sizes, counts = np.unique(b, return_counts=True)
             return int(sum(int(imm_count(int(n))) * int(c) for n, c in zip(sizes, counts, strict=True)))
-        per_nic = (b + max(nics, 1) - 1) // max(nics, 1)
-        piece = np.minimum(max_piece, (per_nic + 4095) // 4096 * 4096)
-        pieces = np.where(b <= stripe_threshold, 1, -(-b // np.maximum(piece, 1)))
-        return int(pieces.sum())
+        return int(imm_counts(b, np.ones(len(b), np.int64), nics, stripe_threshold, max_piece).sum())
 
 
 class Plan:

@@ -75,11 +75,9 @@ class Participant:
         self._fetch_part(self._timeout)
 
     def _engine_info(self) -> EngineInfo:
-        # TODO(engine): read the piece rule through public TransferEngine properties once the engine
-        # package exposes them (stripe_threshold, max_piece); until then the native config.
-        native = self.engine._native
-        return EngineInfo(nics=len(self.engine.nics), stripe_threshold=int(native.stripe_threshold),
-                          max_piece=int(native.max_piece))
+        # How this engine cuts writes: the coordinator counts the immediates they deliver by it.
+        return EngineInfo(nics=len(self.engine.nics), stripe_threshold=int(self.engine.stripe_threshold),
+                          max_piece=int(self.engine.max_piece))
 
     def _fetch_part(self, timeout: float) -> Part:
         part = self._control.fetch_part(self.epoch, timeout)

@@ -58,11 +58,10 @@ DEFAULT_CPU_STAGING = 256 << 20
 
 
 def keeps_posting_order(peer: Any) -> bool:
-    """Whether writes to ``peer`` run in the order they are posted (the cuda lane's copy stream), so
-    that posting every round at once keeps the plan's schedule."""
-    # TODO(engine): ask the peer's lane (a property of the engine's Peer) once the engine package
-    # exposes one; until then the lane's name says it.
-    return peer.transport == "cuda"
+    """Whether writes to ``peer`` run as one queue in the order they are posted, so that posting every
+    round at once keeps the plan's schedule: the cuda lane (copies on one stream by default). A NIC lane
+    stripes writes over several NICs and paths, which finish in any order."""
+    return peer.lane == "cuda"
 
 
 @dataclass
