@@ -13,14 +13,19 @@ from weightsync.runtime.describe import Fused, Placed, Sharded, describe_tensors
 
 
 def _version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover - Python without importlib.metadata
-        return "0.1.0"
+    """The installed distribution's version; in a source tree that was never installed, pyproject's."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("weightsync")
-    except PackageNotFoundError:  # a source tree that was never installed: pyproject's version
-        return "0.1.0"
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        text = pyproject.read_text() if pyproject.exists() else ""
+        found = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+        return found.group(1) if found else "0+unknown"
 
 
 __version__ = _version()

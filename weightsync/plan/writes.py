@@ -473,27 +473,3 @@ def _fp8_ops(ops: np.ndarray, idx: np.ndarray, plan: Plan, chunk_bytes: int, chu
     out["dst_offset"] = seg_dst[wh]
     out["nbytes"] = np.bincount(wid, weights=nbytes, minlength=len(wh)).astype(np.int64)
     return out, copies, chunks, units
-
-
-def imm_count_for(nbytes: np.ndarray, nics: int, stripe_threshold: int, max_piece: int,
-                  rows: np.ndarray | None = None) -> np.ndarray:
-    """Immediates each write delivers from an engine with this configuration.
-
-    Mirrors the engine's rule (cpp/src/engine.cpp, ``Engine::piece_size``; documented in
-    weightsync/engine.py); tests check the two agree. Every write here carries an immediate; a 2-D
-    write (``rows > 1``) delivers exactly one, whatever its size.
-    """
-    n = np.asarray(nbytes, dtype=np.int64)
-    if rows is not None:
-        two_d = np.asarray(rows, dtype=np.int64) > 1
-        return np.where(two_d, 1, imm_count_for(n, nics, stripe_threshold, max_piece)).astype(np.int64)
-    stripe_threshold = min(stripe_threshold, max_piece)
-    nics = max(int(nics), 1)
-    count = nics * _ceil_div(n, nics * max_piece)
-    piece = np.minimum(_ceil_div(_ceil_div(n, np.maximum(count, 1)), 4096) * 4096, max_piece)
-    striped = _ceil_div(n, np.maximum(piece, 1))
-    return np.where(n == 0, 1, np.where(n <= stripe_threshold, 1, striped)).astype(np.int64)
-
-
-def _ceil_div(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
-    return (a + b - 1) // b
