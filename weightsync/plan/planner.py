@@ -49,8 +49,8 @@ def plan(sources: Sequence[Any], destinations: Sequence[Any], *,
          local_round_bytes: int = LOCAL_ROUND_BYTES, coalesce: bool = True, validate: bool = True) -> Plan:
     """Plan the writes that bring every destination up to date from the sources.
 
-    ``sources[i]`` / ``destinations[j]`` are layouts (:class:`~weightsync.layout.Layout`, or anything
-    :func:`~weightsync.layout.as_layout` reads); their list index is the rank. ``source_hosts`` and
+    ``sources[i]`` / ``destinations[j]`` are layouts (:class:`~weightsync.plan.layout.Layout`, or anything
+    :func:`~weightsync.plan.layout.as_layout` reads); their list index is the rank. ``source_hosts`` and
     ``destination_hosts`` give a host id per rank: a destination takes a piece from a source on its own
     host whenever one holds it (the ``cuda`` transport). ``source_nics`` gives a NIC id per source rank
     (default: one NIC per GPU); bytes are balanced per NIC, then per GPU.

@@ -106,7 +106,7 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         ratio = src_isz[ops["tensor"]] / dst_isz[ops["tensor"]]
     work = np.where(tr == T_CAST, nbytes * ratio, 0.0)
     # FP8: the sender quantizes each tile it owns once, however many destinations take it (replicas
-    # share the quantization; see weightsync.writes): a source's quantization work is the source bytes of
+    # share the quantization; see weightsync.plan.writes): a source's quantization work is the source bytes of
     # the boxes its FP8 ops read, spread over those ops by their bytes.
     fp8 = np.flatnonzero(tr == T_FP8)
     if len(fp8) and len(p.boxes):
@@ -148,7 +148,7 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         np.add.at(g_nv_out, g["provider"][same], gb[same])
         np.add.at(g_in, g["gatherer"][~same], gb[~same])
         np.add.at(g_out, g["provider"][~same], gb[~same])
-    # As the sender runs (weightsync.group.Source): every provider sends its gathers first, and a
+    # As the sender runs (weightsync.runtime.staging): every provider sends its gathers first, and a
     # gatherer quantizes its first tile only once all of its gathered rows have arrived; writes that need
     # no quantization go ahead meanwhile. So the gathers (NVLink in a host, NIC across) are a phase
     # before the source's first transformed flow.

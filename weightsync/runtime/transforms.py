@@ -94,7 +94,7 @@ def torch_dtype(name: str) -> Any:
 
 
 class Preparer:
-    """Fills a source's staging chunks (``weightsync.writes.lower``) from its local tensors.
+    """Fills a source's staging chunks (``weightsync.plan.writes.lower``) from its local tensors.
 
     ``tensors`` maps the plan's local keys to this source's (contiguous) local tensors; ``part`` is the
     plan, or this source's part of it (boxes, gathers, dtypes); ``recv`` is the receive buffer (uint8,
