@@ -37,7 +37,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from scripts.bench_push import copy_engine_gbps  # noqa: E402
-from tests.cuda_actors import GpuEnd  # noqa: E402
+from tests.support.cuda_actors import GpuEnd  # noqa: E402
 
 MiB = 1 << 20
 

@@ -7,12 +7,14 @@ Sections, all in one run so that the ratios compare like with like:
   preallocated buffer in a child process, the bound for anything that moves bytes between two processes
   through the kernel's TCP stack;
 * write sizes 4 KiB .. 1 GiB: the source engine in this process, the destination engine in a
-  ``tests.peer.PeerProcess``. Every timing runs from submit until the destination's counter has seen every
-  immediate (landed bytes, not posted ones), and every size is checked with a digest of the landed bytes;
+  ``tests.support.peer.PeerProcess``. Every timing runs from submit until the destination's counter has
+  seen every immediate (landed bytes, not posted ones), and every size is checked with a digest of the
+  landed bytes;
 * 4 KiB latency: ping-pong, each side writing 4 KiB with an immediate that the other side's counter waits
   for; one-way is half the round trip;
-* 1 NIC vs 2 NICs: two network namespaces joined by rate-limited veth pairs (``tests.netns.TwoHosts``),
-  a striped write over one link and over two (needs root; skipped with the reason otherwise).
+* 1 NIC vs 2 NICs: two network namespaces joined by rate-limited veth pairs
+  (``tests.support.netns.TwoHosts``), a striped write over one link and over two (needs root; skipped
+  with the reason otherwise).
 
 Prints a table and ends with one JSON line of every figure (``--json PATH`` writes it to a file too).
 GB/s here are 10^9 bytes per second.
@@ -38,10 +40,10 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)  # run as a script: the test helpers (tests.peer, tests.netns) live at the root
+    sys.path.insert(0, ROOT)  # run as a script: the test helpers (tests/support/) live at the root
 
-from tests import netns  # noqa: E402
-from tests.peer import PeerProcess, digest, random_bytes  # noqa: E402
+from tests.support import netns  # noqa: E402
+from tests.support.peer import PeerProcess, digest, random_bytes  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9

@@ -78,7 +78,7 @@ def test_imm_counts_into_landing_regions() -> None:
     """Into a landing region (tagged messages of at most a slot, one announce per multi-message piece)
     the count is the same rule."""
     with TransferEngine("fabric", ["lo", "lo"], stripe_threshold=THRESHOLD, max_piece=PIECE) as writer, \
-            TransferEngine("fabric", ["lo"], land_host_regions=True, landing_slot_bytes=48 * KiB,
+            TransferEngine._for_tests("fabric", ["lo"], land_host_regions=True, landing_slot_bytes=48 * KiB,
                            landing_slots=4) as lander:
         sizes = [0, 1, 48 * KiB, 48 * KiB + 1, THRESHOLD + 1, PIECE * 2 + 3, MiB + 4095]
         _check_delivered(writer, lander, [(n, 1) for n in sizes] + [(PIECE + 5, 3)], 2)

@@ -1,6 +1,7 @@
 // The Python binding of the engine: thin on purpose. It converts arguments, releases the GIL around
 // anything that can wait, and maps engine exceptions onto weightsync.errors. Descriptors, addresses and
-// every policy live in weightsync/engine.py; the data plane lives in cpp/.
+// every policy live in the weightsync.engine package; the data plane lives in cpp/. The stub
+// weightsync/_ext/_core.pyi is generated from this file (scripts/gen_stubs.sh) and checked in CI.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -13,12 +14,13 @@
 #include <optional>
 #include <stdexcept>
 
-#include "weightsync/cuda_transport.hpp"
-#include "weightsync/engine.hpp"
-#include "weightsync/imm_ring.hpp"
-#include "weightsync/errors.hpp"
-#include "weightsync/fabric_transport.hpp"
-#include "weightsync/pieces.hpp"
+#include "cuda/cuda_lane.hpp"
+#include "core/engine.hpp"
+#include "cuda/imm_ring.hpp"
+#include "core/errors.hpp"
+#include "fabric/fabric_lane.hpp"
+#include "core/log.hpp"
+#include "core/pieces.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -50,7 +52,15 @@ NB_MODULE(_core, m) {
     }
   });
 
-  m.def("pick_provider", &ws::FabricTransport::pick_provider);
+  m.def("pick_provider", &ws::FabricLane::pick_provider);
+  m.def("drain_log", &ws::drain_log,
+        "Takes the engine's queued log records, oldest first, as (level, message) with Python's level\n"
+        "numbers (weightsync.engine forwards them to the logger 'weightsync.engine').");
+  m.def("lane_types", [] {
+    std::vector<std::string> out;
+    for (const auto& t : ws::lane_types()) out.push_back(t.name);
+    return out;
+  }, "Names of the lane types an engine can open, in the order it opens them.");
   m.def("cuda_unavailable_reason", &ws::cuda_unavailable_reason);
   m.def("cuda_device_count", &ws::cuda_device_count);
   m.def("host_identity", &ws::host_identity);
@@ -82,7 +92,7 @@ NB_MODULE(_core, m) {
       "own rule (cpp PieceRule), evaluated for each element.");
   m.def("discover", [](const std::string& provider) {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
-    for (const auto& nic : ws::FabricTransport::discover(provider)) out.emplace_back(nic.provider, nic.domain, nic.fabric);
+    for (const auto& nic : ws::FabricLane::discover(provider)) out.emplace_back(nic.provider, nic.domain, nic.fabric);
     return out;
   }, "provider"_a = "");
 
@@ -162,43 +172,62 @@ NB_MODULE(_core, m) {
       .def_prop_ro("bytes", &ws::TransferState::bytes)
       .def_prop_ro("what", &ws::TransferState::what);
 
+  nb::class_<ws::LaneCaps>(m, "LaneCaps", "What a lane can do (cpp/core/lane.hpp documents each field).")
+      .def_ro("is_nic", &ws::LaneCaps::is_nic)
+      .def_ro("writes_host", &ws::LaneCaps::writes_host)
+      .def_ro("writes_cuda", &ws::LaneCaps::writes_cuda)
+      .def_ro("rma_keys", &ws::LaneCaps::rma_keys)
+      .def_ro("maps_remote", &ws::LaneCaps::maps_remote)
+      .def_ro("two_d", &ws::LaneCaps::two_d)
+      .def_ro("own_imm", &ws::LaneCaps::own_imm)
+      .def_ro("batching", &ws::LaneCaps::batching)
+      .def_ro("tagged", &ws::LaneCaps::tagged)
+      .def_ro("orders_sends", &ws::LaneCaps::orders_sends)
+      .def_ro("delivery_complete", &ws::LaneCaps::delivery_complete)
+      .def_ro("orders_writes", &ws::LaneCaps::orders_writes)
+      .def_ro("local_copies", &ws::LaneCaps::local_copies)
+      .def_ro("unlimited_window", &ws::LaneCaps::unlimited_window);
+
+  // Defaults live in the C++ struct alone: a default-constructed config is what Python starts from.
+  nb::class_<ws::EngineConfig>(m, "EngineConfig",
+                               "Everything an engine is opened with (cpp/core/engine.hpp documents each field).")
+      .def(nb::init<>())
+      .def_rw("transport", &ws::EngineConfig::transport)
+      .def_rw("provider", &ws::EngineConfig::provider)
+      .def_rw("nics", &ws::EngineConfig::nics)
+      .def_rw("stripe_threshold", &ws::EngineConfig::stripe_threshold)
+      .def_rw("max_piece", &ws::EngineConfig::max_piece)
+      .def_rw("window_bytes", &ws::EngineConfig::window_bytes)
+      .def_rw("window_ops", &ws::EngineConfig::window_ops)
+      .def_rw("stall_timeout_s", &ws::EngineConfig::stall_timeout_s)
+      .def_rw("cuda_device", &ws::EngineConfig::cuda_device)
+      .def_rw("cuda_piece", &ws::EngineConfig::cuda_piece)
+      .def_rw("cuda_streams", &ws::EngineConfig::cuda_streams)
+      .def_rw("cuda_batch_bytes", &ws::EngineConfig::cuda_batch_bytes)
+      .def_rw("cuda_spin_us", &ws::EngineConfig::cuda_spin_us)
+      .def_rw("staging_slots", &ws::EngineConfig::staging_slots)
+      .def_rw("landing_slots", &ws::EngineConfig::landing_slots)
+      .def_rw("landing_slot_bytes", &ws::EngineConfig::landing_slot_bytes)
+      .def_rw("cuda_peers", &ws::EngineConfig::cuda_peers);
+
+  nb::class_<ws::TestHooks>(m, "TestHooks",
+                            "Test-only switches (cpp/core/engine.hpp); set through TransferEngine._for_tests.")
+      .def(nb::init<>())
+      .def_rw("stage_host_sources", &ws::TestHooks::stage_host_sources)
+      .def_rw("land_host_regions", &ws::TestHooks::land_host_regions);
+
   nb::class_<ws::Engine>(m, "Engine")
       .def_static(
           "create",
-          [](const std::string& transport, const std::string& provider, const std::vector<std::string>& nics,
-             uint64_t stripe_threshold, uint64_t max_piece, uint64_t window_bytes, uint64_t window_ops,
-             double stall_timeout_s, int cuda_device, uint64_t cuda_piece, int cuda_streams,
-             double cuda_spin_us, uint64_t staging_slots, bool stage_host_sources, uint64_t landing_slots,
-             uint64_t landing_slot_bytes, bool land_host_regions, bool cuda_peers, uint64_t cuda_batch_bytes) {
-            ws::EngineConfig cfg;
-            cfg.transport = transport;
-            cfg.provider = provider;
-            cfg.nics = nics;
-            cfg.stripe_threshold = stripe_threshold;
-            cfg.max_piece = max_piece;
-            cfg.window_bytes = window_bytes;
-            cfg.window_ops = window_ops;
-            cfg.stall_timeout_s = stall_timeout_s;
-            cfg.cuda_device = cuda_device;
-            cfg.cuda_piece = cuda_piece;
-            cfg.cuda_streams = cuda_streams;
-            cfg.cuda_spin_us = cuda_spin_us;
-            cfg.staging_slots = staging_slots;
-            cfg.stage_host_sources = stage_host_sources;
-            cfg.landing_slots = landing_slots;
-            cfg.landing_slot_bytes = landing_slot_bytes;
-            cfg.land_host_regions = land_host_regions;
-            cfg.cuda_peers = cuda_peers;
-            cfg.cuda_batch_bytes = cuda_batch_bytes;
+          [](const ws::EngineConfig& config, std::optional<ws::TestHooks> hooks) {
             nb::gil_scoped_release release;
-            return ws::Engine::create(cfg);
+            return ws::Engine::create(config, hooks.value_or(ws::TestHooks{}));
           },
-          "transport"_a, "provider"_a, "nics"_a, "stripe_threshold"_a, "max_piece"_a, "window_bytes"_a,
-          "window_ops"_a, "stall_timeout_s"_a, "cuda_device"_a = -1, "cuda_piece"_a = 64ull << 20,
-          "cuda_streams"_a = 1, "cuda_spin_us"_a = 50.0, "staging_slots"_a = 4, "stage_host_sources"_a = false,
-          "landing_slots"_a = 8,
-          "landing_slot_bytes"_a = 0, "land_host_regions"_a = false, "cuda_peers"_a = true,
-          "cuda_batch_bytes"_a = 64ull << 20)
+          "config"_a, "hooks"_a = nb::none())
+      .def_prop_ro("config", [](const ws::Engine& e) { return e.config(); },
+                   "The configuration in force (a copy): the lanes' choices and clamps applied.")
+      .def_prop_ro("lanes", [](ws::Engine& e) { return e.lane_caps(); },
+                   "Per lane (NIC lanes first): its type name and what it can do (LaneCaps).")
       .def_prop_ro("uid", &ws::Engine::uid)
       .def_prop_ro("provider", &ws::Engine::provider)
       .def_prop_ro("transport", &ws::Engine::transport_kind)
@@ -215,12 +244,6 @@ NB_MODULE(_core, m) {
       .def_prop_ro("stripe_threshold", [](const ws::Engine& e) { return e.config().stripe_threshold; })
       .def_prop_ro("max_piece", [](const ws::Engine& e) { return e.config().max_piece; })
       .def_prop_ro("two_d_mode", &ws::Engine::two_d_mode)
-      .def_prop_ro("cuda_piece", [](const ws::Engine& e) { return e.config().cuda_piece; })
-      .def_prop_ro("cuda_streams", [](const ws::Engine& e) { return e.config().cuda_streams; })
-      .def_prop_ro("cuda_batch_bytes", [](const ws::Engine& e) { return e.config().cuda_batch_bytes; })
-      .def_prop_ro("landing_slots", [](const ws::Engine& e) { return e.config().landing_slots; })
-      .def_prop_ro("landing_slot_bytes", [](const ws::Engine& e) { return e.config().landing_slot_bytes; })
-      .def_prop_ro("cuda_peers", [](const ws::Engine& e) { return e.config().cuda_peers; })
       .def_prop_ro("closed", &ws::Engine::closed)
       .def("register", [](ws::Engine& e, uintptr_t ptr, uint64_t len, int kind, int device) {
         // Never internal: only the engine's own buffers bypass test-mode staging.

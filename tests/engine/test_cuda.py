@@ -17,7 +17,7 @@ if torch.cuda.device_count() < 1:
 import ray  # noqa: E402
 
 import weightsync as ws  # noqa: E402
-from tests.cuda_actors import GpuEnd  # noqa: E402
+from tests.support.cuda_actors import GpuEnd  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-// The transfer engine: one per process (per GPU). It owns one worker thread per NIC (NicWorker), splits
+// The transfer engine: one per process (per GPU). It owns one worker thread per NIC (LaneWorker), splits
 // every large write into pieces striped across all NICs, routes pieces around NICs that fail, and counts
 // completions: local ones per transfer, remote immediates per value (ImmCounters).
 #pragma once
@@ -18,15 +18,14 @@
 #include <utility>
 #include <vector>
 
-#include "weightsync/imm_counter.hpp"
-#include "weightsync/pieces.hpp"
-#include "weightsync/transfer.hpp"
-#include "weightsync/transport.hpp"
+#include "core/imm_counter.hpp"
+#include "core/pieces.hpp"
+#include "core/transfer.hpp"
+#include "core/lane.hpp"
 
 namespace weightsync {
 
 class Engine;
-class CudaTransport;
 
 struct EngineConfig {
   std::string transport = "fabric";
@@ -50,9 +49,6 @@ struct EngineConfig {
   // GPU sources the NICs cannot register (no FI_HMEM) reach fabric peers through this many pinned host
   // slots of max_piece bytes: the copy of piece i+1 into a slot overlaps the network write of piece i.
   uint64_t staging_slots = 4;
-  // Tests only: host sources are kept off the NICs and staged the same way (with memcpy), so the
-  // staging pipeline runs on machines without GPUs.
-  bool stage_host_sources = false;
   // Landing regions: GPU memory the fabric NICs cannot register (no FI_HMEM) is still a destination for
   // fabric peers. Writes into it arrive as tagged messages in a ring of `landing_slots` page-locked host
   // buffers of `landing_slot_bytes` (0: max_piece) per NIC, each copied to the GPU on the cuda lane,
@@ -60,12 +56,20 @@ struct EngineConfig {
   // control (a large message waits for a posted receive) bounds what is in flight.
   uint64_t landing_slots = 8;
   uint64_t landing_slot_bytes = 0;
-  // Tests only: host regions are landing regions too (not registered on the NICs; the ring is malloc'd
-  // and copied out with memcpy on the NIC's worker), so the protocol runs on machines without GPUs.
-  bool land_host_regions = false;
   // false: the cuda lane only stages and lands; peers on this host are written over the fabric NICs
   // (and this engine does not offer its cuda lane to them: see weightsync/engine.py).
   bool cuda_peers = true;
+};
+
+// Switches that make host memory take the paths of GPU memory the NICs cannot register, so that tests
+// run those paths on machines without GPUs. Never set in production: they are not part of EngineConfig
+// (Python reaches them only through TransferEngine._for_tests).
+struct TestHooks {
+  // Host sources are kept off the NICs and staged like GPU memory (copied into the slots with memcpy).
+  bool stage_host_sources = false;
+  // Host regions are landing regions too (not registered on the NICs; the ring is malloc'd and copied
+  // out with memcpy on the NIC's worker).
+  bool land_host_regions = false;
 };
 
 // What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) alive:
@@ -150,7 +154,7 @@ struct PieceGroup {
 
 // One posted write (a piece of a transfer). The transport's context must be the first member.
 struct Piece {
-  TransportContext tctx;
+  LaneContext tctx;
   std::shared_ptr<TransferState> transfer;
   std::shared_ptr<LocalRegion> src;
   std::shared_ptr<RegistrationHold> pin;  // the source's registrations stay until this piece is done
@@ -175,7 +179,7 @@ struct Piece {
   int fixed_nic = -1;   // landing: every message of the op on this NIC (send order = landing order)
 };
 
-struct NicStats {
+struct LaneStats {
   std::string name;
   std::string provider;
   uint64_t bytes_completed = 0;
@@ -192,23 +196,23 @@ struct NicStats {
 
 // Owns one NIC's transport and the thread that alone touches it. Everything reaches the worker
 // through its queues: commands (register, add peer) and pieces to post.
-class NicWorker {
+class LaneWorker {
  public:
-  NicWorker(Engine* engine, int index, std::unique_ptr<Transport> transport, const EngineConfig& cfg);
-  ~NicWorker();
+  LaneWorker(Engine* engine, int index, std::unique_ptr<Lane> lane, const EngineConfig& cfg);
+  ~LaneWorker();
 
   void start();
   // Stops the thread; pieces still queued or in flight fail with "engine closed".
   void stop();
 
   // Runs `fn` on the worker thread and waits for it (bounded by timeout_s).
-  void call(const std::function<void(Transport&)>& fn, double timeout_s);
+  void call(const std::function<void(Lane&)>& fn, double timeout_s);
   // Queues a command without waiting for it (releasing registrations from a destructor).
-  void post_command(std::function<void(Transport&)> fn);
+  void post_command(std::function<void(Lane&)> fn);
   void submit(std::vector<Piece*> pieces);
 
-  Transport& transport() { return *transport_; }
-  NicStats stats();
+  Lane& lane() { return *lane_; }
+  LaneStats stats();
 
   // The landing ring of a fabric NIC (on this worker's thread only): `count` receive buffers of
   // `slot_bytes` at `base`, posted now and again each time the engine is done with one.
@@ -234,14 +238,14 @@ class NicWorker {
 
   Engine* engine_;
   int index_;
-  bool cuda_lane_ = false;
-  std::unique_ptr<Transport> transport_;
+  LaneCaps caps_;  // what the lane can do (asked once)
+  std::unique_ptr<Lane> lane_;
   uint64_t window_bytes_;
   uint64_t window_ops_;
   std::chrono::duration<double> stall_timeout_;
 
   std::mutex mu_;
-  std::vector<std::function<void(Transport&)>> commands_;
+  std::vector<std::function<void(Lane&)>> commands_;
   std::vector<Piece*> incoming_;
   bool stop_ = false;
   std::thread thread_;
@@ -265,7 +269,7 @@ class NicWorker {
   // messages in the order they were sent (FI_ORDER_SAS), even where a large message completes later
   // than a small one behind it.
   struct LandingBuf {
-    TransportContext tctx;
+    LaneContext tctx;
     uint32_t slot = 0;
     enum State { kPosted, kReceived, kBusy, kDone } state = kPosted;
     Completion c;
@@ -312,7 +316,8 @@ struct Trigger {
 
 class Engine : public std::enable_shared_from_this<Engine> {
  public:
-  static std::shared_ptr<Engine> create(const EngineConfig& cfg);
+  static constexpr double kCommandTimeoutS = 30.0;  // longest a command on a lane's worker may take
+  static std::shared_ptr<Engine> create(const EngineConfig& cfg, const TestHooks& hooks = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -327,7 +332,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::string cuda_name() const;
   std::vector<uint64_t> doorbell_bases() const;
   std::vector<uint64_t> doorbell_keys() const;
+  // The configuration in force: the one given, with the choices the lanes made (provider, NICs) and
+  // the clamps applied (max_piece to what every NIC accepts, stripe_threshold to max_piece).
   const EngineConfig& config() const { return cfg_; }
+  const TestHooks& test_hooks() const { return hooks_; }
+  // Per lane, NIC lanes first: its type name and what it can do.
+  std::vector<std::pair<std::string, LaneCaps>> lane_caps() const;
   // How the fabric NICs make a 2-D write's immediate follow its rows: "delivery" (rows complete at
   // delivery, FI_DELIVERY_COMPLETE), "ordered" (all on one NIC, writes placed in order) or "" (neither:
   // 2-D writes with an immediate are refused).
@@ -371,7 +381,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool forward_pending(uint64_t id);
 
   ImmCounters& counters() { return counters_; }
-  std::vector<NicStats> stats();
+  std::vector<LaneStats> stats();
   void close();
   bool closed() const { return closed_.load(); }
 
@@ -383,7 +393,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void release_region(uint64_t id, std::vector<MemRegistration> regs, int landing = -1);
   // A tagged receive of NIC `nic` completed into `buf` (its landing ring's buffer `slot`): check it and
   // copy it into its landing region. true: done with the buffer now (copied, or dropped); false: a copy
-  // on the cuda lane is under way, and the engine calls NicWorker::landing_done when it is over.
+  // on the cuda lane is under way, and the engine calls LaneWorker::landing_done when it is over.
   bool land(int nic, uint32_t slot, const char* buf, const Completion& c);
   // The tag of a message into landing region `index` at byte `off` (land() takes it apart).
   static uint64_t landing_tag(int index, uint64_t off) {
@@ -393,7 +403,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void landing_copied(void* job, bool ok, const std::string& why);
 
  private:
-  explicit Engine(const EngineConfig& cfg);
+  Engine(const EngineConfig& cfg, const TestHooks& hooks);
   void start();
   uint64_t piece_size(uint64_t nbytes) const;
   int pick_nic(Peer& peer, uint64_t hint);
@@ -413,7 +423,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
                    const std::shared_ptr<LocalRegion>& src, const std::shared_ptr<RegistrationHold>& pin,
                    const std::shared_ptr<RemoteRegion>& dst, bool has_imm,
                    std::vector<std::vector<Piece*>>& per_nic);
-  CudaTransport& cuda_transport();
+  // The copy lane's host/device copies (LaneCaps::local_copies), or null without one.
+  LocalCopies* local_copies();
   struct Checked {
     std::vector<std::shared_ptr<RegistrationHold>> pins;
     uint64_t imms = 0, bytes = 0;
@@ -431,8 +442,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Host memory for the engine's own buffers (staging slots, landing ring), registered on every NIC:
   // page-locked through the cuda lane where there is one, else malloc'd (*pinned says which).
   std::shared_ptr<LocalRegion> register_host_buffer(uint64_t bytes, const char* what, char** base, bool* pinned);
-  // Counts a landing message that was not written (on NIC `w`) and reports the first few on stderr.
-  void landing_dropped(NicWorker& w, uint64_t len, const std::string& what);
+  // Counts a landing message that was not written (on NIC `w`) and logs the first few (core/log.hpp).
+  void landing_dropped(LaneWorker& w, uint64_t len, const std::string& what);
   void ensure_staging();
   void stage(std::vector<Piece*> pieces);
   void pump_staging();
@@ -451,8 +462,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
                            std::vector<std::vector<Piece*>>& per_nic);
 
   EngineConfig cfg_;
+  TestHooks hooks_;
   std::string uid_;
-  std::vector<std::unique_ptr<NicWorker>> workers_;  // fabric NICs, then the cuda lane if any
+  std::vector<std::unique_ptr<LaneWorker>> workers_;  // fabric NICs, then the cuda lane if any
   size_t fabric_nics_ = 0;
   int cuda_lane_ = -1;
   std::vector<unsigned char> doorbell_mem_ = std::vector<unsigned char>(64);
@@ -496,7 +508,17 @@ class Engine : public std::enable_shared_from_this<Engine> {
     uint64_t region_id = 0;
     uint64_t copies = 0;  // cuda-lane copies into it under way (retiring waits for them)
   };
-  struct LandingJob;  // one landing copy on the cuda lane (engine.cpp)
+  // A landed message on its way to GPU memory: the copy lane copies it from the ring buffer, then the
+  // engine counts its immediate and gives the buffer back to its NIC.
+  struct LandingJob {
+    int nic = -1;
+    uint32_t slot = 0;
+    std::shared_ptr<LandingEntry> entry;
+    uint64_t len = 0;
+    uint64_t off = 0;
+    bool has_imm = false;
+    uint32_t imm = 0;
+  };
   std::atomic<uint64_t> landing_drops_logged_{0};
   static constexpr uint32_t kLandingIndices = 1u << 16;
   static constexpr int kLandingOffsetBits = 48;

@@ -1,10 +1,11 @@
-// One thread per NIC: it alone posts to and polls its transport. Other threads reach it through queues.
+// One thread per lane (a NIC, or the copy engines): it alone posts to and polls its lane. Other threads
+// reach it through queues. What it does with a piece depends on what the lane can do (LaneCaps).
 #include <cerrno>
-#include <cstdio>
 #include <future>
 
-#include "weightsync/engine.hpp"
-#include "weightsync/errors.hpp"
+#include "core/engine.hpp"
+#include "core/errors.hpp"
+#include "core/log.hpp"
 
 namespace weightsync {
 
@@ -14,26 +15,26 @@ constexpr int kIdleWaitMs = 20;  // longest an idle worker sleeps before looking
 constexpr auto kStallCheckEvery = std::chrono::milliseconds(50);
 }  // namespace
 
-NicWorker::NicWorker(Engine* engine, int index, std::unique_ptr<Transport> transport,
+LaneWorker::LaneWorker(Engine* engine, int index, std::unique_ptr<Lane> lane,
                      const EngineConfig& cfg)
     : engine_(engine),
       index_(index),
-      transport_(std::move(transport)),
+      lane_(std::move(lane)),
       window_bytes_(cfg.window_bytes),
-      window_ops_(std::max<uint64_t>(1, std::min<uint64_t>(cfg.window_ops, transport_->max_outstanding()))),
+      window_ops_(std::max<uint64_t>(1, std::min<uint64_t>(cfg.window_ops, lane_->max_outstanding()))),
       stall_timeout_(cfg.stall_timeout_s) {
-  cuda_lane_ = transport_->kind() == "cuda";
-  if (cuda_lane_) {
+  caps_ = lane_->caps();
+  if (caps_.unlimited_window) {
     // Copies queue on the GPU's own streams; the byte window that paces a NIC would only starve them.
     window_bytes_ = ~0ull >> 1;
-    window_ops_ = transport_->max_outstanding();
+    window_ops_ = lane_->max_outstanding();
   }
 }
 
-NicWorker::~NicWorker() {
+LaneWorker::~LaneWorker() {
   stop();
   // The transport (and its endpoint) goes first, so no completion can name a piece we free below.
-  transport_.reset();
+  lane_.reset();
   for (Piece* p : stale_) delete p;
   for (Piece* p : outstanding_) delete p;
   for (Piece* p : pending_) delete p;
@@ -44,25 +45,25 @@ NicWorker::~NicWorker() {
   incoming_.clear();
 }
 
-void NicWorker::start() { thread_ = std::thread([this] { run(); }); }
+void LaneWorker::start() { thread_ = std::thread([this] { run(); }); }
 
-void NicWorker::stop() {
+void LaneWorker::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_ && !thread_.joinable()) return;
     stop_ = true;
   }
-  if (transport_) transport_->signal();
+  if (lane_) lane_->signal();
   if (thread_.joinable()) thread_.join();
 }
 
-void NicWorker::call(const std::function<void(Transport&)>& fn, double timeout_s) {
+void LaneWorker::call(const std::function<void(Lane&)>& fn, double timeout_s) {
   auto done = std::make_shared<std::promise<void>>();
   auto fut = done->get_future();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stop_) throw TransportError("engine is closed (NIC " + transport_->nic_name() + ")");
-    commands_.push_back([fn, done](Transport& t) {
+    if (stop_) throw TransportError("engine is closed (NIC " + lane_->nic_name() + ")");
+    commands_.push_back([fn, done](Lane& t) {
       try {
         fn(t);
         done->set_value();
@@ -71,24 +72,24 @@ void NicWorker::call(const std::function<void(Transport&)>& fn, double timeout_s
       }
     });
   }
-  transport_->signal();
+  lane_->signal();
   if (fut.wait_for(std::chrono::duration<double>(timeout_s)) != std::future_status::ready) {
-    throw TimeoutError("NIC " + transport_->nic_name() + " worker did not answer within " +
+    throw TimeoutError("NIC " + lane_->nic_name() + " worker did not answer within " +
                        std::to_string(timeout_s) + " s");
   }
   fut.get();
 }
 
-void NicWorker::post_command(std::function<void(Transport&)> fn) {
+void LaneWorker::post_command(std::function<void(Lane&)> fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return;
     commands_.push_back(std::move(fn));
   }
-  transport_->signal();
+  lane_->signal();
 }
 
-void NicWorker::submit(std::vector<Piece*> pieces) {
+void LaneWorker::submit(std::vector<Piece*> pieces) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stop_) {
@@ -97,13 +98,13 @@ void NicWorker::submit(std::vector<Piece*> pieces) {
     }
   }
   for (Piece* p : pieces) engine_->piece_failed(p, "engine is closed");
-  transport_->signal();
+  lane_->signal();
 }
 
-NicStats NicWorker::stats() {
-  NicStats s;
-  s.name = transport_->nic_name();
-  s.provider = transport_->provider();
+LaneStats LaneWorker::stats() {
+  LaneStats s;
+  s.name = lane_->nic_name();
+  s.provider = lane_->provider();
   s.bytes_completed = bytes_completed_.load();
   s.writes_completed = writes_completed_.load();
   s.imm_received = imm_received_.load();
@@ -117,8 +118,8 @@ NicStats NicWorker::stats() {
   return s;
 }
 
-void NicWorker::run() {
-  std::vector<std::function<void(Transport&)>> commands;
+void LaneWorker::run() {
+  std::vector<std::function<void(Lane&)>> commands;
   std::vector<Piece*> incoming;
   std::vector<Completion> completions;
   completions.reserve(256);
@@ -130,7 +131,7 @@ void NicWorker::run() {
       incoming.swap(incoming_);
       stopping = stop_;
     }
-    for (auto& cmd : commands) cmd(*transport_);
+    for (auto& cmd : commands) cmd(*lane_);
     const bool had_work = !commands.empty() || !incoming.empty();
     commands.clear();
     for (Piece* p : incoming) pending_.push_back(p);
@@ -141,23 +142,23 @@ void NicWorker::run() {
     if (!land_repost_.empty()) drain_landing();
     post_pending();
     completions.clear();
-    transport_->poll(completions, 256);
+    lane_->poll(completions, 256);
     for (const Completion& c : completions) handle(c);
 
     auto now = Clock::now();
-    if (!cuda_lane_ && now - last_stall_check_ > kStallCheckEvery) {
+    if (caps_.is_nic && now - last_stall_check_ > kStallCheckEvery) {
       last_stall_check_ = now;
       check_stalls();
     }
     if (completions.empty() && !had_work && outstanding_.size() == before) {
       // Nothing happened: block in the provider until a completion, a signal, or a short timeout.
-      transport_->wait(kIdleWaitMs);
+      lane_->wait(kIdleWaitMs);
     }
   }
   shutdown_pieces();
 }
 
-void NicWorker::post_pending() {
+void LaneWorker::post_pending() {
   while (!pending_.empty()) {
     Piece* p = pending_.front();
     if (p->transfer->failed() && !p->stale) {
@@ -170,7 +171,7 @@ void NicWorker::post_pending() {
       return;
     }
     const Peer& peer = *p->dst->peer;
-    if (!cuda_lane_ && peer.path_failed[index_].load()) {
+    if (caps_.is_nic && peer.path_failed[index_].load()) {
       pending_.pop_front();
       engine_->reroute(p, index_, "path already failed");
       continue;
@@ -180,37 +181,28 @@ void NicWorker::post_pending() {
     req.len = p->len;
     req.src_desc = p->src->regs[index_].local_desc;
     req.peer = peer.paths[index_];
-    if (cuda_lane_ && p->stage == 1) {
-      // A staging copy: device to this host's slot, for a fabric NIC to send afterwards.
+    req.has_imm = p->has_imm;
+    req.imm = p->imm;
+    req.context = p;
+    req.delivery_complete = p->delivery;
+    if (p->stage == 1 && caps_.local_copies) {
+      // A staging copy: device to this host's slot, for a NIC lane to send afterwards. 1-D, no immediate.
       req.remote_addr = reinterpret_cast<uint64_t>(p->stage_ptr);
       req.peer = 0;
-    } else if (cuda_lane_) {
+      req.has_imm = false;
+    } else if (caps_.maps_remote) {
       req.remote_addr = p->dst->cuda_addr + p->dst_off;
+      req.geometry = RowGeometry{p->rows, p->src_pitch, p->dst_pitch};
+      req.mapped = MappedTarget{p->imm_repeat, p->dst->id};
     } else if (p->tagged) {
       // Into a landing region: a message its engine copies to dst_off (both in the tag).
-      req.tagged = true;
-      req.tag = Engine::landing_tag(p->dst->landing, p->dst_off);
+      req.tagged = TaggedSend{true, Engine::landing_tag(p->dst->landing, p->dst_off)};
     } else {
       const int rn = peer.remote_nic[index_];
       req.remote_addr = p->dst->base[rn] + p->dst_off;
       req.key = p->dst->key[rn];
     }
-    req.has_imm = p->has_imm;
-    req.imm = p->imm;
-    req.context = p;
-    req.delivery_complete = p->delivery;
-    req.rows = p->rows;
-    req.src_pitch = p->src_pitch;
-    req.dst_pitch = p->dst_pitch;
-    req.imm_repeat = p->imm_repeat;
-    req.remote_region = p->dst->id;
-    if (p->stage == 1) {
-      req.has_imm = false;
-      req.rows = 1;
-      req.remote_region = 0;
-      req.tagged = false;
-    }
-    int rc = transport_->post_write(req);
+    int rc = lane_->post_write(req);
     if (rc == -EAGAIN) {
       if (blocked_since_ == Clock::time_point{}) blocked_since_ = Clock::now();
       return;
@@ -219,12 +211,12 @@ void NicWorker::post_pending() {
     pending_.pop_front();
     if (rc != 0) {
       errors_++;
-      if (cuda_lane_) {
+      if (!caps_.is_nic) {
         engine_->piece_failed(p, "copy into region " + std::to_string(p->dst->id) + " of " + peer.label +
-                                     " could not start on " + transport_->nic_name() + ": " +
-                                     transport_->error_string(-rc));
+                                     " could not start on " + lane_->nic_name() + ": " +
+                                     lane_->error_string(-rc));
       } else {
-        engine_->reroute(p, index_, "posting failed: " + transport_->error_string(-rc));
+        engine_->reroute(p, index_, "posting failed: " + lane_->error_string(-rc));
       }
       continue;
     }
@@ -238,7 +230,7 @@ void NicWorker::post_pending() {
   }
 }
 
-void NicWorker::handle(const Completion& c) {
+void LaneWorker::handle(const Completion& c) {
   if (c.kind == Completion::kRecv) {
     landing_received(c);
     return;
@@ -278,15 +270,15 @@ void NicWorker::handle(const Completion& c) {
     return;
   }
   errors_++;
-  if (cuda_lane_) {
+  if (!caps_.is_nic) {
     // No other lane can copy GPU memory to this peer: the write fails.
-    engine_->piece_failed(p, "copy to " + peer->label + " failed on " + transport_->nic_name() + ": " + c.message);
+    engine_->piece_failed(p, "copy to " + peer->label + " failed on " + lane_->nic_name() + ": " + c.message);
     return;
   }
   // Access errors (a bad key, out of the region's bounds) are the same on every NIC: do not retry them.
   const bool access_error = c.error == EACCES || c.error == EINVAL || c.error == EPERM || c.error == EKEYREJECTED;
   if (access_error) {
-    engine_->piece_failed(p, "remote refused the write on NIC " + transport_->nic_name() + ": " + c.message);
+    engine_->piece_failed(p, "remote refused the write on NIC " + lane_->nic_name() + ": " + c.message);
     return;
   }
   fail_path(peer, c.message);
@@ -294,7 +286,7 @@ void NicWorker::handle(const Completion& c) {
   engine_->reroute(p, index_, c.message);
 }
 
-void NicWorker::fail_path(Peer* peer, const std::string& why) {
+void LaneWorker::fail_path(Peer* peer, const std::string& why) {
   // Mark the path first, so the engine routes the pieces below (and new writes) to other NICs.
   if (!peer->path_failed[index_].exchange(true)) failed_paths_++;
   // Everything in flight or queued to this peer on this NIC moves to the peer's other NICs.
@@ -326,26 +318,26 @@ void NicWorker::fail_path(Peer* peer, const std::string& why) {
   path_clock_.erase(peer->id);
 }
 
-void NicWorker::check_stalls() {
+void LaneWorker::check_stalls() {
   const auto now = Clock::now();
   std::vector<Peer*> stalled;
   for (auto& [peer_id, clock] : path_clock_) {
     if (clock.outstanding > 0 && now - clock.progress > stall_timeout_) stalled.push_back(clock.peer);
   }
   for (Peer* peer : stalled) {
-    fail_path(peer, "no completion on NIC " + transport_->nic_name() + " for " +
+    fail_path(peer, "no completion on NIC " + lane_->nic_name() + " for " +
                            std::to_string(stall_timeout_.count()) + " s (link down or peer gone)");
   }
   if (!pending_.empty() && blocked_since_ != Clock::time_point{} && now - blocked_since_ > stall_timeout_) {
     // The provider has refused new work for too long (for example while it keeps failing to connect).
     blocked_since_ = Clock::time_point{};
     fail_path(pending_.front()->dst->peer.get(),
-              "NIC " + transport_->nic_name() + " accepted no new write for " +
+              "NIC " + lane_->nic_name() + " accepted no new write for " +
                   std::to_string(stall_timeout_.count()) + " s");
   }
 }
 
-void NicWorker::start_landing(char* base, uint64_t slot_bytes, uint32_t count, void* desc) {
+void LaneWorker::start_landing(char* base, uint64_t slot_bytes, uint32_t count, void* desc) {
   if (!land_bufs_.empty()) return;
   land_base_ = base;
   land_slot_bytes_ = slot_bytes;
@@ -357,19 +349,19 @@ void NicWorker::start_landing(char* base, uint64_t slot_bytes, uint32_t count, v
   }
   for (uint32_t i = 0; i < count; ++i) {
     LandingBuf& b = *land_bufs_[i];
-    // The buffer itself is the context (its TransportContext first, the provider's scratch space).
-    int rc = transport_->post_recv(land_base_ + uint64_t(i) * land_slot_bytes_, land_slot_bytes_, land_desc_, &b);
+    // The buffer itself is the context (its LaneContext first, the provider's scratch space).
+    int rc = lane_->post_recv(land_base_ + uint64_t(i) * land_slot_bytes_, land_slot_bytes_, land_desc_, &b);
     if (rc != 0) {
       // Nothing was received yet: give the ring up whole, so the engine reports the registration.
-      throw TransportError("posting landing buffer " + std::to_string(i) + " on NIC " + transport_->nic_name() +
-                           " failed: " + transport_->error_string(-rc) +
+      throw TransportError("posting landing buffer " + std::to_string(i) + " on NIC " + lane_->nic_name() +
+                           " failed: " + lane_->error_string(-rc) +
                            (i ? " (" + std::to_string(i) + " already posted stay so)" : ""));
     }
     land_posted_.push_back(i);
   }
 }
 
-void NicWorker::landing_received(const Completion& c) {
+void LaneWorker::landing_received(const Completion& c) {
   // The context is the LandingBuf the receive was posted with.
   auto* b = static_cast<LandingBuf*>(c.context);
   if (b == nullptr || b->slot >= land_bufs_.size() || land_bufs_[b->slot].get() != b || b->state != LandingBuf::kPosted) {
@@ -381,13 +373,13 @@ void NicWorker::landing_received(const Completion& c) {
   drain_landing();
 }
 
-void NicWorker::landing_done(uint32_t slot) {
+void LaneWorker::landing_done(uint32_t slot) {
   if (slot >= land_bufs_.size() || land_bufs_[slot]->state != LandingBuf::kBusy) return;
   land_bufs_[slot]->state = LandingBuf::kDone;
   drain_landing();
 }
 
-void NicWorker::drain_landing() {
+void LaneWorker::drain_landing() {
   // Hand the buffers over in matching order: a message received early waits for the ones before it.
   while (!land_posted_.empty() && land_bufs_[land_posted_.front()]->state == LandingBuf::kReceived) {
     LandingBuf& b = *land_bufs_[land_posted_.front()];
@@ -404,15 +396,15 @@ void NicWorker::drain_landing() {
   }
   while (!land_repost_.empty()) {
     LandingBuf& b = *land_bufs_[land_repost_.front()];
-    int rc = transport_->post_recv(land_base_ + uint64_t(b.slot) * land_slot_bytes_, land_slot_bytes_,
+    int rc = lane_->post_recv(land_base_ + uint64_t(b.slot) * land_slot_bytes_, land_slot_bytes_,
                                    land_desc_, &b);
     if (rc == -EAGAIN) return;  // tried again with the next completion or command
     land_repost_.pop_front();
     if (rc != 0) {
       // The ring is one buffer short from now on (still correct, only slower).
       errors_++;
-      std::fprintf(stderr, "weightsync: NIC %s: posting landing buffer %u again failed: %s\n",
-                   transport_->nic_name().c_str(), b.slot, transport_->error_string(-rc).c_str());
+      log_warning("NIC " + lane_->nic_name() + ": posting landing buffer " + std::to_string(b.slot) +
+                  " again failed: " + lane_->error_string(-rc));
       continue;
     }
     b.state = LandingBuf::kPosted;
@@ -420,7 +412,7 @@ void NicWorker::drain_landing() {
   }
 }
 
-void NicWorker::shutdown_pieces() {
+void LaneWorker::shutdown_pieces() {
   for (Piece* p : pending_) engine_->piece_failed(p, "engine closed with the write queued");
   pending_.clear();
   std::vector<Piece*> incoming;

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tests import netns
-from tests.peer import PeerProcess, digest, random_bytes, rows_digest
+from tests.support import netns
+from tests.support.peer import PeerProcess, digest, random_bytes, rows_digest
 
 pytestmark = pytest.mark.netns
 MiB = 1 << 20

@@ -10,26 +10,11 @@ import numpy as np
 import pytest
 
 import weightsync as ws
-from tests.peer import POISON, PeerError, PeerProcess, digest, random_bytes, rows_digest
+from tests.support.peer import POISON, PeerError, PeerProcess, digest, random_bytes, rows_digest
 from weightsync.engine import TransferEngine
 
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-@pytest.fixture()
-def engine():
-    eng = TransferEngine(stall_timeout=2.0)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture()
-def remote():
-    peer = PeerProcess()
-    peer.address = peer.call("engine", stall_timeout=2.0)
-    yield peer
-    peer.close()
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 64 * MiB, GiB])
@@ -540,13 +525,13 @@ def test_staged_source_pipeline_reaches_fabric_peers(remote: PeerProcess) -> Non
     """GPU sources without FI_HMEM go through page-locked slots (copy in, write out, slot back). The same
     pipeline with host memory and memcpy (stage_host_sources): two slots cycled many times, concurrent
     writes, a 2-D write and a batch, all byte-exact with the engine's immediate counts."""
-    eng = TransferEngine(stall_timeout=2.0, max_piece=MiB, stripe_threshold=256 * 1024, staging_slots=2,
-                         stage_host_sources=True)
+    eng = TransferEngine._for_tests(stall_timeout=2.0, max_piece=MiB, stripe_threshold=256 * 1024,
+                                    staging_slots=2, stage_host_sources=True)
     try:
         size = 13 * MiB + 12345
         src = random_bytes(size + 7, seed=40)
         region = eng.register(src)
-        assert not region._native.on_fabric
+        assert not region.on_fabric
         d_id, d_desc = remote.call("alloc", size=size + 4096 + 3)
         peer = eng.connect(remote.address)
         transfers = [eng.write(region, 7, peer, d_desc, 4096, size, imm=70) for _ in range(3)]

@@ -1,4 +1,4 @@
-#include "weightsync/fabric_transport.hpp"
+#include "fabric/fabric_lane.hpp"
 
 #include <rdma/fi_errno.h>
 
@@ -8,7 +8,8 @@
 #include <random>
 #include <sstream>
 
-#include "weightsync/errors.hpp"
+#include "core/engine.hpp"
+#include "core/errors.hpp"
 
 namespace weightsync {
 
@@ -52,7 +53,7 @@ uint64_t random_u64() {
 
 }  // namespace
 
-std::vector<FabricNicInfo> FabricTransport::discover(const std::string& provider) {
+std::vector<FabricNicInfo> FabricLane::discover(const std::string& provider) {
   std::vector<FabricNicInfo> out;
   fi_info* hints = make_hints(provider, "");
   fi_info* info = nullptr;
@@ -71,7 +72,7 @@ std::vector<FabricNicInfo> FabricTransport::discover(const std::string& provider
   return out;
 }
 
-std::string FabricTransport::pick_provider() {
+std::string FabricLane::pick_provider() {
   for (const char* p : {"efa", "verbs;ofi_rxm", "tcp;ofi_rxm"}) {
     if (!discover(p).empty()) return p;
   }
@@ -80,7 +81,7 @@ std::string FabricTransport::pick_provider() {
       "tcp;ofi_rxm); check `fi_info -p tcp` and that libfabric is installed");
 }
 
-FabricTransport::FabricTransport(const std::string& provider, const std::string& domain)
+FabricLane::FabricLane(const std::string& provider, const std::string& domain)
     : provider_(provider), domain_(domain) {
   // Several entries can name the same domain (IPv4 and IPv6 on tcp): prefer IPv4, then the first.
   // Layered providers do not always filter on the domain name, so match it here.
@@ -183,9 +184,9 @@ FabricTransport::FabricTransport(const std::string& provider, const std::string&
   }
 }
 
-FabricTransport::~FabricTransport() { close_all(); }
+FabricLane::~FabricLane() { close_all(); }
 
-void FabricTransport::close_all() {
+void FabricLane::close_all() {
   if (ep_) fi_close(&ep_->fid);
   if (av_) fi_close(&av_->fid);
   if (cq_) fi_close(&cq_->fid);
@@ -200,28 +201,28 @@ void FabricTransport::close_all() {
   info_ = nullptr;
 }
 
-void FabricTransport::check(int rc, const char* what) const {
+void FabricLane::check(int rc, const char* what) const {
   if (rc != 0) {
     throw TransportError(std::string(what) + " failed on " + provider_ + " NIC " + domain_ + ": " +
                          fi_error(rc));
   }
 }
 
-void FabricTransport::post_rx_buffers() {
+void FabricLane::post_rx_buffers() {
   rx_ctx_.resize(kRxBuffers);
   for (auto& ctx : rx_ctx_) {
     check(static_cast<int>(fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, &ctx)), "fi_recv");
   }
 }
 
-std::string FabricTransport::describe_address(const std::string& address) const {
+std::string FabricLane::describe_address(const std::string& address) const {
   char buf[128];
   size_t len = sizeof(buf);
   fi_av_straddr(av_, address.data(), buf, &len);
   return std::string(buf);
 }
 
-MemRegistration FabricTransport::register_memory(void* ptr, size_t len, MemKind kind, int device) {
+MemRegistration FabricLane::register_memory(void* ptr, size_t len, MemKind kind, int device) {
   if (kind != MemKind::kHost && !hmem_) {
     // Without FI_HMEM the NIC cannot reach GPU memory; the engine keeps such regions on the cuda lane
     // (same-host peers) and refuses fabric writes from or into them.
@@ -275,11 +276,11 @@ MemRegistration FabricTransport::register_memory(void* ptr, size_t len, MemKind 
   return reg;
 }
 
-void FabricTransport::deregister(const MemRegistration& reg) {
+void FabricLane::deregister(const MemRegistration& reg) {
   if (reg.handle) fi_close(&static_cast<fid_mr*>(reg.handle)->fid);
 }
 
-uint64_t FabricTransport::insert_peer(const std::string& address) {
+uint64_t FabricLane::insert_peer(const std::string& address) {
   fi_addr_t addr = FI_ADDR_UNSPEC;
   int rc = fi_av_insert(av_, address.data(), 1, &addr, 0, nullptr);
   if (rc != 1) {
@@ -289,7 +290,7 @@ uint64_t FabricTransport::insert_peer(const std::string& address) {
   return addr;
 }
 
-int FabricTransport::post_recv(void* buf, size_t len, void* desc, void* context) {
+int FabricLane::post_recv(void* buf, size_t len, void* desc, void* context) {
   if (!tagged_) return -ENOSYS;
   // Tag 0 with every bit ignored: any tagged message matches, in the order the receives were posted.
   ssize_t rc = fi_trecv(ep_, buf, len, desc, FI_ADDR_UNSPEC, 0, ~0ull, context);
@@ -298,9 +299,9 @@ int FabricTransport::post_recv(void* buf, size_t len, void* desc, void* context)
   return static_cast<int>(rc);
 }
 
-int FabricTransport::post_write(const WriteRequest& req) {
+int FabricLane::post_write(const WriteRequest& req) {
   ssize_t rc;
-  if (req.tagged) {
+  if (req.tagged.tagged) {
     if (!tagged_) return -FI_EOPNOTSUPP;
     if (req.delivery_complete) {
       if (!delivery_complete_) return -FI_EOPNOTSUPP;
@@ -311,16 +312,16 @@ int FabricTransport::post_write(const WriteRequest& req) {
       msg.desc = &desc;
       msg.iov_count = 1;
       msg.addr = req.peer;
-      msg.tag = req.tag;
+      msg.tag = req.tagged.tag;
       msg.ignore = 0;
       msg.context = req.context;
       msg.data = req.imm;
       uint64_t flags = FI_DELIVERY_COMPLETE | FI_COMPLETION | (req.has_imm ? FI_REMOTE_CQ_DATA : 0);
       rc = fi_tsendmsg(ep_, &msg, flags);
     } else if (req.has_imm) {
-      rc = fi_tsenddata(ep_, req.src, req.len, req.src_desc, req.imm, req.peer, req.tag, req.context);
+      rc = fi_tsenddata(ep_, req.src, req.len, req.src_desc, req.imm, req.peer, req.tagged.tag, req.context);
     } else {
-      rc = fi_tsend(ep_, req.src, req.len, req.src_desc, req.peer, req.tag, req.context);
+      rc = fi_tsend(ep_, req.src, req.len, req.src_desc, req.peer, req.tagged.tag, req.context);
     }
   } else if (req.delivery_complete) {
     if (!delivery_complete_) return -FI_EOPNOTSUPP;
@@ -349,7 +350,7 @@ int FabricTransport::post_write(const WriteRequest& req) {
   return static_cast<int>(rc);
 }
 
-size_t FabricTransport::poll(std::vector<Completion>& out, size_t max) {
+size_t FabricLane::poll(std::vector<Completion>& out, size_t max) {
   size_t got = 0;
   auto emit = [&](const fi_cq_tagged_entry& e) {
     Completion c;
@@ -430,7 +431,7 @@ size_t FabricTransport::poll(std::vector<Completion>& out, size_t max) {
   return got;
 }
 
-void FabricTransport::wait(int timeout_ms) {
+void FabricLane::wait(int timeout_ms) {
   if (stash_valid_ || stash_error_) return;
   if (!waitable_) {
     // No wait object: a short sleep keeps an idle worker off the CPU while bounding latency.
@@ -446,10 +447,42 @@ void FabricTransport::wait(int timeout_ms) {
   }
 }
 
-void FabricTransport::signal() {
+void FabricLane::signal() {
   if (waitable_) fi_cq_signal(cq_);
 }
 
-std::string FabricTransport::error_string(int err) const { return fi_error(err); }
+std::string FabricLane::error_string(int err) const { return fi_error(err); }
+
+LaneCaps FabricLane::caps() const {
+  LaneCaps c;
+  c.is_nic = true;
+  c.writes_host = true;
+  c.writes_cuda = hmem_;
+  c.rma_keys = true;
+  c.own_imm = true;  // remote CQ data
+  c.tagged = tagged_;
+  c.orders_sends = orders_sends_;
+  c.delivery_complete = delivery_complete_;
+  c.orders_writes = orders_writes_;
+  return c;
+}
+
+LaneType fabric_lane_type() {
+  LaneType t;
+  t.name = "fabric";
+  t.configure = [](EngineConfig& cfg) {
+    if (cfg.provider.empty()) cfg.provider = FabricLane::pick_provider();
+    if (cfg.nics.empty()) {
+      for (const auto& nic : FabricLane::discover(cfg.provider)) cfg.nics.push_back(nic.domain);
+      if (cfg.nics.empty()) throw TransportError("libfabric provider '" + cfg.provider + "' offers no NIC here");
+    }
+  };
+  t.open = [](const EngineConfig& cfg) {
+    std::vector<std::unique_ptr<Lane>> lanes;
+    for (const auto& nic : cfg.nics) lanes.push_back(std::make_unique<FabricLane>(cfg.provider, nic));
+    return lanes;
+  };
+  return t;
+}
 
 }  // namespace weightsync

@@ -1,4 +1,4 @@
-#include "weightsync/engine.hpp"
+#include "core/engine.hpp"
 
 #include <algorithm>
 #include <cstdlib>
@@ -7,15 +7,11 @@
 #include <random>
 #include <sstream>
 
-#include "weightsync/errors.hpp"
-#include "weightsync/cuda_transport.hpp"
-#include "weightsync/fabric_transport.hpp"
+#include "core/errors.hpp"
 
 namespace weightsync {
 
 namespace {
-
-constexpr double kCommandTimeoutS = 30.0;
 
 std::string random_uid() {
   std::random_device rd;
@@ -30,58 +26,48 @@ RegistrationHold::~RegistrationHold() {
   if (auto e = engine.lock()) e->release_region(id, std::move(regs), landing);
 }
 
-// A landed message on its way to GPU memory: the cuda lane copies it from the ring buffer, then the
-// engine counts its immediate and gives the buffer back to its NIC.
-struct Engine::LandingJob {
-  int nic = -1;
-  uint32_t slot = 0;
-  std::shared_ptr<LandingEntry> entry;
-  uint64_t len = 0;
-  uint64_t off = 0;
-  bool has_imm = false;
-  uint32_t imm = 0;
-};
-
-std::shared_ptr<Engine> Engine::create(const EngineConfig& cfg) {
-  std::shared_ptr<Engine> engine(new Engine(cfg));
+std::shared_ptr<Engine> Engine::create(const EngineConfig& cfg, const TestHooks& hooks) {
+  std::shared_ptr<Engine> engine(new Engine(cfg, hooks));
   engine->start();
   return engine;
 }
 
-Engine::Engine(const EngineConfig& cfg) : cfg_(cfg), uid_(random_uid()) {
+Engine::Engine(const EngineConfig& cfg, const TestHooks& hooks) : cfg_(cfg), hooks_(hooks), uid_(random_uid()) {
   if (cfg_.transport != "fabric") {
     throw TransportError("transport '" + cfg_.transport + "' is not available in this build (have: fabric)");
   }
   if (cfg_.max_piece == 0) throw TransportError("max_piece must be positive");
   cfg_.stripe_threshold = std::min(cfg_.stripe_threshold, cfg_.max_piece);
-  if (cfg_.provider.empty()) cfg_.provider = FabricTransport::pick_provider();
-  if (cfg_.nics.empty()) {
-    for (const auto& nic : FabricTransport::discover(cfg_.provider)) cfg_.nics.push_back(nic.domain);
-    if (cfg_.nics.empty()) throw TransportError("libfabric provider '" + cfg_.provider + "' offers no NIC here");
+  // Every registered lane type settles its choices, then opens its lanes. NIC lanes come first (their
+  // index is the NIC index in regions, peers and descriptors), then the local copy lane if any.
+  for (const auto& type : lane_types()) type.configure(cfg_);
+  std::vector<std::unique_ptr<Lane>> nic_lanes, local_lanes;
+  for (const auto& type : lane_types()) {
+    for (auto& lane : type.open(cfg_)) (lane->caps().is_nic ? nic_lanes : local_lanes).push_back(std::move(lane));
   }
-  for (size_t i = 0; i < cfg_.nics.size(); ++i) {
-    auto transport = std::make_unique<FabricTransport>(cfg_.provider, cfg_.nics[i]);
-    cfg_.max_piece = std::min<uint64_t>(cfg_.max_piece, transport->max_write());
-    workers_.push_back(std::make_unique<NicWorker>(this, static_cast<int>(i), std::move(transport), cfg_));
+  if (nic_lanes.empty()) throw TransportError("the engine has no NIC lane (nics is empty)");
+  if (local_lanes.size() > 1 || (!local_lanes.empty() && !local_lanes[0]->caps().maps_remote)) {
+    throw TransportError("the engine takes one local lane that maps peers' memory (got " +
+                         std::to_string(local_lanes.size()) + ")");
+  }
+  for (auto& lane : nic_lanes) {
+    const LaneCaps caps = lane->caps();
+    cfg_.max_piece = std::min<uint64_t>(cfg_.max_piece, lane->max_write());
+    fabric_delivery_complete_ = fabric_delivery_complete_ && caps.delivery_complete;
+    fabric_ordered_ = fabric_ordered_ && caps.orders_writes;
+    fabric_tagged_ = fabric_tagged_ && caps.tagged;
+    fabric_sends_ordered_ = fabric_sends_ordered_ && caps.orders_sends;
+    const int index = static_cast<int>(workers_.size());
+    workers_.push_back(std::make_unique<LaneWorker>(this, index, std::move(lane), cfg_));
   }
   fabric_nics_ = workers_.size();
-  for (auto& w : workers_) {
-    fabric_delivery_complete_ = fabric_delivery_complete_ && w->transport().delivery_complete();
-    fabric_ordered_ = fabric_ordered_ && w->transport().orders_writes();
-    fabric_tagged_ = fabric_tagged_ && w->transport().tagged();
-    fabric_sends_ordered_ = fabric_sends_ordered_ && w->transport().orders_sends();
-  }
   cfg_.stripe_threshold = std::min(cfg_.stripe_threshold, cfg_.max_piece);
   if (cfg_.landing_slot_bytes == 0) cfg_.landing_slot_bytes = cfg_.max_piece;
-  for (auto& w : workers_) cfg_.landing_slot_bytes = std::min<uint64_t>(cfg_.landing_slot_bytes, w->transport().max_write());
+  for (auto& w : workers_) cfg_.landing_slot_bytes = std::min<uint64_t>(cfg_.landing_slot_bytes, w->lane().max_write());
   cfg_.landing_slots = std::max<uint64_t>(cfg_.landing_slots, 1);
-  if (cfg_.cuda_device >= 0) {
-    if (cfg_.cuda_streams < 1) throw TransportError("cuda_streams must be at least 1");
+  if (!local_lanes.empty()) {
     cuda_lane_ = static_cast<int>(workers_.size());
-    workers_.push_back(std::make_unique<NicWorker>(
-        this, cuda_lane_, std::make_unique<CudaTransport>(cfg_.cuda_device, cfg_.cuda_streams, cfg_.cuda_spin_us,
-                                                         cfg_.cuda_batch_bytes),
-        cfg_));
+    workers_.push_back(std::make_unique<LaneWorker>(this, cuda_lane_, std::move(local_lanes[0]), cfg_));
   }
 }
 
@@ -96,11 +82,11 @@ void Engine::start() {
 }
 
 std::string Engine::cuda_address() const {
-  return cuda_lane_ < 0 ? std::string() : workers_[cuda_lane_]->transport().address();
+  return cuda_lane_ < 0 ? std::string() : workers_[cuda_lane_]->lane().address();
 }
 
 std::string Engine::cuda_name() const {
-  return cuda_lane_ < 0 ? std::string() : workers_[cuda_lane_]->transport().nic_name();
+  return cuda_lane_ < 0 ? std::string() : workers_[cuda_lane_]->lane().nic_name();
 }
 
 std::vector<uint64_t> Engine::doorbell_bases() const {
@@ -117,18 +103,24 @@ std::vector<uint64_t> Engine::doorbell_keys() const {
 
 Engine::~Engine() { close(); }
 
+std::vector<std::pair<std::string, LaneCaps>> Engine::lane_caps() const {
+  std::vector<std::pair<std::string, LaneCaps>> out;
+  for (const auto& w : workers_) out.emplace_back(w->lane().kind(), w->lane().caps());
+  return out;
+}
+
 std::string Engine::provider() const { return cfg_.provider; }
 std::string Engine::transport_kind() const { return cfg_.transport; }
 
 std::vector<std::string> Engine::nic_names() const {
   std::vector<std::string> out;
-  for (size_t i = 0; i < fabric_nics_ && i < workers_.size(); ++i) out.push_back(workers_[i]->transport().nic_name());
+  for (size_t i = 0; i < fabric_nics_ && i < workers_.size(); ++i) out.push_back(workers_[i]->lane().nic_name());
   return out;
 }
 
 std::vector<std::string> Engine::nic_addresses() const {
   std::vector<std::string> out;
-  for (size_t i = 0; i < fabric_nics_ && i < workers_.size(); ++i) out.push_back(workers_[i]->transport().address());
+  for (size_t i = 0; i < fabric_nics_ && i < workers_.size(); ++i) out.push_back(workers_[i]->lane().address());
   return out;
 }
 
@@ -145,12 +137,12 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
   region->regs.resize(workers_.size());
   region->fabric_nics = fabric_nics_;
   // Tests: host memory kept off the NICs, written through the landing ring like GPU memory without FI_HMEM.
-  const bool land_host = cfg_.land_host_regions && !internal && kind == MemKind::kHost;
+  const bool land_host = hooks_.land_host_regions && !internal && kind == MemKind::kHost;
   size_t done = 0;
   try {
     for (; done < workers_.size(); ++done) {
       MemRegistration* slot = &region->regs[done];
-      if (cfg_.stage_host_sources && !internal && kind == MemKind::kHost && static_cast<int>(done) != cuda_lane_) {
+      if (hooks_.stage_host_sources && !internal && kind == MemKind::kHost && static_cast<int>(done) != cuda_lane_) {
         region->on_fabric = false;
         region->fabric_error = "host sources are staged (stage_host_sources, for tests)";
         continue;
@@ -161,7 +153,7 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
         continue;
       }
       try {
-        workers_[done]->call([=](Transport& t) { *slot = t.register_memory(ptr, len, kind, device); },
+        workers_[done]->call([=](Lane& t) { *slot = t.register_memory(ptr, len, kind, device); },
                              kCommandTimeoutS);
       } catch (const TransportError& e) {
         // GPU memory a fabric NIC cannot register stays usable through the cuda lane.
@@ -188,7 +180,7 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
     // Undo the registrations that succeeded before the failure.
     for (size_t i = 0; i < done; ++i) {
       MemRegistration reg = region->regs[i];
-      workers_[i]->post_command([reg](Transport& t) { t.deregister(reg); });
+      workers_[i]->post_command([reg](Lane& t) { t.deregister(reg); });
     }
     region->regs.clear();
     retire_landing(region->landing, region->id, false);
@@ -207,9 +199,9 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
   region->hold = std::move(hold);
   if (cuda_lane_ >= 0 && !region->regs[cuda_lane_].blob.empty()) {
     // Exported to same-host peers: they may copy into it from now until it is deregistered.
-    cuda_transport().set_region_live(region->id, true);
+    workers_[cuda_lane_]->lane().set_region_live(region->id, true);
   }
-  if (!region->on_fabric && (cuda_lane_ >= 0 || cfg_.stage_host_sources || land_host)) {
+  if (!region->on_fabric && (cuda_lane_ >= 0 || hooks_.stage_host_sources || land_host)) {
     // It can still be a source towards fabric peers, through the staging slots.
     try {
       ensure_staging();
@@ -220,7 +212,7 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
   return region;
 }
 
-CudaTransport& Engine::cuda_transport() { return static_cast<CudaTransport&>(workers_[cuda_lane_]->transport()); }
+LocalCopies* Engine::local_copies() { return cuda_lane_ < 0 ? nullptr : workers_[cuda_lane_]->lane().local_copies(); }
 
 void Engine::deregister(const std::shared_ptr<LocalRegion>& region) {
   region->valid = false;
@@ -234,7 +226,7 @@ void Engine::deregister(const std::shared_ptr<LocalRegion>& region) {
   // copy; fabric writers find its MRs closed (below, or once the last local write reading from it ends).
   if (cuda_lane_ >= 0) {
     std::lock_guard<std::mutex> lock(regions_mu_);  // close() clears the workers under this lock
-    if (!closed_) cuda_transport().set_region_live(region->id, false);
+    if (!closed_) workers_[cuda_lane_]->lane().set_region_live(region->id, false);
   }
   if (region->landing >= 0) {
     // Messages for it are dropped from now on, and copies into it are over before this returns. Its
@@ -256,7 +248,7 @@ void Engine::deregister(const std::shared_ptr<LocalRegion>& region) {
     for (size_t i = 0; i < guards.size(); ++i) {
       MemRegistration reg = guards[i];
       try {
-        workers_[i]->call([reg](Transport& t) { t.deregister(reg); }, kCommandTimeoutS);
+        workers_[i]->call([reg](Lane& t) { t.deregister(reg); }, kCommandTimeoutS);
       } catch (const TransportError&) {
         // The engine closed meanwhile: close() released it.
       }
@@ -274,7 +266,7 @@ void Engine::deregister(const std::shared_ptr<LocalRegion>& region) {
   for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) {
     MemRegistration reg = regs[i];
     try {
-      workers_[i]->call([reg](Transport& t) { t.deregister(reg); }, kCommandTimeoutS);
+      workers_[i]->call([reg](Lane& t) { t.deregister(reg); }, kCommandTimeoutS);
     } catch (const TransportError&) {
       // The engine closed meanwhile: close() released it.
     }
@@ -287,10 +279,10 @@ void Engine::release_region(uint64_t id, std::vector<MemRegistration> regs, int 
   std::lock_guard<std::mutex> lock(regions_mu_);
   if (closed_) return;  // close() deregisters whatever is still live
   if (live_regions_.erase(id) == 0) return;
-  if (cuda_lane_ >= 0) cuda_transport().set_region_live(id, false);
+  if (cuda_lane_ >= 0) workers_[cuda_lane_]->lane().set_region_live(id, false);
   for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) {
     MemRegistration reg = regs[i];
-    workers_[i]->post_command([reg](Transport& t) { t.deregister(reg); });
+    workers_[i]->post_command([reg](Lane& t) { t.deregister(reg); });
   }
 }
 
@@ -323,9 +315,9 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
     peer->remote_nic[i] = rn;
     uint64_t* slot = &peer->paths[i];
     const std::string& addr = addresses[rn];
-    workers_[i]->call([=](Transport& t) { *slot = t.insert_peer(addr); }, kCommandTimeoutS);
+    workers_[i]->call([=](Lane& t) { *slot = t.insert_peer(addr); }, kCommandTimeoutS);
     if (i < addresses.size()) {
-      label += (i ? ", " : "") + workers_[i]->transport().describe_address(addr);
+      label += (i ? ", " : "") + workers_[i]->lane().describe_address(addr);
     }
   }
   if (cuda_lane_ >= 0) {
@@ -334,12 +326,12 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
       try {
         uint64_t* slot = &peer->paths[cuda_lane_];
         bool* imm = &peer->cuda_imm;
-        workers_[cuda_lane_]->call([=](Transport& t) {
+        workers_[cuda_lane_]->call([=](Lane& t) {
           *slot = t.insert_peer(cuda_address);
           *imm = t.delivers_imm(*slot);
         }, kCommandTimeoutS);
         peer->cuda = true;
-        label += ", " + workers_[cuda_lane_]->transport().describe_address(cuda_address);
+        label += ", " + workers_[cuda_lane_]->lane().describe_address(cuda_address);
       } catch (const TransportError&) {
         // Another host: the fabric NICs carry everything.
       }
@@ -374,7 +366,7 @@ std::shared_ptr<RemoteRegion> Engine::import_region(const std::shared_ptr<Peer>&
   }
   if (peer->cuda && !cuda_blob.empty()) {
     uint64_t* slot = &rr->cuda_addr;
-    workers_[cuda_lane_]->call([=](Transport& t) { *slot = t.import_remote(cuda_blob); }, kCommandTimeoutS);
+    workers_[cuda_lane_]->call([=](Lane& t) { *slot = t.import_remote(cuda_blob); }, kCommandTimeoutS);
   }
   return rr;
 }
@@ -774,196 +766,7 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
   }
 }
 
-void Engine::make_landing_pieces(const WriteOp& op, const std::shared_ptr<TransferState>& transfer,
-                                 const std::shared_ptr<LocalRegion>& src,
-                                 const std::shared_ptr<RegistrationHold>& pin,
-                                 const std::shared_ptr<RemoteRegion>& dst, bool has_imm,
-                                 std::vector<std::vector<Piece*>>& per_nic) {
-  // A landing region takes tagged messages of at most slot_bytes, each copied into place (and its
-  // immediate counted) in the order its NIC matched them. The op is cut into the same pieces as an RMA
-  // write (so it delivers the same immediates, Engine::imm_count), each piece sent as messages of at
-  // most slot_bytes, all on one NIC: then a message that announces others (a piece's trailer, a 2-D
-  // write's immediate) is matched after them (FI_ORDER_SAS), and copied after them at the destination.
-  const bool two_d = op.rows > 1;
-  const uint64_t sp = two_d && op.src_pitch ? op.src_pitch : op.len;
-  const uint64_t dp = two_d && op.dst_pitch ? op.dst_pitch : op.len;
-  const bool span = !two_d || (sp == op.len && dp == op.len);
-  const uint64_t total = op.len * op.rows;
-  const uint64_t slot = dst->slot_bytes;
-  const int nic = pick_nic(*dst->peer, rr_.fetch_add(1));
-  // Without send ordering, a trailer is posted once the messages before it are placed at the target.
-  const bool delivery = !fabric_sends_ordered_;
-  std::vector<Piece*> data;
-  auto on_nic = [&](Piece* p) {  // a message, on the op's one NIC
-    p->tagged = true;
-    p->fixed_nic = nic;
-    p->nic = nic;
-    return p;
-  };
-  auto make = [&](uint64_t src_off, uint64_t dst_off, uint64_t len) {
-    return on_nic(new_piece(op, transfer, src, pin, dst, src_off, dst_off, len));
-  };
-  // data[first..] complete, then one zero-length message carrying the immediate follows them.
-  auto announce = [&](size_t first, uint64_t dst_off) {
-    Piece* t = on_nic(trailer_piece(op, transfer, dst, dst_off));
-    t->has_imm = true;
-    if (data.size() == first) {
-      data.push_back(t);  // nothing to wait for: it is an ordinary (empty) message
-      return;
-    }
-    auto group = std::make_shared<PieceGroup>(data.size() - first);
-    group->trailer = t;
-    for (size_t k = first; k < data.size(); ++k) {
-      data[k]->group = group;
-      data[k]->delivery = delivery;
-    }
-    transfer->add_pending(1);  // the trailer
-  };
-  // One piece: messages of at most `slot` bytes; with `imm`, the piece's one immediate after them.
-  auto piece = [&](uint64_t src_off, uint64_t dst_off, uint64_t len, bool imm) {
-    const size_t first = data.size();
-    for (uint64_t o = 0; o < len; o += slot) data.push_back(make(src_off + o, dst_off + o, std::min(slot, len - o)));
-    if (!imm) return;
-    if (data.size() - first == 1) {
-      data.back()->has_imm = true;  // one message: it carries its own immediate
-    } else {
-      announce(first, dst_off);
-    }
-  };
-  if (!two_d) {
-    const uint64_t step = piece_size(op.len);
-    if (op.len == 0 && has_imm) piece(op.src_off, op.dst_off, 0, true);
-    for (uint64_t o = 0; o < op.len; o += step) {
-      piece(op.src_off + o, op.dst_off + o, std::min(step, op.len - o), has_imm);
-    }
-  } else {
-    if (span) {
-      piece(op.src_off, op.dst_off, total, false);
-    } else {
-      for (uint64_t r = 0; r < op.rows; ++r) piece(op.src_off + r * sp, op.dst_off + r * dp, op.len, false);
-    }
-    if (has_imm) announce(0, op.dst_off);  // one immediate for the whole block, after every row
-  }
-  for (Piece* p : data) {
-    if (!src->on_fabric && p->src == src) {
-      // The NICs cannot read this source: staged first; send_staged keeps it on fixed_nic.
-      p->stage = 1;
-      per_nic.back().push_back(p);
-      continue;
-    }
-    per_nic[nic < 0 ? workers_.size() : static_cast<size_t>(nic)].push_back(p);
-  }
-}
-
 PieceGroup::~PieceGroup() { delete trailer; }
-
-std::shared_ptr<LocalRegion> Engine::register_host_buffer(uint64_t bytes, const char* what, char** base,
-                                                          bool* pinned) {
-  *pinned = cuda_lane_ >= 0;
-  if (*pinned) {
-    // Page-locked: the cuda lane's copies into and out of it are then true DMA, asynchronous to the host.
-    workers_[cuda_lane_]->call(
-        [&](Transport& t) { *base = static_cast<char*>(static_cast<CudaTransport&>(t).alloc_pinned(bytes)); },
-        kCommandTimeoutS);
-  } else {
-    *base = static_cast<char*>(std::malloc(bytes));
-    if (*base == nullptr) throw TransportError("cannot allocate " + std::to_string(bytes) + " " + what + " bytes");
-  }
-  std::shared_ptr<LocalRegion> region;
-  try {
-    region = register_memory(*base, bytes, MemKind::kHost, -1, true);
-  } catch (...) {
-    char* b = *base;
-    if (*pinned) {
-      workers_[cuda_lane_]->call([b](Transport& t) { static_cast<CudaTransport&>(t).free_pinned(b); },
-                                 kCommandTimeoutS);
-    } else {
-      std::free(b);
-    }
-    *base = nullptr;
-    throw;
-  }
-  region->engine.reset();  // the engine owns the buffer: its region must not hold the engine alive
-  return region;
-}
-
-void Engine::ensure_staging() {
-  std::lock_guard<std::mutex> lock(staging_init_mu_);
-  if (staging_) return;
-  auto pool = std::make_unique<StagingPool>();
-  const uint64_t slots = std::max<uint64_t>(cfg_.staging_slots, 1);
-  pool->slot_bytes = cfg_.max_piece;
-  pool->region = register_host_buffer(slots * pool->slot_bytes, "staging", &pool->base, &pool->pinned);
-  pool->pin = pool->region->pin();
-  for (uint64_t i = 0; i < slots; ++i) pool->free.push_back(static_cast<int>(slots - 1 - i));
-  staging_ = std::move(pool);
-  staging_ready_ = true;
-}
-
-void Engine::stage(std::vector<Piece*> pieces) {
-  {
-    std::lock_guard<std::mutex> lock(staging_->mu);
-    for (Piece* p : pieces) staging_->waiting.push_back(p);
-  }
-  pump_staging();
-}
-
-void Engine::pump_staging() {
-  // Pieces wait for a free slot in submission order; each slot goes back when its write completed.
-  std::vector<Piece*> go, dead;
-  {
-    std::lock_guard<std::mutex> lock(staging_->mu);
-    while (!staging_->waiting.empty() && (closed_ || !staging_->free.empty())) {
-      Piece* p = staging_->waiting.front();
-      staging_->waiting.pop_front();
-      if (closed_) {
-        dead.push_back(p);
-        continue;
-      }
-      p->stage_slot = staging_->free.back();
-      staging_->free.pop_back();
-      p->stage_ptr = staging_->base + uint64_t(p->stage_slot) * staging_->slot_bytes;
-      go.push_back(p);
-    }
-  }
-  for (Piece* p : dead) piece_failed(p, "engine closed with the write queued for staging");
-  for (Piece* p : go) {
-    if (p->transfer->failed()) {
-      piece_failed(p, p->transfer->error());
-    } else if (p->src->kind == MemKind::kCuda && cuda_lane_ >= 0) {
-      // Device to host on the copy engines; completion comes back through piece_done (stage 1).
-      p->nic = cuda_lane_;
-      workers_[cuda_lane_]->submit({p});
-    } else {
-      std::memcpy(p->stage_ptr, static_cast<const char*>(p->src->ptr) + p->src_off, p->len);
-      send_staged(p);
-    }
-  }
-}
-
-void Engine::send_staged(Piece* p) {
-  p->stage = 2;
-  p->src = staging_->region;
-  p->pin = staging_->pin;
-  p->src_off = uint64_t(p->stage_slot) * staging_->slot_bytes;
-  const int nic = p->fixed_nic >= 0 && !p->dst->peer->path_failed[p->fixed_nic].load() ? p->fixed_nic
-                                                                                      : pick_nic(*p->dst->peer, rr_++);
-  if (nic < 0) {
-    piece_failed(p, p->dst->peer->label + " became unreachable on every NIC");
-    return;
-  }
-  p->nic = nic;
-  workers_[nic]->submit({p});
-}
-
-void Engine::release_slot(Piece* p) {
-  {
-    std::lock_guard<std::mutex> lock(staging_->mu);
-    staging_->free.push_back(p->stage_slot);
-  }
-  p->stage_slot = -1;
-  pump_staging();
-}
 
 void Engine::group_member_done(Piece* p, bool ok) {
   std::shared_ptr<PieceGroup> group = std::move(p->group);
@@ -1044,7 +847,7 @@ void Engine::reroute(Piece* p, int failed_nic, const std::string& why) {
   Peer& peer = *p->dst->peer;
   {
     std::lock_guard<std::mutex> lock(peer.mu);
-    peer.last_error = "NIC " + workers_[failed_nic]->transport().nic_name() + ": " + why;
+    peer.last_error = "NIC " + workers_[failed_nic]->lane().nic_name() + ": " + why;
   }
   peer.path_failed[failed_nic] = true;
   if (closed_) {
@@ -1058,184 +861,6 @@ void Engine::reroute(Piece* p, int failed_nic, const std::string& why) {
   }
   p->nic = nic;
   workers_[nic]->submit({p});
-}
-
-// --- landing regions ----------------------------------------------------------------------------------
-
-void Engine::ensure_landing() {
-  std::lock_guard<std::mutex> lock(landing_init_mu_);
-  if (landing_ready_) return;
-  const uint64_t slots = cfg_.landing_slots;
-  const uint64_t slot = cfg_.landing_slot_bytes;
-  const uint64_t per_nic = slots * slot;
-  char* base = nullptr;
-  bool pinned = false;
-  std::shared_ptr<LocalRegion> region = register_host_buffer(per_nic * fabric_nics_, "landing", &base, &pinned);
-  // From here on receives may be posted into it: the memory is kept (and freed by close) even if a
-  // later NIC fails, since the provider may write into a buffer posted on an earlier one.
-  landing_base_ = base;
-  landing_pinned_ = pinned;
-  landing_region_ = region;
-  landing_guard_.reset(new unsigned char[uint64_t(kLandingIndices) * 8]());
-  for (size_t i = 0; i < fabric_nics_; ++i) {
-    NicWorker* w = workers_[i].get();
-    char* ring = base + i * per_nic;
-    void* desc = region->regs[i].local_desc;
-    w->call([w, ring, slot, slots, desc](Transport&) { w->start_landing(ring, slot, uint32_t(slots), desc); },
-            kCommandTimeoutS);
-  }
-  landing_ready_ = true;
-}
-
-std::shared_ptr<Engine::LandingEntry> Engine::landing_entry(uint64_t index) {
-  std::lock_guard<std::mutex> lock(landing_mu_);
-  return index < landing_.size() ? landing_[index] : nullptr;
-}
-
-void Engine::make_landing(LocalRegion& region) {
-  ensure_landing();
-  auto entry = std::make_shared<LandingEntry>();
-  entry->ptr = static_cast<char*>(region.ptr);
-  entry->len = region.len;
-  entry->kind = region.kind;
-  entry->region_id = region.id;
-  int index = -1;
-  {
-    std::lock_guard<std::mutex> lock(landing_mu_);
-    if (landing_live_ >= kLandingIndices) {
-      throw TransportError("cannot register more than " + std::to_string(kLandingIndices) +
-                           " landing regions (GPU memory the NICs cannot register); deregister some first");
-    }
-    if (landing_.empty()) landing_.resize(kLandingIndices);
-    while (landing_[landing_next_]) landing_next_ = (landing_next_ + 1) % kLandingIndices;
-    index = static_cast<int>(landing_next_);
-    landing_next_ = (landing_next_ + 1) % kLandingIndices;
-    landing_[index] = entry;
-    landing_live_++;
-  }
-  // The guard: 8 host bytes of this index, registered on every fabric NIC for this region alone (a new
-  // key each time), so a writer holding the descriptor of a retired region is refused.
-  std::vector<MemRegistration> guards(fabric_nics_);
-  size_t i = 0;
-  try {
-    for (; i < fabric_nics_; ++i) {
-      MemRegistration* g = &guards[i];
-      void* ptr = landing_guard_.get() + uint64_t(index) * 8;
-      workers_[i]->call([=](Transport& t) { *g = t.register_memory(ptr, 8, MemKind::kHost, -1); }, kCommandTimeoutS);
-    }
-  } catch (...) {
-    for (size_t j = 0; j < i; ++j) {
-      MemRegistration reg = guards[j];
-      workers_[j]->post_command([reg](Transport& t) { t.deregister(reg); });
-    }
-    retire_landing(index, region.id, false);
-    throw;
-  }
-  for (size_t k = 0; k < fabric_nics_; ++k) region.regs[k] = guards[k];
-  region.landing = index;
-  region.landing_slot_bytes = cfg_.landing_slot_bytes;
-}
-
-void Engine::retire_landing(int index, uint64_t region_id, bool wait) {
-  if (index < 0) return;
-  std::shared_ptr<LandingEntry> e;
-  {
-    std::lock_guard<std::mutex> lock(landing_mu_);
-    if (static_cast<size_t>(index) >= landing_.size() || !landing_[index] || landing_[index]->region_id != region_id) {
-      return;  // retired already
-    }
-    e = std::move(landing_[index]);
-    landing_[index] = nullptr;
-    landing_live_--;
-  }
-  std::unique_lock<std::mutex> lock(e->mu);
-  e->valid = false;  // land() checks it under this lock: no copy starts after this
-  if (wait && !closed_) {
-    // Copies already started take microseconds; bounded in case the cuda lane is stuck.
-    if (!e->cv.wait_for(lock, std::chrono::seconds(10), [&] { return e->copies == 0; })) {
-      std::fprintf(stderr, "weightsync: %llu landing copies into region %llu still running after 10 s\n",
-                   static_cast<unsigned long long>(e->copies), static_cast<unsigned long long>(region_id));
-    }
-  }
-}
-
-void Engine::landing_dropped(NicWorker& w, uint64_t len, const std::string& what) {
-  w.count_dropped();
-  // Dropped messages are counted; the first few are also told, so a misconfiguration shows.
-  if (landing_drops_logged_++ < 10) {
-    std::fprintf(stderr, "weightsync: engine %.8s dropped a message of %llu bytes for %s\n", uid_.c_str(),
-                 static_cast<unsigned long long>(len), what.c_str());
-  }
-}
-
-bool Engine::land(int nic, uint32_t slot, const char* buf, const Completion& c) {
-  NicWorker& w = *workers_[nic];
-  const uint64_t index = c.tag >> kLandingOffsetBits;
-  const uint64_t off = c.tag & ((1ull << kLandingOffsetBits) - 1);
-  auto drop = [&](const std::string& why) {
-    landing_dropped(w, c.len, "landing region " + std::to_string(index) + " at offset " + std::to_string(off) +
-                             " on NIC " + w.transport().nic_name() + ": " + why);
-    return true;
-  };
-  if (c.error != 0) return drop("the receive failed: " + c.message);
-  std::shared_ptr<LandingEntry> e = landing_entry(index);
-  if (!e) return drop("no such landing region (deregistered?)");
-  std::unique_lock<std::mutex> lock(e->mu);
-  if (!e->valid) return drop("the region was deregistered");
-  if (off > e->len || c.len > e->len - off) {
-    return drop("past the end of the region (" + std::to_string(e->len) + " bytes)");
-  }
-  if (e->kind == MemKind::kHost) {
-    // land_host_regions (tests): copied here, under the entry's lock, so deregistration waits for it.
-    if (c.len) std::memcpy(e->ptr + off, buf, c.len);
-    lock.unlock();
-    w.count_landed(c.len, c.has_imm);
-    if (c.has_imm) counters_.add(c.imm);
-    return true;
-  }
-  if (cuda_lane_ < 0) return drop("no cuda lane to copy it to the GPU");
-  e->copies++;
-  lock.unlock();
-  auto* job = new LandingJob();
-  job->nic = nic;
-  job->slot = slot;
-  job->entry = e;
-  job->len = c.len;
-  job->off = off;
-  job->has_imm = c.has_imm;
-  job->imm = c.imm;
-  Engine* self = this;
-  workers_[cuda_lane_]->post_command([self, job, buf](Transport& t) {
-    int rc = static_cast<CudaTransport&>(t).post_landing_copy(job->entry->ptr + job->off, buf, job->len, job);
-    if (rc != 0) self->landing_copied(job, false, "the copy could not start: " + t.error_string(-rc));
-  });
-  return false;
-}
-
-void Engine::landing_copied(void* ctx, bool ok, const std::string& why) {
-  auto* job = static_cast<LandingJob*>(ctx);
-  NicWorker* w = workers_[job->nic].get();
-  if (ok) {
-    // Counted before the immediate: whoever wakes on the immediate sees the stats include it.
-    w->count_landed(job->len, job->has_imm);
-    if (job->has_imm) counters_.add(job->imm);
-  } else {
-    landing_dropped(*w, job->len, "a landing region: " + why);
-  }
-  {
-    std::lock_guard<std::mutex> lock(job->entry->mu);
-    job->entry->copies--;
-  }
-  job->entry->cv.notify_all();
-  const uint32_t slot = job->slot;
-  w->post_command([w, slot](Transport&) { w->landing_done(slot); });
-  delete job;
-}
-
-std::vector<NicStats> Engine::stats() {
-  std::vector<NicStats> out;
-  for (auto& w : workers_) out.push_back(w->stats());
-  return out;
 }
 
 void Engine::close() {
@@ -1271,15 +896,15 @@ void Engine::close() {
   if (cuda_lane_ >= 0) {
     // Landing copies still queued read from the ring: done before it goes (their buffers were posted
     // for the last time, and nobody waits for their immediates any more).
-    for (void* job : cuda_transport().drain_landing()) delete static_cast<LandingJob*>(job);
+    for (void* job : local_copies()->drain_landing()) delete static_cast<LandingJob*>(job);
   }
   for (auto& [id, regs] : live) {
-    for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) workers_[i]->transport().deregister(regs[i]);
+    for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) workers_[i]->lane().deregister(regs[i]);
   }
   if (staging_) {
     pump_staging();  // fails what still waits for a slot
     if (staging_->pinned) {
-      cuda_transport().free_pinned(staging_->base);
+      local_copies()->free_pinned(staging_->base);
     } else {
       std::free(staging_->base);
     }
@@ -1287,7 +912,7 @@ void Engine::close() {
   }
   // Taken out under the lock that deregister() and release_region() check closed_ under; destroyed
   // outside it, because the pieces they free release their registrations through that lock.
-  std::vector<std::unique_ptr<NicWorker>> workers;
+  std::vector<std::unique_ptr<LaneWorker>> workers;
   {
     std::lock_guard<std::mutex> lock(regions_mu_);
     workers.swap(workers_);
@@ -1297,7 +922,7 @@ void Engine::close() {
   for (size_t i = 0; i < fabric_nics_ && i < workers.size(); ++i) workers[i].reset();
   if (landing_base_ != nullptr) {
     if (landing_pinned_) {
-      static_cast<CudaTransport&>(workers[cuda_lane_]->transport()).free_pinned(landing_base_);
+      workers[cuda_lane_]->lane().local_copies()->free_pinned(landing_base_);
     } else {
       std::free(landing_base_);
     }

@@ -72,7 +72,7 @@ class GpuEnd:
 
     def landing(self, region: int) -> int:
         """The region's landing index (-1: not a landing region)."""
-        return self.regions[region]._native.landing
+        return self.regions[region].landing
 
     def deregister(self, region: int) -> None:
         """Deregisters a region but keeps (and re-poisons) its memory, so a stray write would show."""
@@ -208,7 +208,7 @@ class GpuEnd:
         """How the cuda lane exported a region (``vmm``: through CUDA virtual-memory file descriptors, as
         expandable segments need; else a CUDA IPC handle), and what PyTorch says of the memory under it."""
         buf = self.buffers[region]
-        blob = bytes(self.regions[region]._native.cuda_blob)
+        blob = self.regions[region].cuda_blob
         ptr = buf.data_ptr()
         segment = None
         for seg in torch.cuda.memory_snapshot():

@@ -1,4 +1,4 @@
-"""The data plane as Python sees it: ``TransferEngine``, registered ``Region``s, ``Peer``s, ``Transfer``s.
+"""``TransferEngine``, registered ``Region``s, ``Peer``s, ``Transfer``s, ``ImmCounter``s, ``Forward``s.
 
 The C++ engine (cpp/) does the work on its own threads; this module gives it the contract's shape:
 addresses and descriptors are opaque msgpack bytes (safe to send through Ray), every wait has a timeout,
@@ -27,7 +27,9 @@ of a write on one NIC; a piece cut into several messages (and a 2-D write) annou
 one more, empty message after them, counted only once every byte before it is in GPU memory.
 
 The count depends only on ``n``, ``rows`` and the sending engine's configuration (never on which NICs
-are up), so the planner can compute expected counts ahead of time with ``TransferEngine.imm_count``.
+are up), so the planner can compute expected counts ahead of time: ``weightsync.engine.imm_counts``
+(vectorised; ``nics=len(engine.nics)``, ``engine.stripe_threshold``, ``engine.max_piece``) or
+``TransferEngine.imm_count``. Both are the engine's own rule (cpp/core/pieces.hpp), not a copy of it.
 A piece whose NIC fails is re-posted whole on another NIC and still delivers exactly one immediate,
 unless the failed NIC had already delivered it (a link that dies after the data landed but before the
 acknowledgement): then the destination may count it twice, which is why pushes use a fresh immediate
@@ -39,23 +41,28 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from weightsync import _ext
+from weightsync.engine.descriptors import Address, Descriptor
 from weightsync.errors import TimeoutError, TransportError  # noqa: A004
 
 log = logging.getLogger("weightsync.engine")
 
-_DESCRIPTOR_VERSION = 2  # 2: landing index and slot size
-_ADDRESS_VERSION = 1
 _KIND_HOST = 0
 _KIND_CUDA = 1
+
+
+def _drain_log() -> None:
+    """Forwards what the C++ engine queued for the log (worker-thread conditions such as a dropped
+    landing message) to the ``weightsync.engine`` logger. Called at every call into the engine that
+    may wait, so records reach the log from a Python thread, never from a worker."""
+    for level, message in _ext.drain_log():
+        log.log(level, "%s", message)
 
 
 def _default_nics(provider: str) -> list[str]:
@@ -67,10 +74,6 @@ def _default_nics(provider: str) -> list[str]:
         # nics=["eth0"] (or set WEIGHTSYNC_NICS) for engines on different hosts.
         return ["lo"]
     return [domain for _prov, domain, _fabric in _ext.discover(provider)]
-
-
-def _crc(fields: list[Any]) -> int:
-    return zlib.crc32(msgpack.packb(fields, use_bin_type=True))
 
 
 @dataclass(frozen=True)
@@ -120,31 +123,52 @@ class Region:
         self._native = native
         self.buffer = buffer  # keeps the memory alive as long as the region is
         self.label = label
-        fields = [
-            _DESCRIPTOR_VERSION,
-            engine.uid,
-            native.id,
-            native.len,
-            native.kind,
-            [[b, k] for b, k in zip(native.bases, native.keys, strict=True)],
-            native.on_fabric,
-            native.cuda_blob,
-            native.landing,
-            native.landing_slot_bytes,
-        ]
-        self.descriptor: bytes = msgpack.packb([*fields, _crc(fields)], use_bin_type=True)
+        self.descriptor: bytes = Descriptor(
+            engine.uid, native.id, native.len, native.kind, list(zip(native.bases, native.keys, strict=True)),
+            native.on_fabric, native.cuda_blob, native.landing, native.landing_slot_bytes,
+        ).pack()
+        """What a peer passes to ``write`` to write into this region (opaque msgpack bytes)."""
 
     @property
     def nbytes(self) -> int:
+        """Size of the registered memory in bytes."""
         return self._native.len
 
     @property
     def id(self) -> int:
+        """The region's number within its engine."""
         return self._native.id
 
     @property
     def valid(self) -> bool:
+        """False once deregistered."""
         return self._native.valid
+
+    @property
+    def on_fabric(self) -> bool:
+        """Whether the engine's NICs registered the memory (False: GPU memory without FI_HMEM, reached by
+        fabric peers through the landing ring and sent from through staging)."""
+        return self._native.on_fabric
+
+    @property
+    def fabric_error(self) -> str:
+        """Why the NICs did not register it (empty when they did)."""
+        return self._native.fabric_error
+
+    @property
+    def landing(self) -> int:
+        """The region's landing index (>= 0: fabric peers write it with tagged messages), or -1."""
+        return self._native.landing
+
+    @property
+    def landing_slot_bytes(self) -> int:
+        """Largest message a landing region takes (0 for other regions)."""
+        return self._native.landing_slot_bytes
+
+    @property
+    def cuda_blob(self) -> bytes:
+        """The cuda lane's export of the memory (IPC handle or VMM blob; empty: not exported)."""
+        return bytes(self._native.cuda_blob)
 
     def __repr__(self) -> str:
         return f"Region({self.label}, id={self.id}, {self.nbytes} bytes)"
@@ -160,16 +184,23 @@ class Peer:
 
     @property
     def uid(self) -> str:
+        """The remote engine's identity (hex)."""
         return self._native.uid
 
     @property
     def label(self) -> str:
+        """Printable name of the peer and its addresses, as error messages give it."""
         return self._native.label
 
     @property
-    def transport(self) -> str:
-        """"cuda" when this engine writes into the peer with the copy engines, else "fabric"."""
+    def lane(self) -> str:
+        """The lane this engine writes into the peer with: "cuda" (copy engines, same host) or "fabric"."""
         return "cuda" if self._native.cuda else "fabric"
+
+    @property
+    def transport(self) -> str:
+        """Same as ``lane`` (the older name, kept for compatibility)."""
+        return self.lane
 
     @property
     def failed_paths(self) -> list[bool]:
@@ -199,14 +230,20 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the write moves (all rows of a 2-D write)."""
         return self._native.bytes
 
     @property
     def done(self) -> bool:
+        """Whether every piece completed locally or one failed (``wait`` would not block)."""
         return self._native.done
 
     def wait(self, timeout: float = 60.0) -> None:
-        if not self._native.wait(float(timeout)):
+        """Blocks until every piece completed locally; raises TransportError if one failed for good and
+        TimeoutError after ``timeout`` seconds."""
+        done = self._native.wait(float(timeout))
+        _drain_log()
+        if not done:
             raise TimeoutError(
                 f"{self._native.what}: not complete after {timeout} s ({self._native.pending} pieces pending)"
             )
@@ -259,9 +296,13 @@ class ImmCounter:
         return self._engine._native.counter_total(self.imm)
 
     def wait(self, n: int, timeout: float = 60.0) -> None:
+        """Consumes ``n`` credits, blocking until that many are held; TimeoutError after ``timeout``
+        seconds (nothing consumed then), TransportError if the engine closes meanwhile."""
         if n < 0:
             raise ValueError(f"cannot wait for {n} immediates")
-        if not self._engine._native.counter_wait(self.imm, n, float(timeout)):
+        ok = self._engine._native.counter_wait(self.imm, n, float(timeout))
+        if not ok:
+            _drain_log()
             if self._engine.closed:
                 raise TransportError(f"engine closed while waiting for {n} immediates {self.imm}")
             raise TimeoutError(
@@ -292,19 +333,20 @@ class TransferEngine:
     ``cuda_spin_us``: how long the idle cuda worker polls before sleeping.
     ``staging_slots``: GPU memory the NICs cannot register (no FI_HMEM) is sent to fabric peers through
     this many page-locked host slots of ``max_piece`` bytes, the device-to-host copy of one piece
-    overlapping the network write of the one before. ``stage_host_sources`` (tests only): host sources
-    take the same path (copied with memcpy), to exercise it without a GPU.
+    overlapping the network write of the one before.
     ``landing_slots``, ``landing_slot_bytes``: GPU memory the NICs cannot register is still a destination
     for fabric peers (a *landing* region): each NIC keeps a ring of ``landing_slots`` page-locked host
     buffers of ``landing_slot_bytes`` (0: ``max_piece``) posted as tagged receives; a writer sends its
     bytes as tagged messages of at most that size, and this engine copies each into GPU memory on its
     cuda lane, counting a message's immediate only once its copy (and every copy before it on that NIC)
     is done. The immediates a write delivers are the same as into any other region (``imm_count``).
-    ``land_host_regions`` (tests only): host regions are landing regions too (the ring is plain memory,
-    copied out with memcpy), to run the protocol without a GPU. ``cuda_peers``: False keeps the cuda lane
+    ``cuda_peers``: False keeps the cuda lane
     for staging and landing copies only: peers on this host are written over the fabric NICs, and this
     engine's address offers no cuda lane to them either (two GPU processes of one host then talk over
     the NICs, e.g. TCP).
+
+    Every default here is the C++ ``EngineConfig``'s (``weightsync._ext.EngineConfig()``): ``None``
+    means "the engine's default". Test-only switches are set through ``TransferEngine._for_tests``.
     """
 
     def __init__(
@@ -313,77 +355,105 @@ class TransferEngine:
         nics: Sequence[str] | None = None,
         *,
         provider: str | None = None,
-        stripe_threshold: int = 1 << 20,
-        max_piece: int = 16 << 20,
-        window_bytes: int = 64 << 20,
-        window_ops: int = 256,
-        stall_timeout: float = 5.0,
+        stripe_threshold: int | None = None,
+        max_piece: int | None = None,
+        window_bytes: int | None = None,
+        window_ops: int | None = None,
+        stall_timeout: float | None = None,
         cuda_device: int | None = None,
-        cuda_piece: int = 0,
-        cuda_streams: int = 1,
-        cuda_batch_bytes: int = 64 << 20,
-        cuda_spin_us: float = 50.0,
-        staging_slots: int = 4,
-        stage_host_sources: bool = False,
-        landing_slots: int = 8,
-        landing_slot_bytes: int = 0,
-        land_host_regions: bool = False,
-        cuda_peers: bool = True,
+        cuda_piece: int | None = None,
+        cuda_streams: int | None = None,
+        cuda_batch_bytes: int | None = None,
+        cuda_spin_us: float | None = None,
+        staging_slots: int | None = None,
+        landing_slots: int | None = None,
+        landing_slot_bytes: int | None = None,
+        cuda_peers: bool | None = None,
+        _test_hooks: _ext.TestHooks | None = None,
     ) -> None:
         if transport not in ("auto", "fabric", "cuda"):
             raise TransportError(f"unknown transport {transport!r} (have: auto, fabric, cuda)")
-        if cuda_batch_bytes < 0:
+        if cuda_batch_bytes is not None and cuda_batch_bytes < 0:
             raise TransportError(f"cuda_batch_bytes must be >= 0, not {cuda_batch_bytes}")
-        lane = _cuda_lane(transport, cuda_device)
-        provider = provider or os.environ.get("WEIGHTSYNC_PROVIDER") or _ext.pick_provider()
-        nic_list = list(nics) if nics is not None else _default_nics(provider)
-        self._native = _ext.Engine.create(
-            "fabric",
-            provider,
-            nic_list,
-            int(stripe_threshold),
-            int(max_piece),
-            int(window_bytes),
-            int(window_ops),
-            float(stall_timeout),
-            lane,
-            int(cuda_piece),
-            int(cuda_streams),
-            float(cuda_spin_us),
-            int(staging_slots),
-            bool(stage_host_sources),
-            int(landing_slots),
-            int(landing_slot_bytes),
-            bool(land_host_regions),
-            bool(cuda_peers),
-            int(cuda_batch_bytes),
-        )
-        self.transport = "fabric" if lane < 0 else "fabric+cuda"
-        fields = [
-            _ADDRESS_VERSION,
-            self.uid,
-            self.provider,
-            list(self._native.nic_addresses),
+        config = _ext.EngineConfig()
+        config.transport = "fabric"  # the C++ engine's lane policy: NIC lanes, plus the cuda lane below
+        config.provider = provider or os.environ.get("WEIGHTSYNC_PROVIDER") or _ext.pick_provider()
+        config.nics = list(nics) if nics is not None else _default_nics(config.provider)
+        config.cuda_device = _cuda_lane(transport, cuda_device)
+        given = {
+            "stripe_threshold": stripe_threshold, "max_piece": max_piece, "window_bytes": window_bytes,
+            "window_ops": window_ops, "stall_timeout_s": stall_timeout, "cuda_piece": cuda_piece,
+            "cuda_streams": cuda_streams, "cuda_batch_bytes": cuda_batch_bytes, "cuda_spin_us": cuda_spin_us,
+            "staging_slots": staging_slots, "landing_slots": landing_slots,
+            "landing_slot_bytes": landing_slot_bytes, "cuda_peers": cuda_peers,
+        }
+        for field, value in given.items():
+            if value is not None:
+                setattr(config, field, type(getattr(config, field))(value))
+        self._native = _ext.Engine.create(config, _test_hooks)
+        _drain_log()
+        self.transport = "fabric" if config.cuda_device < 0 else "fabric+cuda"
+        """The lanes this engine opened: "fabric" or "fabric+cuda"."""
+        self.address: bytes = Address(
+            self.uid, self.provider, list(self._native.nic_addresses),
             # Without cuda_peers, peers on this host do not see the cuda lane: they write over the NICs.
-            self._native.cuda_address if cuda_peers else b"",
-            list(self._native.doorbell_bases),
-            list(self._native.doorbell_keys),
-        ]
-        self.address: bytes = msgpack.packb([*fields, _crc(fields)], use_bin_type=True)
+            self._native.cuda_address if config.cuda_peers else b"",
+            list(self._native.doorbell_bases), list(self._native.doorbell_keys),
+        ).pack()
+        """What a peer passes to ``connect`` (opaque msgpack bytes)."""
         log.debug("engine %s on %s NICs %s", self.uid[:8], self.provider, self.nics)
+
+    @classmethod
+    def _for_tests(cls, *args: Any, stage_host_sources: bool = False, land_host_regions: bool = False,
+                   **kwargs: Any) -> TransferEngine:
+        """An engine with the test-only switches of the C++ ``TestHooks`` (never for production):
+        ``stage_host_sources`` keeps host sources off the NICs and stages them like GPU memory without
+        FI_HMEM (copied with memcpy); ``land_host_regions`` makes host regions landing regions (the ring
+        is plain memory, copied out with memcpy). Both run those GPU paths on machines without a GPU.
+        Other arguments are ``TransferEngine``'s."""
+        hooks = _ext.TestHooks()
+        hooks.stage_host_sources = bool(stage_host_sources)
+        hooks.land_host_regions = bool(land_host_regions)
+        return cls(*args, _test_hooks=hooks, **kwargs)
 
     # --- identity -----------------------------------------------------------------------------------
     @property
     def uid(self) -> str:
+        """This engine's identity (32 hex digits)."""
         return self._native.uid
 
     @property
     def provider(self) -> str:
+        """The libfabric provider of its NIC lanes, e.g. "tcp;ofi_rxm"."""
         return self._native.provider
 
     @property
     def nics(self) -> list[str]:
+        """Names of its NIC lanes (libfabric domains), in NIC order."""
         return list(self._native.nic_names)
+
+    @property
+    def lanes(self) -> list[tuple[str, _ext.LaneCaps]]:
+        """Per lane (NIC lanes first, then the cuda lane if any): its type and what it can do."""
+        return list(self._native.lanes)
+
+    @property
+    def config(self) -> _ext.EngineConfig:
+        """The configuration in force (a copy): the one given, with the provider and NICs chosen and
+        ``max_piece``/``stripe_threshold``/``landing_slot_bytes`` clamped to what the lanes accept."""
+        return self._native.config
+
+    @property
+    def cuda_peers(self) -> bool:
+        """Whether peers on this host may be written through the cuda lane (``cuda_peers``)."""
+        return self._native.config.cuda_peers
+
+    @property
+    def two_d_mode(self) -> str:
+        """How the NICs keep a 2-D write's immediate behind its rows: "delivery" (rows complete at
+        delivery), "ordered" (all on one NIC, placed in order) or "" (2-D writes with an immediate are
+        refused over the NICs)."""
+        return self._native.two_d_mode
 
     @property
     def closed(self) -> bool:
@@ -405,43 +475,42 @@ class TransferEngine:
         """Registers a tensor/array/buffer on every NIC; the region keeps it alive."""
         info = _buffer_info(buffer, name)
         native = self._native.register(info.ptr, info.nbytes, info.kind, info.device)
+        _drain_log()
         return Region(self, native, buffer, info.label)
 
     def deregister(self, region: Region) -> None:
         """New writes from the region are refused; writes in flight finish first."""
         self._native.deregister(region._native)
+        _drain_log()
 
     # --- peers ----------------------------------------------------------------------------------------
     def connect(self, address: bytes) -> Peer:
-        fields = _unpack_checked(address, "engine address", 7)
-        version, uid, provider, nic_addresses, cuda_address, bell_bases, bell_keys = fields
-        if version != _ADDRESS_VERSION:
-            raise TransportError(f"engine address of version {version}, expected {_ADDRESS_VERSION}")
-        return Peer(self._native.connect(uid, provider, nic_addresses, cuda_address, bell_bases, bell_keys))
+        """Connects to the engine whose ``address`` is given (through every NIC lane, and the cuda lane
+        when both engines have one on one host); TransportError if the address is corrupted or the
+        providers differ. Connecting to one's own address is allowed (loopback)."""
+        a = Address.unpack(address)
+        return Peer(self._native.connect(a.uid, a.provider, a.nic_addresses, a.cuda_address, a.doorbell_bases,
+                                         a.doorbell_keys))
 
     def _import(self, peer: Peer, descriptor: bytes) -> _ext.RemoteRegion:
         with peer._lock:
             remote = peer._imported.get(descriptor)
         if remote is not None:
             return remote
-        fields = _unpack_checked(descriptor, "region descriptor", 10)
-        version, engine_uid, region_id, nbytes, _kind, nics, on_fabric, cuda_blob, landing, slot_bytes = (
-            fields
-        )
-        if version != _DESCRIPTOR_VERSION:
-            raise TransportError(f"region descriptor of version {version}, expected {_DESCRIPTOR_VERSION}")
-        if engine_uid != peer.uid:
+        d = Descriptor.unpack(descriptor)
+        region_id = d.region_id
+        if d.engine_uid != peer.uid:
             raise TransportError(
-                f"descriptor of region {region_id} belongs to engine {engine_uid[:8]}, not to {peer.label}"
+                f"descriptor of region {region_id} belongs to engine {d.engine_uid[:8]}, not to {peer.label}"
             )
-        if not on_fabric and landing < 0 and not (peer._native.cuda and cuda_blob):
+        if not d.on_fabric and d.landing < 0 and not (peer._native.cuda and d.cuda_blob):
             raise TransportError(
                 f"region {region_id} of {peer.label} is GPU memory its NICs could not register, and this "
                 "engine cannot reach it through CUDA IPC (another host, or no cuda lane here)"
             )
         remote = self._native.import_region(
-            peer._native, region_id, nbytes, [int(b) for b, _ in nics], [int(k) for _, k in nics], cuda_blob,
-            int(landing), int(slot_bytes),
+            peer._native, region_id, d.nbytes, [b for b, _ in d.nics], [k for _, k in d.nics], d.cuda_blob,
+            d.landing, d.slot_bytes,
         )
         with peer._lock:
             peer._imported[descriptor] = remote
@@ -567,21 +636,26 @@ class TransferEngine:
 
     @property
     def pending_forwards(self) -> int:
+        """Triggers registered with ``forward`` that have not fired yet."""
         return self._native.pending_forwards
 
     # --- counters and state ---------------------------------------------------------------------------
     def counter(self, imm: int) -> ImmCounter:
+        """The counter of immediate ``imm`` (a 32-bit value) at this engine: credits of arrived writes."""
         return ImmCounter(self, _imm(imm))
 
     def stats(self) -> list[dict[str, Any]]:
         """Per NIC: bytes and writes completed, immediates received, errors, rerouted pieces, and messages
         landed in landing regions (``landed``, ``landed_bytes``) or dropped (``landing_dropped``: the
         region was deregistered, or the message did not fit it)."""
+        _drain_log()
         return list(self._native.stats())
 
     def close(self) -> None:
-        """Stops the NIC workers; writes still in flight fail with a TransportError."""
+        """Stops the lane workers and releases every registration; writes still in flight and waits on
+        counters fail with a TransportError. Idempotent."""
         self._native.close()
+        _drain_log()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -621,20 +695,6 @@ def _imm(imm: int | None) -> int | None:
     if not 0 <= int(imm) < 1 << 32:
         raise TransportError(f"immediate {imm} does not fit in 32 bits")
     return int(imm)
-
-
-def _unpack_checked(blob: bytes, what: str, nfields: int) -> list[Any]:
-    """Decodes an address or descriptor and checks its CRC, so corruption is reported, not written."""
-    try:
-        fields = msgpack.unpackb(blob, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise TransportError(f"corrupted {what}: {exc}") from None
-    if not isinstance(fields, list) or len(fields) != nfields + 1:
-        raise TransportError(f"corrupted {what}: unexpected structure")
-    *body, crc = fields
-    if _crc(body) != crc:
-        raise TransportError(f"corrupted {what}: checksum mismatch")
-    return body
 
 
 __all__ = ["Forward", "ImmCounter", "Peer", "Region", "Transfer", "TransferEngine"]

@@ -1,4 +1,4 @@
-#include "weightsync/imm_ring.hpp"
+#include "cuda/imm_ring.hpp"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -12,7 +12,7 @@
 #include <mutex>
 #include <new>
 
-#include "weightsync/errors.hpp"
+#include "core/errors.hpp"
 
 namespace weightsync {
 

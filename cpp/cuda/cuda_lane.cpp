@@ -1,4 +1,4 @@
-#include "weightsync/cuda_transport.hpp"
+#include "cuda/cuda_lane.hpp"
 
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -14,7 +14,8 @@
 #include <random>
 #include <thread>
 
-#include "weightsync/errors.hpp"
+#include "core/engine.hpp"
+#include "core/errors.hpp"
 
 namespace weightsync {
 
@@ -328,9 +329,9 @@ std::string host_identity() {
   return std::string(host) + "/" + boot;
 }
 
-CudaTransport::CudaTransport(int device, int streams, double spin_us, uint64_t batch_bytes)
+CudaLane::CudaLane(int device, int streams, double spin_us, uint64_t batch_bytes)
     : api_(load_api()), device_(device), spin_us_(spin_us) {
-  if (!api_->error.empty()) throw TransportError("cuda transport unavailable: " + api_->error);
+  if (!api_->error.empty()) throw TransportError("cuda lane unavailable: " + api_->error);
   CUdevice dev = 0;
   check(api_->cuDeviceGet(&dev, device), "cuDeviceGet");
   CUuuid uuid{};
@@ -357,7 +358,7 @@ CudaTransport::CudaTransport(int device, int streams, double spin_us, uint64_t b
   address_ = host_ + "\n" + uuid_ + "\n" + std::to_string(getpid()) + "\n" + std::to_string(ring_.fd());
 }
 
-CudaTransport::~CudaTransport() {
+CudaLane::~CudaLane() {
   if (ctx_ == nullptr) return;
   make_current();
   for (auto& f : inflight_) {
@@ -384,25 +385,25 @@ CudaTransport::~CudaTransport() {
   if (api_->cuDeviceGet(&dev, device_) == CUDA_SUCCESS) api_->cuDevicePrimaryCtxRelease(dev);
 }
 
-void CudaTransport::check(int rc, const char* what) const {
+void CudaLane::check(int rc, const char* what) const {
   if (rc != CUDA_SUCCESS) {
     throw TransportError(std::string(what) + " failed on cuda:" + std::to_string(device_) + ": " +
                          cu_error(api_, rc));
   }
 }
 
-void CudaTransport::make_current() const {
+void CudaLane::make_current() const {
   // Every call runs on the worker thread; the context is set once per call site to stay correct
   // if the thread also served another device.
   api_->cuCtxSetCurrent(ctx_);
 }
 
-std::string CudaTransport::describe_address(const std::string& address) const {
+std::string CudaLane::describe_address(const std::string& address) const {
   auto p = split_address(address);
   return p.size() == 4 ? p[1] + " pid " + p[2] : "cuda peer";
 }
 
-MemRegistration CudaTransport::register_memory(void* ptr, size_t len, MemKind kind, int) {
+MemRegistration CudaLane::register_memory(void* ptr, size_t len, MemKind kind, int) {
   MemRegistration reg;
   if (kind != MemKind::kCuda || len == 0) return reg;  // host memory: a copy source, nothing to export
   make_current();
@@ -431,7 +432,7 @@ MemRegistration CudaTransport::register_memory(void* ptr, size_t len, MemKind ki
   return reg;
 }
 
-void CudaTransport::export_vmm(uint64_t ptr, size_t len, int ipc_error, MemRegistration& reg) {
+void CudaLane::export_vmm(uint64_t ptr, size_t len, int ipc_error, MemRegistration& reg) {
   const std::string what = "GPU memory at " + hex_addr(ptr) + " (" + std::to_string(len) + " bytes) on " + name_;
   if (!api_->vmm_error.empty()) {
     throw TransportError("cannot export " + what + " for CUDA IPC (" + cu_error(api_, ipc_error) +
@@ -562,7 +563,7 @@ void CudaTransport::export_vmm(uint64_t ptr, size_t len, int ipc_error, MemRegis
   reg.handle = reinterpret_cast<void*>(static_cast<uintptr_t>(id));
 }
 
-void CudaTransport::deregister(const MemRegistration& reg) {
+void CudaLane::deregister(const MemRegistration& reg) {
   // A VMM export: its file descriptors close (IPC exports hold nothing). Peers that mapped it keep
   // their mappings; the live table keeps them from writing.
   if (reg.handle == nullptr) return;
@@ -572,7 +573,7 @@ void CudaTransport::deregister(const MemRegistration& reg) {
   vmm_exports_.erase(it);
 }
 
-uint64_t CudaTransport::insert_peer(const std::string& address) {
+uint64_t CudaLane::insert_peer(const std::string& address) {
   auto p = split_address(address);
   if (p.size() != 4) throw TransportError("malformed cuda peer address");
   if (p[0] != host_) throw TransportError("cuda peer " + p[1] + " is on another host");
@@ -586,9 +587,9 @@ uint64_t CudaTransport::insert_peer(const std::string& address) {
   return handle;
 }
 
-bool CudaTransport::delivers_imm(uint64_t peer) const { return peer_rings_.count(peer) != 0; }
+bool CudaLane::delivers_imm(uint64_t peer) const { return peer_rings_.count(peer) != 0; }
 
-uint64_t CudaTransport::import_vmm(const std::string& blob) {
+uint64_t CudaLane::import_vmm(const std::string& blob) {
   uint64_t n = 0;
   is_vmm_blob(blob, n);
   const size_t body = kVmmHeader + n * kVmmChunk;
@@ -742,7 +743,7 @@ uint64_t CudaTransport::import_vmm(const std::string& blob) {
   return va - static_cast<uint64_t>(first);
 }
 
-uint64_t CudaTransport::import_remote(const std::string& blob) {
+uint64_t CudaLane::import_remote(const std::string& blob) {
   uint64_t vmm_chunks = 0;
   if (is_vmm_blob(blob, vmm_chunks)) return import_vmm(blob);
   if (blob.size() < kIpcBlob) throw UsageError("region descriptor has no CUDA IPC handle (is it GPU memory?)");
@@ -768,27 +769,27 @@ uint64_t CudaTransport::import_remote(const std::string& blob) {
   return it->second + offset;
 }
 
-void CudaTransport::set_region_live(uint64_t id, bool live) {
+void CudaLane::set_region_live(uint64_t id, bool live) {
   if (!ring_.set_live(id, live)) {
     throw TransportError("cannot export more GPU regions on " + name_ + ": " +
                          std::to_string(ImmRing::kLiveSlots) + " are registered; deregister some first");
   }
 }
 
-void* CudaTransport::alloc_pinned(size_t bytes) {
+void* CudaLane::alloc_pinned(size_t bytes) {
   make_current();
   void* p = nullptr;
   check(api_->cuMemHostAlloc(&p, bytes, 0), "cuMemHostAlloc");
   return p;
 }
 
-void CudaTransport::free_pinned(void* p) {
+void CudaLane::free_pinned(void* p) {
   if (p == nullptr) return;
   make_current();
   api_->cuMemFreeHost(p);  // at close: nothing left to report a failure to
 }
 
-void* CudaTransport::take_event() {
+void* CudaLane::take_event() {
   if (!free_events_.empty()) {
     void* ev = free_events_.back();
     free_events_.pop_back();
@@ -798,7 +799,7 @@ void* CudaTransport::take_event() {
   return api_->cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS ? ev : nullptr;
 }
 
-int CudaTransport::post_landing_copy(void* dst, const void* src, size_t len, void* context) {
+int CudaLane::post_landing_copy(void* dst, const void* src, size_t len, void* context) {
   make_current();
   void* ev = take_event();
   if (ev == nullptr) return -ENOMEM;
@@ -819,7 +820,7 @@ int CudaTransport::post_landing_copy(void* dst, const void* src, size_t len, voi
   return 0;
 }
 
-std::vector<void*> CudaTransport::drain_landing() {
+std::vector<void*> CudaLane::drain_landing() {
   std::vector<void*> out;
   if (landing_.empty()) return out;
   make_current();
@@ -835,42 +836,42 @@ std::vector<void*> CudaTransport::drain_landing() {
 // Bytes of `req` when they form one contiguous run on both sides (a 1-D write, or rows packed without
 // gaps), else 0: such a write is one plain copy, and may join a batch.
 static uint64_t contiguous_bytes(const WriteRequest& req) {
-  if (req.rows <= 1 || (req.src_pitch == req.len && req.dst_pitch == req.len)) {
-    return req.len * std::max<uint64_t>(req.rows, 1);
+  if (req.geometry.rows <= 1 || (req.geometry.src_pitch == req.len && req.geometry.dst_pitch == req.len)) {
+    return req.len * std::max<uint64_t>(req.geometry.rows, 1);
   }
   return 0;
 }
 
-int CudaTransport::enqueue_copy(const WriteRequest& req, void* stream) {
+int CudaLane::enqueue_copy(const WriteRequest& req, void* stream) {
   const CUdeviceptr dst = static_cast<CUdeviceptr>(req.remote_addr);
   const CUdeviceptr src = reinterpret_cast<CUdeviceptr>(req.src);
   if (req.len == 0) return CUDA_SUCCESS;
   if (const uint64_t bytes = contiguous_bytes(req); bytes > 0) return api_->cuMemcpyAsync(dst, src, bytes, stream);
-  if (req.src_pitch > max_pitch_ || req.dst_pitch > max_pitch_) {
+  if (req.geometry.src_pitch > max_pitch_ || req.geometry.dst_pitch > max_pitch_) {
     // Beyond what a 2-D copy accepts: one copy per row, all on this stream (the event covers them all).
-    for (uint64_t r = 0; r < req.rows; ++r) {
-      CUresult rc = api_->cuMemcpyAsync(dst + r * req.dst_pitch, src + r * req.src_pitch, req.len, stream);
+    for (uint64_t r = 0; r < req.geometry.rows; ++r) {
+      CUresult rc = api_->cuMemcpyAsync(dst + r * req.geometry.dst_pitch, src + r * req.geometry.src_pitch, req.len, stream);
       if (rc != CUDA_SUCCESS) return rc;
     }
     return CUDA_SUCCESS;
   }
-  for (uint64_t r = 0; r < req.rows; r += kMaxCopyRows) {
+  for (uint64_t r = 0; r < req.geometry.rows; r += kMaxCopyRows) {
     CudaMemcpy2D c{};
     c.srcMemoryType = CU_MEMORYTYPE_UNIFIED;
-    c.srcDevice = src + r * req.src_pitch;
-    c.srcPitch = req.src_pitch;
+    c.srcDevice = src + r * req.geometry.src_pitch;
+    c.srcPitch = req.geometry.src_pitch;
     c.dstMemoryType = CU_MEMORYTYPE_UNIFIED;
-    c.dstDevice = dst + r * req.dst_pitch;
-    c.dstPitch = req.dst_pitch;
+    c.dstDevice = dst + r * req.geometry.dst_pitch;
+    c.dstPitch = req.geometry.dst_pitch;
     c.WidthInBytes = req.len;
-    c.Height = std::min<uint64_t>(kMaxCopyRows, req.rows - r);
+    c.Height = std::min<uint64_t>(kMaxCopyRows, req.geometry.rows - r);
     CUresult rc = api_->cuMemcpy2DAsync(&c, stream);
     if (rc != CUDA_SUCCESS) return rc;
   }
   return CUDA_SUCCESS;
 }
 
-int CudaTransport::post_write(const WriteRequest& req) {
+int CudaLane::post_write(const WriteRequest& req) {
   // A copy into a peer that exited still "succeeds" (our mapping keeps its memory alive), and so does
   // pushing into its ring: check that the process is there, so the writer learns it is gone.
   auto pid = peer_pids_.find(req.peer);
@@ -878,7 +879,7 @@ int CudaTransport::post_write(const WriteRequest& req) {
   // The owner may have deregistered the region (and reused its memory): its live table says so. There
   // is no table to ask without a shared ring (the doorbell fallback); see the header.
   auto ring = peer_rings_.find(req.peer);
-  if (ring != peer_rings_.end() && req.remote_region != 0 && !ring->second.is_live(req.remote_region)) {
+  if (ring != peer_rings_.end() && req.mapped.remote_region != 0 && !ring->second.is_live(req.mapped.remote_region)) {
     return -ESTALE;
   }
   last_busy_ = std::chrono::steady_clock::now();
@@ -886,7 +887,7 @@ int CudaTransport::post_write(const WriteRequest& req) {
   if (!copies) {
     // Only an immediate (the trailer of a cut-up or 2-D write, whose copies are all done): no event.
     // Not queued behind other writes' copies: it depends on none of them.
-    ready_.push_back({nullptr, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
+    ready_.push_back({nullptr, req.context, req.peer, req.has_imm, req.imm, req.mapped.imm_repeat});
     return 0;
   }
   make_current();
@@ -898,7 +899,7 @@ int CudaTransport::post_write(const WriteRequest& req) {
     batch_dst_.push_back(static_cast<CUdeviceptr>(req.remote_addr));
     batch_src_.push_back(reinterpret_cast<CUdeviceptr>(req.src));
     batch_len_.push_back(bytes);
-    batch_.push_back({nullptr, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
+    batch_.push_back({nullptr, req.context, req.peer, req.has_imm, req.imm, req.mapped.imm_repeat});
     batched_ += bytes;
     if (batch_.size() >= kMaxBatchCopies) flush_batch();
     return 0;
@@ -916,11 +917,11 @@ int CudaTransport::post_write(const WriteRequest& req) {
     free_events_.push_back(ev);
     return -EIO;
   }
-  inflight_.push_back({ev, req.context, req.peer, req.has_imm, req.imm, req.imm_repeat});
+  inflight_.push_back({ev, req.context, req.peer, req.has_imm, req.imm, req.mapped.imm_repeat});
   return 0;
 }
 
-void CudaTransport::flush_batch() {
+void CudaLane::flush_batch() {
   if (batch_.empty()) return;
   make_current();
   void* stream = streams_[next_stream_++ % streams_.size()];
@@ -983,7 +984,7 @@ void CudaTransport::flush_batch() {
   batched_ = 0;
 }
 
-size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
+size_t CudaLane::poll(std::vector<Completion>& out, size_t max) {
   // Whatever the worker posted since its last poll goes to the GPU now, as one batch.
   flush_batch();
   size_t got = 0;
@@ -1067,7 +1068,7 @@ size_t CudaTransport::poll(std::vector<Completion>& out, size_t max) {
   return got;
 }
 
-void CudaTransport::wait(int timeout_ms) {
+void CudaLane::wait(int timeout_ms) {
   // Copies in flight finish in microseconds to milliseconds: look again soon. Idle for longer than
   // spin_us: sleep until a peer pushes an immediate, the worker is signalled (new work), or the
   // timeout passes. Within spin_us of the last copy or immediate, keep polling: a write or immediate
@@ -1083,13 +1084,43 @@ void CudaTransport::wait(int timeout_ms) {
   }
 }
 
-void CudaTransport::signal() { ring_.wake(); }
+void CudaLane::signal() { ring_.wake(); }
 
-std::string CudaTransport::error_string(int err) const {
+std::string CudaLane::error_string(int err) const {
   if (err >= 1000) return cu_error(api_, err - 1000);
   if (err == EPIPE) return "the peer process exited";
   if (err == ESTALE) return "the destination region was deregistered (its memory may be reused)";
   return std::strerror(err);
+}
+
+LaneCaps CudaLane::caps() const {
+  LaneCaps c;
+  c.writes_cuda = true;
+  c.maps_remote = true;
+  c.two_d = true;
+  c.own_imm = true;  // through the peer's shared ring where it has one (delivers_imm)
+  c.batching = batch_bytes_ > 0;
+  c.delivery_complete = true;  // a copy is complete once its bytes are in place
+  c.local_copies = true;
+  c.unlimited_window = true;
+  return c;
+}
+
+LaneType cuda_lane_type() {
+  LaneType t;
+  t.name = "cuda";
+  t.configure = [](EngineConfig& cfg) {
+    if (cfg.cuda_device >= 0 && cfg.cuda_streams < 1) throw TransportError("cuda_streams must be at least 1");
+  };
+  t.open = [](const EngineConfig& cfg) {
+    std::vector<std::unique_ptr<Lane>> lanes;
+    if (cfg.cuda_device >= 0) {
+      lanes.push_back(std::make_unique<CudaLane>(cfg.cuda_device, cfg.cuda_streams, cfg.cuda_spin_us,
+                                                 cfg.cuda_batch_bytes));
+    }
+    return lanes;
+  };
+  return t;
 }
 
 }  // namespace weightsync

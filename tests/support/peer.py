@@ -70,7 +70,8 @@ class _Server:
     def engine_(self, **kwargs: Any) -> bytes:
         from weightsync.engine import TransferEngine
 
-        self.engine = TransferEngine(**kwargs)
+        hooks = {k: kwargs.pop(k) for k in ("stage_host_sources", "land_host_regions") if k in kwargs}
+        self.engine = TransferEngine._for_tests(**hooks, **kwargs) if hooks else TransferEngine(**kwargs)
         return self.engine.address
 
     def alloc(self, size: int, seed: int | None = None) -> list[Any]:
@@ -267,7 +268,7 @@ class PeerProcess:
     """Parent-side handle: ``peer.call("alloc", size=...)``."""
 
     def __init__(self, netns: str | None = None, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "tests.peer"]
+        cmd = [sys.executable, "-m", "tests.support.peer"]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

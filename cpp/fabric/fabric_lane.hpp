@@ -1,4 +1,4 @@
-// libfabric RDM transport: FI_RMA writes with remote CQ data (fi_writedata). The same code runs on EFA,
+// The fabric lane, one per NIC: libfabric RDM, FI_RMA writes with remote CQ data (fi_writedata). The same code runs on EFA,
 // on verbs;ofi_rxm and on tcp;ofi_rxm; everything provider-specific is read from fi_info and honoured.
 #pragma once
 
@@ -15,7 +15,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "weightsync/transport.hpp"
+#include "core/lane.hpp"
 
 namespace weightsync {
 
@@ -25,17 +25,17 @@ struct FabricNicInfo {
   std::string fabric;
 };
 
-class FabricTransport final : public Transport {
+class FabricLane final : public Lane {
  public:
   // NICs usable with RMA writes + remote CQ data for `provider` (empty: any provider).
   static std::vector<FabricNicInfo> discover(const std::string& provider);
   // First of efa, verbs;ofi_rxm, tcp;ofi_rxm that offers RMA with remote CQ data here.
   static std::string pick_provider();
 
-  FabricTransport(const std::string& provider, const std::string& domain);
-  ~FabricTransport() override;
-  FabricTransport(const FabricTransport&) = delete;
-  FabricTransport& operator=(const FabricTransport&) = delete;
+  FabricLane(const std::string& provider, const std::string& domain);
+  ~FabricLane() override;
+  FabricLane(const FabricLane&) = delete;
+  FabricLane& operator=(const FabricLane&) = delete;
 
   std::string kind() const override { return "fabric"; }
   std::string provider() const override { return provider_; }
@@ -52,11 +52,8 @@ class FabricTransport final : public Transport {
   void wait(int timeout_ms) override;
   void signal() override;
 
-  bool delivery_complete() const override { return delivery_complete_; }
+  LaneCaps caps() const override;
   bool hmem() const { return hmem_; }
-  bool orders_writes() const override { return orders_writes_; }
-  bool tagged() const override { return tagged_; }
-  bool orders_sends() const override { return orders_sends_; }
   int post_recv(void* buf, size_t len, void* desc, void* context) override;
   uint64_t max_write() const override { return max_msg_size_; }
   size_t max_outstanding() const override { return tx_size_; }
@@ -91,11 +88,14 @@ class FabricTransport final : public Transport {
   // those of our sends and of the zero-length receives for remote CQ data by this set, not by flags.
   std::unordered_set<void*> posted_recvs_;
   // Receive contexts for providers with FI_RX_CQ_DATA.
-  std::vector<TransportContext> rx_ctx_;
+  std::vector<LaneContext> rx_ctx_;
   // A completion that wait() read while blocking in fi_cq_sread, handed out by the next poll().
   bool stash_valid_ = false;
   fi_cq_tagged_entry stash_{};
   bool stash_error_ = false;
 };
+
+// The "fabric" lane type: configure picks the provider and NICs, open makes one lane per NIC.
+LaneType fabric_lane_type();
 
 }  // namespace weightsync

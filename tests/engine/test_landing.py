@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import weightsync as ws
-from tests.peer import POISON, PeerProcess, digest, random_bytes, rows_digest
+from tests.support.peer import POISON, PeerProcess, digest, random_bytes, rows_digest
 from weightsync.engine import TransferEngine
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -38,7 +38,7 @@ def writer(request):
     kwargs = {"stall_timeout": 2.0, "max_piece": MiB, "stripe_threshold": 256 * KiB}
     if request.param == "staged":
         kwargs.update(land_host_regions=True, staging_slots=2)
-    eng = TransferEngine(**kwargs)
+    eng = TransferEngine._for_tests(**kwargs)
     yield eng
     eng.close()
 
@@ -59,17 +59,17 @@ def _forge(descriptor: bytes, **changes: int) -> bytes:
 
 
 def test_landing_region_descriptor() -> None:
-    eng = TransferEngine(**LANDING)
+    eng = TransferEngine._for_tests(**LANDING)
     try:
         region = eng.register(np.zeros(100, dtype=np.uint8))
-        assert not region._native.on_fabric
-        assert region._native.landing >= 0 and region._native.landing_slot_bytes == SLOT
+        assert not region.on_fabric
+        assert region.landing >= 0 and region.landing_slot_bytes == SLOT
         other = eng.register(np.zeros(100, dtype=np.uint8))
-        assert other._native.landing != region._native.landing
+        assert other.landing != region.landing
         plain = TransferEngine(cuda_peers=False)  # accepted without a cuda lane too (nothing to keep off)
         try:
-            assert plain.register(np.zeros(100, dtype=np.uint8))._native.landing == -1
-            assert not plain._native.cuda_peers
+            assert plain.register(np.zeros(100, dtype=np.uint8)).landing == -1
+            assert not plain.cuda_peers
         finally:
             plain.close()
     finally:
@@ -340,7 +340,7 @@ def test_write_to_landing_region_of_exited_engine_fails_within_timeout() -> None
 def test_landing_needs_no_peer_process_loopback() -> None:
     """One engine writing into its own landing region (loopback), staged source to landing destination:
     the CPU image of a GPU-to-GPU write on a provider without FI_HMEM."""
-    eng = TransferEngine(**LANDING)
+    eng = TransferEngine._for_tests(**LANDING)
     try:
         src = random_bytes(5 * SLOT + 11, seed=9)
         dst = np.full(5 * SLOT + 64, POISON, dtype=np.uint8)
@@ -362,7 +362,7 @@ def test_landing_needs_no_peer_process_loopback() -> None:
 def test_forward_fires_on_landed_immediates_into_another_landing_region() -> None:
     """A relay on landing regions: the immediates of a write landed through the ring fire a triggered
     write (from the NIC worker that landed them) out of that region into another landing region."""
-    eng = TransferEngine(**LANDING)
+    eng = TransferEngine._for_tests(**LANDING)
     try:
         me = eng.connect(eng.address)
         size = 3 * SLOT + 17

@@ -1,4 +1,4 @@
-#include "weightsync/imm_counter.hpp"
+#include "core/imm_counter.hpp"
 
 #include <algorithm>
 #include <chrono>

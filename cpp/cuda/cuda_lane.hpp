@@ -3,7 +3,7 @@
 // does the writing (its own), and copies with cuMemcpyAsync on streams of its own: no SMs involved.
 // libcuda is loaded at run time, so one build serves machines with and without GPUs.
 //
-// A copy engine cannot raise an immediate at the destination: once a copy is done, this transport pushes
+// A copy engine cannot raise an immediate at the destination: once a copy is done, this lane pushes
 // its immediate into the destination's shared-memory ring (ImmRing), which the destination's own cuda
 // lane drains into its counters. Where the ring cannot be opened, the engine signals over a fabric NIC
 // (a zero-length write) instead. Either way the destination's counters see one model.
@@ -27,8 +27,8 @@
 #include <utility>
 #include <vector>
 
-#include "weightsync/imm_ring.hpp"
-#include "weightsync/transport.hpp"
+#include "cuda/imm_ring.hpp"
+#include "core/lane.hpp"
 
 namespace weightsync {
 
@@ -41,15 +41,16 @@ int cuda_device_count();
 // Identity of this host (hostname + boot id): peers with equal ids can use CUDA IPC.
 std::string host_identity();
 
-class CudaTransport final : public Transport {
+class CudaLane final : public Lane, public LocalCopies {
  public:
   // `streams`: copies are spread over this many streams; `spin_us`: an idle worker keeps polling this
   // long after its last copy before it sleeps (back-to-back writes then skip a wake-up).
   // batch_bytes > 0: consecutive 1-D copies posted between two polls go to the driver as one batched
   // copy (cuMemcpyBatchAsync, CUDA >= 12.8) of at most this many bytes, completing together.
-  CudaTransport(int device, int streams, double spin_us, uint64_t batch_bytes = 0);
-  ~CudaTransport() override;
+  CudaLane(int device, int streams, double spin_us, uint64_t batch_bytes = 0);
+  ~CudaLane() override;
 
+  LaneCaps caps() const override;
   std::string kind() const override { return "cuda"; }
   std::string provider() const override { return "cuda"; }
   std::string nic_name() const override { return name_; }
@@ -75,18 +76,19 @@ class CudaTransport final : public Transport {
 
   // Marks one of our exported regions as writable by peers or not (the live table in our ring). Unlike
   // the rest of the transport, any thread may call it: deregistration must take effect at once.
-  void set_region_live(uint64_t id, bool live);
+  void set_region_live(uint64_t id, bool live) override;
+  LocalCopies* local_copies() override { return this; }
   // Page-locked host memory for staging (this device's context); on the worker, or once it is joined.
-  void* alloc_pinned(size_t bytes);
-  void free_pinned(void* p);
+  void* alloc_pinned(size_t bytes) override;
+  void free_pinned(void* p) override;
 
   // Landing copies (on the worker): `len` bytes from page-locked host memory into this device's memory,
   // on a stream of their own, in FIFO order. Completes later as a Completion::kLanded with `context`
   // (after every landing copy posted before it). len 0 still completes in that order. 0 or -errno.
-  int post_landing_copy(void* dst, const void* src, size_t len, void* context);
+  int post_landing_copy(void* dst, const void* src, size_t len, void* context) override;
   // Waits for every landing copy queued (close: before the ring's host memory is freed); returns the
   // contexts of those not yet reported, which will never be.
-  std::vector<void*> drain_landing();
+  std::vector<void*> drain_landing() override;
 
  private:
   void check(int rc, const char* what) const;
@@ -158,5 +160,8 @@ class CudaTransport final : public Transport {
   };
   std::unordered_map<std::string, VmmImport> vmm_imported_;
 };
+
+// The "cuda" lane type: one lane for EngineConfig::cuda_device when it is >= 0.
+LaneType cuda_lane_type();
 
 }  // namespace weightsync
