@@ -3,4 +3,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
+# The engine's stub must match the binding it describes.
+stub=$(mktemp -d)
+trap 'rm -rf "$stub"' EXIT
+bash scripts/gen_stubs.sh "$stub/_core.pyi"
+if ! diff -u weightsync/_ext/_core.pyi "$stub/_core.pyi" >"$stub/diff"; then
+  cat "$stub/diff" >&2
+  echo "weightsync/_ext/_core.pyi is stale (differs from the binding, above): run scripts/gen_stubs.sh and commit it" >&2
+  exit 1
+fi
 .venv/bin/python -m pytest -q -ra tests "$@"

@@ -110,8 +110,8 @@ NB_MODULE(_core, m) {
       })
       .def("sleep", &ws::ImmRing::sleep, "timeout_us"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("wake", &ws::ImmRing::wake)
-      .def("set_live", &ws::ImmRing::set_live, "id"_a, "live"_a)
-      .def("is_live", &ws::ImmRing::is_live, "id"_a)
+      .def("set_live", &ws::ImmRing::set_live, "region_id"_a, "live"_a)
+      .def("is_live", &ws::ImmRing::is_live, "region_id"_a)
       .def_ro_static("live_slots", &ws::ImmRing::kLiveSlots);
 
   nb::class_<ws::LocalRegion>(m, "Region")
@@ -248,8 +248,8 @@ NB_MODULE(_core, m) {
       .def("register", [](ws::Engine& e, uintptr_t ptr, uint64_t len, int kind, int device) {
         // Never internal: only the engine's own buffers bypass test-mode staging.
         return e.register_memory(reinterpret_cast<void*>(ptr), len, static_cast<ws::MemKind>(kind), device);
-      }, "ptr"_a, "len"_a, "kind"_a, "device"_a, nb::call_guard<nb::gil_scoped_release>())
-      .def("deregister", &ws::Engine::deregister, nb::call_guard<nb::gil_scoped_release>())
+      }, "ptr"_a, "nbytes"_a, "kind"_a, "device"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("deregister", &ws::Engine::deregister, "region"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("connect", [](ws::Engine& e, const std::string& uid, const std::string& provider,
                          const std::vector<nb::bytes>& addresses, nb::bytes cuda_address,
                          const std::vector<uint64_t>& doorbell_base, const std::vector<uint64_t>& doorbell_key) {
@@ -258,21 +258,21 @@ NB_MODULE(_core, m) {
         std::string cuda(cuda_address.c_str(), cuda_address.size());
         nb::gil_scoped_release release;
         return e.connect(uid, provider, addrs, cuda, doorbell_base, doorbell_key);
-      })
+      }, "uid"_a, "provider"_a, "addresses"_a, "cuda_address"_a, "doorbell_base"_a, "doorbell_key"_a)
       .def("import_region", [](ws::Engine& e, std::shared_ptr<ws::Peer> peer, uint64_t id, uint64_t len,
                                const std::vector<uint64_t>& base, const std::vector<uint64_t>& key,
                                nb::bytes cuda_blob, int landing, uint64_t slot_bytes) {
         std::string blob(cuda_blob.c_str(), cuda_blob.size());
         nb::gil_scoped_release release;
         return e.import_region(peer, id, len, base, key, blob, landing, slot_bytes);
-      }, "peer"_a, "id"_a, "len"_a, "base"_a, "key"_a, "cuda_blob"_a, "landing"_a = -1, "slot_bytes"_a = 0)
+      }, "peer"_a, "region_id"_a, "nbytes"_a, "base"_a, "key"_a, "cuda_blob"_a, "landing"_a = -1, "slot_bytes"_a = 0)
       .def("imm_count", &ws::Engine::imm_count, "nbytes"_a, "has_imm"_a = true, "rows"_a = 1)
       .def("write", [](ws::Engine& e, std::shared_ptr<ws::LocalRegion> src, uint64_t src_off,
                        std::shared_ptr<ws::RemoteRegion> dst, uint64_t dst_off, uint64_t len,
                        std::optional<uint32_t> imm, uint64_t rows, uint64_t src_pitch, uint64_t dst_pitch) {
         ws::WriteOp op{0, src_off, 0, dst_off, len, imm.value_or(0), rows, src_pitch, dst_pitch};
         return e.write({std::move(src)}, {std::move(dst)}, &op, 1, imm.has_value());
-      }, "src"_a, "src_off"_a, "dst"_a, "dst_off"_a, "len"_a, "imm"_a.none(), "rows"_a = 1, "src_pitch"_a = 0,
+      }, "src"_a, "src_off"_a, "dst"_a, "dst_off"_a, "nbytes"_a, "imm"_a.none(), "rows"_a = 1, "src_pitch"_a = 0,
          "dst_pitch"_a = 0)
       .def("write_batch", [](ws::Engine& e, const std::vector<std::shared_ptr<ws::LocalRegion>>& srcs,
                              const std::vector<std::shared_ptr<ws::RemoteRegion>>& dsts, Column<uint32_t> src_idx,
@@ -293,24 +293,24 @@ NB_MODULE(_core, m) {
                                dst_pitch ? (*dst_pitch)(i) : 0u};
         }
         return e.write(srcs, dsts, ops.data(), n, imm.has_value());
-      }, "srcs"_a, "dsts"_a, "src_idx"_a, "src_off"_a, "dst_idx"_a, "dst_off"_a, "len"_a, "imm"_a.none(),
+      }, "srcs"_a, "dsts"_a, "src_idx"_a, "src_off"_a, "dst_idx"_a, "dst_off"_a, "nbytes"_a, "imm"_a.none(),
          "rows"_a.none() = nb::none(), "src_pitch"_a.none() = nb::none(), "dst_pitch"_a.none() = nb::none())
       .def("forward", [](ws::Engine& e, uint32_t on_imm, uint64_t count, std::shared_ptr<ws::LocalRegion> src,
                          uint64_t src_off, std::shared_ptr<ws::RemoteRegion> dst, uint64_t dst_off, uint64_t len,
                          std::optional<uint32_t> imm, uint64_t rows, uint64_t src_pitch, uint64_t dst_pitch) {
         ws::WriteOp op{0, src_off, 0, dst_off, len, imm.value_or(0), rows, src_pitch, dst_pitch};
         return e.forward(on_imm, count, {std::move(src)}, {std::move(dst)}, &op, 1, imm.has_value());
-      }, "on_imm"_a, "count"_a, "src"_a, "src_off"_a, "dst"_a, "dst_off"_a, "len"_a, "imm"_a.none(), "rows"_a = 1,
+      }, "on_imm"_a, "count"_a, "src"_a, "src_off"_a, "dst"_a, "dst_off"_a, "nbytes"_a, "imm"_a.none(), "rows"_a = 1,
          "src_pitch"_a = 0, "dst_pitch"_a = 0)
-      .def("cancel_forwards", &ws::Engine::cancel_forwards, "id"_a, "by_imm"_a, "imm"_a)
+      .def("cancel_forwards", &ws::Engine::cancel_forwards, "trigger_id"_a, "by_imm"_a, "imm"_a)
       .def_prop_ro("pending_forwards", &ws::Engine::pending_forwards)
-      .def("forward_pending", &ws::Engine::forward_pending, "id"_a)
+      .def("forward_pending", &ws::Engine::forward_pending, "trigger_id"_a)
       .def("counter_wait", [](ws::Engine& e, uint32_t imm, uint64_t n, double timeout) {
         return e.counters().wait(imm, n, timeout);
       }, "imm"_a, "n"_a, "timeout"_a, nb::call_guard<nb::gil_scoped_release>())
-      .def("counter_value", [](ws::Engine& e, uint32_t imm) { return e.counters().value(imm); })
-      .def("counter_total", [](ws::Engine& e, uint32_t imm) { return e.counters().total(imm); })
-      .def("counter_reset", [](ws::Engine& e, uint32_t imm) { return e.counters().reset(imm); })
+      .def("counter_value", [](ws::Engine& e, uint32_t imm) { return e.counters().value(imm); }, "imm"_a)
+      .def("counter_total", [](ws::Engine& e, uint32_t imm) { return e.counters().total(imm); }, "imm"_a)
+      .def("counter_reset", [](ws::Engine& e, uint32_t imm) { return e.counters().reset(imm); }, "imm"_a)
       .def("stats", [](ws::Engine& e) {
         nb::list out;
         for (const auto& s : e.stats()) {
