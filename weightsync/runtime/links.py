@@ -14,13 +14,15 @@ from weightsync.plan.parts import PeerInfo, Target
 class DestinationLink:
     """A destination this source announces to and writes into. ``buffer``: the shadow the next push
     writes (staged destinations name it in their ack); ``descs``: this push's descriptor table (one
-    per key of ``batch.dkeys``, in the chosen buffer)."""
+    per key of ``batch.dkeys``, in the chosen buffer); ``ordered``: the peer's lane runs writes as one
+    queue in posting order (weightsync.runtime.source.keeps_posting_order)."""
 
     target: Target
     peer: Any
     batch: DestinationBatch
     buffer: int = 0
     descs: list[tuple[Any, bytes]] | None = None
+    ordered: bool = False
 
     def descriptors(self) -> list[tuple[Any, bytes]]:
         """The (peer, descriptor) table of ``batch.dkeys`` in the current buffer."""

@@ -174,7 +174,9 @@ class Source(Participant):
             prev = old.get(rank)
             # Remember which shadow a known destination wants next; a new process starts at shadow 0.
             buffer = prev.buffer if prev is not None and prev.target.address == t.address else 0
-            self._dests[rank] = DestinationLink(t, self._peer(t.address), program.batches[rank], buffer)
+            peer = self._peer(t.address)
+            self._dests[rank] = DestinationLink(t, peer, program.batches[rank], buffer,
+                                                ordered=keeps_posting_order(peer))
         self._direct_srcs = [self._regions[k] for k in program.src_keys]
         self._rounds: list[Round] = program.rounds
         staged = int((part.writes["staged"] == 1).sum())
@@ -291,9 +293,8 @@ class Source(Participant):
             if rank in failed:
                 continue
             d = self._dests[rank]
-            ordered = keeps_posting_order(d.peer)
-            limit = (ORDERED_ROUNDS_IN_FLIGHT if ordered else ROUNDS_IN_FLIGHT) or len(self._rounds)
-            queue = in_flight[ordered]
+            limit = (ORDERED_ROUNDS_IN_FLIGHT if d.ordered else ROUNDS_IN_FLIGHT) or len(self._rounds)
+            queue = in_flight[d.ordered]
             while len(queue) >= limit:
                 _settle(*queue.pop(0), deadline, failed)
             imms = np.full(len(r.nbytes), imm, dtype=np.uint32) if r.imms is None else r.imms
