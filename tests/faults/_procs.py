@@ -128,7 +128,12 @@ class _Child:
     def engine_(self, **kwargs: Any) -> bytes:
         import weightsync as ws
 
-        self.engine = ws.TransferEngine(transport="fabric", **kwargs)
+        if "land_host_regions" in kwargs and hasattr(ws.TransferEngine, "_for_tests"):
+            # A test-only switch (host regions written through the landing ring, as GPU memory without
+            # FI_HMEM is): engines take it through their test constructor.
+            self.engine = ws.TransferEngine._for_tests(transport="fabric", **kwargs)
+        else:
+            self.engine = ws.TransferEngine(transport="fabric", **kwargs)
         return self.engine.address
 
     def alloc(self, size: int, seed: int | None = None) -> list[Any]:
