@@ -106,14 +106,15 @@ class Rollout:
         version = self.dst.apply() if self.mode == "staged" else self.dst.version
         return version, {k: v.clone() for k, v in self.tensors.items()}
 
-    def probe_landing(self, old_version: int, hold_s: float) -> dict[str, Any]:
+    def probe_landing(self, old_version: int, hold_s: float, marker: str) -> dict[str, Any]:
         """Keeps this process's GIL for up to ``hold_s`` seconds and watches the live tensors (inplace).
 
         The receiving thread of the destination is Python: while this method holds the GIL it cannot run,
         but the engine's own threads (C++) keep placing bytes and counting immediates. This is the window
         a slow or descheduled receiving thread opens, made as wide as we like: if a byte of a newer version
         shows in the live tensors while ``updating`` is False and ``version`` is still ``old_version``, a
-        reader at a safe point reads a mixed model. Returns what was seen at the first change."""
+        reader at a safe point reads a mixed model. ``marker`` (a file path) is created once the GIL is
+        held for good: the test pushes only after it exists. Returns what was seen at the first change."""
         views = {k: t.numpy() for k, t in self.tensors.items()}  # share memory with the live tensors
         before = {k: v.tobytes() for k, v in views.items()}
         old_interval = sys.getswitchinterval()
@@ -122,6 +123,8 @@ class Rollout:
             # Let every thread go through the GIL once under the new interval (their waits use the
             # interval they started with), then hold it: from here on no Python thread of this process runs.
             time.sleep(0.5)
+            with open(marker, "w") as f:  # the last call that may let another thread run
+                f.write("holding")
             deadline = time.monotonic() + hold_s
             changed = False
             while time.monotonic() < deadline:
