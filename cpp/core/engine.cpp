@@ -883,7 +883,7 @@ void Engine::close() {
     std::lock_guard<std::mutex> lock(regions_mu_);
     live.swap(live_regions_);
   }
-  // Workers are joined: this thread may now touch the transports directly.
+  // Workers are joined: this thread may now touch the lanes directly.
   {
     std::lock_guard<std::mutex> lock(landing_mu_);
     for (auto& e : landing_) {

@@ -1,6 +1,9 @@
-// The transfer engine: one per process (per GPU). It owns one worker thread per NIC (LaneWorker), splits
-// every large write into pieces striped across all NICs, routes pieces around NICs that fail, and counts
-// completions: local ones per transfer, remote immediates per value (ImmCounters).
+// The transfer engine: one per process (per GPU). It owns one worker thread per lane (LaneWorker: each
+// NIC, and the cuda lane's copy engines), splits every large write into pieces striped across all NICs
+// (core/pieces.hpp), routes pieces around NICs that fail, and counts completions: local ones per
+// transfer, remote immediates per value (ImmCounters). Landing regions and host staging, the ways fabric
+// peers reach GPU memory the NICs cannot register, are implemented in fabric/landing.cpp and
+// fabric/staging.cpp.
 #pragma once
 
 #include <atomic>
@@ -27,8 +30,10 @@ namespace weightsync {
 
 class Engine;
 
+// Everything an engine is opened with. The defaults here are the only ones: the binding exposes this
+// struct as weightsync._ext.EngineConfig, and TransferEngine starts from a default-constructed one.
 struct EngineConfig {
-  std::string transport = "fabric";
+  std::string transport = "fabric";  // the lane policy: NIC lanes (plus the cuda lane if cuda_device >= 0)
   std::string provider;            // empty: pick automatically
   std::vector<std::string> nics;   // libfabric domain names; empty: all of the provider's
   uint64_t stripe_threshold = 1ull << 20;  // writes above this are split across all NICs
@@ -115,7 +120,7 @@ struct Peer {
   uint64_t id = 0;
   std::string uid;    // the remote engine's identity (hex)
   std::string label;  // printable, for error messages
-  std::vector<uint64_t> paths;     // transport peer handle per local NIC
+  std::vector<uint64_t> paths;     // lane-level peer handle per lane (insert_peer)
   std::vector<int> remote_nic;     // remote NIC paired with local NIC i
   std::unique_ptr<std::atomic<bool>[]> path_failed;
   size_t remote_nics = 0;
@@ -152,7 +157,7 @@ struct PieceGroup {
   Piece* trailer = nullptr;  // owned until posted
 };
 
-// One posted write (a piece of a transfer). The transport's context must be the first member.
+// One posted write (a piece of a transfer). The lane's context must be the first member.
 struct Piece {
   LaneContext tctx;
   std::shared_ptr<TransferState> transfer;
@@ -194,8 +199,8 @@ struct LaneStats {
   uint64_t landing_dropped = 0;  // messages for a landing region that was gone, or out of its bounds
 };
 
-// Owns one NIC's transport and the thread that alone touches it. Everything reaches the worker
-// through its queues: commands (register, add peer) and pieces to post.
+// Owns one lane (a NIC, or the copy engines) and the thread that alone touches it. Everything reaches
+// the worker through its queues: commands (register, add peer) and pieces to post.
 class LaneWorker {
  public:
   LaneWorker(Engine* engine, int index, std::unique_ptr<Lane> lane, const EngineConfig& cfg);

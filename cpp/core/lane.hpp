@@ -20,9 +20,9 @@ struct EngineConfig;
 
 enum class MemKind : int { kHost = 0, kCuda = 1 };
 
-// What a transport hands back for one registration of one buffer.
+// What a lane hands back for one registration of one buffer.
 struct MemRegistration {
-  void* handle = nullptr;      // transport-owned (for fabric: fid_mr*)
+  void* handle = nullptr;      // lane-owned (for fabric: fid_mr*)
   void* local_desc = nullptr;  // passed back on every post that reads from this buffer
   uint64_t remote_base = 0;    // what a peer adds its offset to: the virtual address or 0 (offset mode)
   uint64_t key = 0;            // what a peer must present to write here
@@ -99,7 +99,7 @@ struct WriteRequest {
 
 struct Completion {
   // kRecv: a receive posted with post_recv completed (error != 0: it failed, e.g. truncated); the buffer
-  // is the transport's no more until posted again. kLanded: the cuda lane finished (or failed, error != 0)
+  // is the lane's no more until posted again. kLanded: the cuda lane finished (or failed, error != 0)
   // a copy started with LocalCopies::post_landing_copy.
   enum Kind { kLocalDone, kLocalError, kRemoteImm, kRecv, kLanded };
   Kind kind = kLocalDone;

@@ -33,7 +33,7 @@ LaneWorker::LaneWorker(Engine* engine, int index, std::unique_ptr<Lane> lane,
 
 LaneWorker::~LaneWorker() {
   stop();
-  // The transport (and its endpoint) goes first, so no completion can name a piece we free below.
+  // The lane (and its endpoint) goes first, so no completion can name a piece we free below.
   lane_.reset();
   for (Piece* p : stale_) delete p;
   for (Piece* p : outstanding_) delete p;

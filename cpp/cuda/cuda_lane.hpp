@@ -75,7 +75,7 @@ class CudaLane final : public Lane, public LocalCopies {
   const std::string& uuid() const { return uuid_; }
 
   // Marks one of our exported regions as writable by peers or not (the live table in our ring). Unlike
-  // the rest of the transport, any thread may call it: deregistration must take effect at once.
+  // the rest of the lane, any thread may call it: deregistration must take effect at once.
   void set_region_live(uint64_t id, bool live) override;
   LocalCopies* local_copies() override { return this; }
   // Page-locked host memory for staging (this device's context); on the worker, or once it is joined.
@@ -149,7 +149,7 @@ class CudaLane final : public Lane, public LocalCopies {
   // deregistered; peers duplicate them from this process.
   std::unordered_map<uint64_t, std::vector<int>> vmm_exports_;
   uint64_t next_export_ = 1;
-  uint64_t export_nonce_ = 0;  // random per transport: export ids never repeat across processes
+  uint64_t export_nonce_ = 0;  // random per lane: export ids never repeat across processes
   // Peers' VMM exports mapped here, by the blob's identity (owner pid, export id, chunks): a virtual
   // range of our own with each of the owner's allocations mapped in its place.
   struct VmmImport {

@@ -89,7 +89,7 @@ class GpuEnd:
         return self.peers[address]
 
     def transport_to(self, address: bytes) -> str:
-        return self._peer(address).transport
+        return self._peer(address).lane
 
     def write(self, region: int, src_off: int, address: bytes, descriptor: bytes, dst_off: int, nbytes: int,
               imm: int | None = 1, repeat: int = 1, timeout: float = 60.0, rows: int = 1, src_pitch: int = 0,
