@@ -26,8 +26,9 @@ from tests.faults.chaos import Campaign, Config, netns_unavailable  # noqa: E402
 def table(summary: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     for key in ("seed", "netns", "sources", "destinations", "pushes", "pushes_ok", "pushes_failed",
-                "replacements", "mixed", "wrong", "hangs", "expectation_failures", "inplace_reads_raced",
-                "inplace_reads_dirty", "seconds"):
+                "replacements", "mixed", "mixed_reads", "wrong", "wrong_reads", "hangs",
+                "expectation_failures", "left_behind",
+                "inplace_reads_raced", "inplace_reads_dirty", "seconds"):
         rows.append((key, str(summary[key])))
     for group in ("faults", "versions_checked", "reads", "errors"):
         for k, v in summary[group].items():
