@@ -267,6 +267,9 @@ SCENARIOS: dict[int, dict[str, Any]] = {
     3: {"model": "llama", "T": 1, "R": 3, "tp": 1, "what": "1 trainer -> 3 full replicas (fan-out)"},
     4: {"model": "moe", "T": 2, "R": 2, "tp": 2,
         "what": "MoE: 2 FSDP trainers -> 1 rollout, TP-2 attention, EP-2 experts"},
+    # The 2-GPU analogues (a host with two NVLink GPUs): one trainer holding the whole model.
+    5: {"model": "llama", "T": 1, "R": 1, "tp": 1, "what": "1 trainer -> 1 full replica (fused)"},
+    6: {"model": "moe", "T": 1, "R": 1, "tp": 1, "what": "MoE: 1 trainer -> 1 rollout (fused experts)"},
 }
 MODELS = {"full": {"llama": "llama-3-8b", "moe": "qwen3-30b-a3b"},
           "small": {"llama": "llama-small", "moe": "moe-tiny"},
