@@ -282,8 +282,6 @@ def _source_for_missing_group() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="issue 15 case 11: joining a group that does not exist raises "
-                   "Ray's ValueError, not a weightsync error naming the group")
 @pytest.mark.parametrize("join", [_source_for_missing_group, _destination_for_missing_group],
                          ids=["source", "destination"])
 def test_unknown_group_is_a_weightsync_error_naming_it(ray_cluster, join: Any) -> None:

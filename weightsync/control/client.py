@@ -43,7 +43,14 @@ class ControlClient:
         self.group = group
         self.role = role
         self.rank = int(rank)
-        self._coord = ray.get_actor(actor_name(group))
+        try:
+            self._coord = ray.get_actor(actor_name(group))
+        except ValueError:  # Ray's "Failed to look up actor": name the group and what to do instead
+            namespace = ray.get_runtime_context().namespace
+            raise WeightSyncError(
+                f"group {group!r} does not exist in Ray namespace {namespace!r}: create it with "
+                f"ws.Group.create({group!r}, ...) before its sources and destinations (or it was shut "
+                "down)") from None
         self._secret = secret or self._read_secret(group)
         self._reported: Any = None  # the last report_dead, not yet known to have re-planned
         self._metrics: Any = None
@@ -57,15 +64,27 @@ class ControlClient:
             raise WeightSyncError(f"group {group!r}: no secret found in this Ray cluster (was it created?)")
         return value.decode()
 
+    def _get(self, ref: Any, timeout: float) -> Any:
+        """``ray.get`` of a coordinator call; a coordinator that is gone is a WeightSyncError naming the
+        group, not an error of Ray's internals."""
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayActorError:
+            raise self._gone() from None
+
+    def _gone(self) -> WeightSyncError:
+        return WeightSyncError(f"group {self.group!r}: its coordinator is gone (the group was shut down or "
+                               f"its actor died); {self.role} rank {self.rank} cannot reach it")
+
     # -- membership and parts ----------------------------------------------------------------------
     def join(self, layout: bytes, address: bytes, engine: EngineInfo, descriptors: Mapping[str, list[bytes]],
              mailbox: bytes, timeout: float) -> int:
         """Joins the group; returns the plan epoch before the join (the first part is newer than it)."""
-        import ray
-
-        return ray.get(self._coord.join.remote(
+        return self._get(self._coord.join.remote(
             self._secret, self.role, self.rank, layout, address, host_id(), engine.to_dict(),
-            dict(descriptors), mailbox), timeout=timeout)
+            dict(descriptors), mailbox), timeout)
 
     def fetch_part(self, after_epoch: int, timeout: float) -> Part:
         """This participant's part of the first plan newer than ``after_epoch``. A failed planning
@@ -80,6 +99,8 @@ class ControlClient:
             if isinstance(cause, WeightSyncError):
                 raise type(cause)(str(cause)) from None
             raise WeightSyncError(str(cause)) from None
+        except ray.exceptions.RayActorError:
+            raise self._gone() from None
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"group {self.group!r}: {self.role} rank {self.rank} got no plan "
                                f"within {timeout} s") from None
@@ -87,9 +108,7 @@ class ControlClient:
 
     def current_epoch(self, timeout: float) -> int:
         """The coordinator's plan epoch (a round trip: sources use their watcher first)."""
-        import ray
-
-        return int(ray.get(self._coord.current_epoch.remote(), timeout=timeout))
+        return int(self._get(self._coord.current_epoch.remote(), timeout))
 
     def report_dead(self, role: str, ranks: list[int], epoch: int) -> None:
         """Reports peers that failed during plan ``epoch``; not awaited here (see ``reported_epoch``)."""
@@ -117,18 +136,12 @@ class ControlClient:
     # -- FP8 gathers -------------------------------------------------------------------------------
     def publish_receive(self, epoch: int, descriptor: bytes, timeout: float) -> None:
         """Publishes this source's FP8 receive buffer for plan ``epoch``."""
-        import ray
-
-        ray.get(self._coord.publish_receive.remote(self._secret, self.rank, epoch, descriptor),
-                timeout=timeout)
+        self._get(self._coord.publish_receive.remote(self._secret, self.rank, epoch, descriptor), timeout)
 
     def receive_buffers(self, epoch: int, ranks: list[int], deadline: float) -> dict[int, bytes]:
         """The receive-buffer descriptors of source ``ranks`` for plan ``epoch`` (by a monotonic deadline)."""
-        import ray
-
         left = max(deadline - time.monotonic(), 0.1)
-        return ray.get(self._coord.receive_buffers.remote(self._secret, epoch, ranks, left),
-                       timeout=left + 10)
+        return self._get(self._coord.receive_buffers.remote(self._secret, epoch, ranks, left), left + 10)
 
     # -- metrics -----------------------------------------------------------------------------------
     def record_push(self, seconds: float, nbytes: int) -> None:
