@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from weightsync.control.group import actor_name, secret_key
+from weightsync.control.group import actor_name, participant_secret
 from weightsync.control.watcher import EpochWatcher
 from weightsync.errors import TimeoutError, WeightSyncError  # noqa: A004
 from weightsync.plan.parts import EngineInfo, Part, PlanFailure, unpack_part
@@ -35,7 +35,8 @@ def host_id() -> str:
 
 class ControlClient:
     """One participant's connection to its group's coordinator (found by name in the caller's Ray
-    namespace). ``secret`` None: read the group's secret from Ray's key-value store."""
+    namespace). ``secret`` None: the group's secret as this process knows it (its environment's
+    WEIGHTSYNC_SECRET; weightsync.control.group.resolve_secret), else an error saying how to share it."""
 
     def __init__(self, group: str, role: str, rank: int, secret: str | None = None) -> None:
         import ray
@@ -51,18 +52,9 @@ class ControlClient:
                 f"group {group!r} does not exist in Ray namespace {namespace!r}: create it with "
                 f"ws.Group.create({group!r}, ...) before its sources and destinations (or it was shut "
                 "down)") from None
-        self._secret = secret or self._read_secret(group)
+        self._secret = participant_secret(group, secret)
         self._reported: Any = None  # the last report_dead, not yet known to have re-planned
         self._metrics: Any = None
-
-    @staticmethod
-    def _read_secret(group: str) -> str:
-        from ray.experimental import internal_kv
-
-        value = internal_kv._internal_kv_get(secret_key(group))
-        if value is None:
-            raise WeightSyncError(f"group {group!r}: no secret found in this Ray cluster (was it created?)")
-        return value.decode()
 
     def _get(self, ref: Any, timeout: float) -> Any:
         """``ray.get`` of a coordinator call; a coordinator that is gone is a WeightSyncError naming the
@@ -108,11 +100,12 @@ class ControlClient:
 
     def current_epoch(self, timeout: float) -> int:
         """The coordinator's plan epoch (a round trip: sources use their watcher first)."""
-        return int(self._get(self._coord.current_epoch.remote(), timeout))
+        return int(self._get(self._coord.current_epoch.remote(self._secret), timeout))
 
     def report_dead(self, role: str, ranks: list[int], epoch: int) -> None:
         """Reports peers that failed during plan ``epoch``; not awaited here (see ``reported_epoch``)."""
-        self._reported = self._coord.report_dead.remote(f"{self.role} {self.rank}", role, ranks, epoch)
+        self._reported = self._coord.report_dead.remote(self._secret, f"{self.role} {self.rank}", role, ranks,
+                                                        epoch)
 
     def reported_epoch(self, timeout: float) -> int:
         """The epoch after the last report (-1: none pending); a lost report is logged, not raised."""

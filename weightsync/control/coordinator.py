@@ -8,10 +8,17 @@ A change of membership (a rank reported dead, a replacement or a new destination
 under a new *epoch*; participants notice the epoch on their next push and fetch their new part.
 Sources learn the epoch without a round trip on the push's path: each keeps a long-poll
 (``wait_epoch``) open from a thread of its own (weightsync.control.watcher.EpochWatcher).
+
+Every method called remotely takes the group's secret first and answers nothing, changes nothing, to a
+caller that presents a wrong one: the actor is reachable by name from any Ray namespace and job. The
+coordinator keeps only a verifier of the secret (see ``verifier``); refused calls are counted per
+method (``status()["rejected"]``) and logged with the caller's claimed identity, never with what it
+presented.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import threading
@@ -43,6 +50,23 @@ WATCHER_ACK_TIMEOUT = 2.0
 _WATCHER_GRACE = 5.0
 
 
+def verifier(secret: str, group: str) -> str:
+    """What the coordinator keeps instead of the group's secret: HMAC-SHA256 keyed by the secret over a
+    label naming the group. One-way, so the actor's creation arguments and memory do not hold the
+    secret; a presented secret is checked by computing the same and comparing in constant time."""
+    return hmac.new(secret.encode(), f"weightsync group verifier:{group}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
+_make_verifier = verifier  # its name inside Coordinator, whose keyword argument ``verifier`` shadows it
+
+
+def _claimed(who: object) -> str:
+    """A caller-supplied identity as it may appear in a log line: bounded, printable, quoted."""
+    text = repr(who)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 @dataclass
 class _Joined:
     """A member and when it joined: reports about plan epochs older than ``epoch`` do not apply to it."""
@@ -55,11 +79,19 @@ class _Joined:
 class Coordinator:
     """Runs as ``ray.remote(max_concurrency=...)(Coordinator)``; methods are called by participants."""
 
-    def __init__(self, name: str, num_sources: int, num_destinations: int, secret: str,
+    def __init__(self, name: str, num_sources: int, num_destinations: int, secret: str | None,
                  allow_cast: bool = False, fp8_block: tuple[int, int] | None = (128, 128),
                  relay: bool | None = None, relay_chunk_bytes: int = RELAY_CHUNK_BYTES,
-                 round_bytes: int = ROUND_BYTES, local_round_bytes: int = LOCAL_ROUND_BYTES) -> None:
+                 round_bytes: int = ROUND_BYTES, local_round_bytes: int = LOCAL_ROUND_BYTES, *,
+                 verifier: str | None = None) -> None:
+        """``secret`` or, as ``Group.create`` passes it so that the secret never reaches the actor,
+        ``verifier`` (``verifier(secret, name)``): exactly one of them."""
+        if (secret is None) == (verifier is None):
+            raise WeightSyncError(f"group {name!r}: the coordinator needs the secret or its verifier")
         self.name = name
+        self._verifier = (verifier if verifier is not None else _make_verifier(str(secret), name)).encode()
+        self._rejected: dict[str, int] = {}  # method -> calls refused for a wrong secret
+        self._rejected_lock = threading.Lock()
         # relay None: relay when destinations outnumber sources and all hold the same layout (full
         # replicas); True: relay whenever the destinations' layouts are identical; False: never.
         self.options = GroupOptions(
@@ -72,7 +104,6 @@ class Coordinator:
         self._recv: dict[int, dict[int, bytes]] = {}
         self.num_sources = num_sources
         self.num_destinations = num_destinations
-        self._secret = secret
         self._cv = threading.Condition()
         self._members: dict[tuple[str, int], _Joined] = {}
         self._dead: set[tuple[str, int]] = set()
@@ -84,11 +115,26 @@ class Coordinator:
         self._watchers: dict[int, tuple[str, int, float]] = {}
         self._ack_waiters = 0  # membership changes waiting for watchers to hear their epoch
 
+    # -- access ------------------------------------------------------------------------------------
+    def _admit(self, secret: object, method: str, who: object) -> None:
+        """Raises unless ``secret`` is the group's; counts and logs a refusal (the method and the
+        caller's claimed identity ``who``, never what it presented). Constant time in the secret."""
+        presented = secret.encode() if isinstance(secret, str) else b""
+        computed = _make_verifier(presented.decode(errors="replace"), self.name).encode()
+        # Compared even for a non-string, so that the refusal costs the same whatever came in.
+        if hmac.compare_digest(computed, self._verifier) and isinstance(secret, str):
+            return
+        with self._rejected_lock:
+            self._rejected[method] = self._rejected.get(method, 0) + 1
+            count = self._rejected[method]
+        log.warning("group %s: %s refused: wrong secret (caller says %s; %d refused %s calls so far)",
+                    self.name, method, "nothing" if who is None else _claimed(who), count, method)
+        raise WeightSyncError(f"group {self.name!r}: {method} refused: wrong secret")
+
     # -- membership ----------------------------------------------------------------------------------
     def join(self, secret: str, role: str, rank: int, layout: bytes, address: bytes, host: str,
              engine: dict[str, int], descriptors: dict[str, list[bytes]], mailbox: bytes) -> int:
-        if not hmac.compare_digest(secret, self._secret):
-            raise WeightSyncError(f"group {self.name!r}: {role} rank {rank} presented a wrong secret")
+        self._admit(secret, "join", f"{role} {rank}")
         if role not in (SOURCE, DESTINATION):
             raise WeightSyncError(f"group {self.name!r}: unknown role {role!r}")
         # Destinations may grow the group (a new replica); sources are fixed at create time.
@@ -112,10 +158,11 @@ class Coordinator:
             # The epoch before this join: the member's first part is the first plan newer than it.
             return before
 
-    def report_dead(self, reporter: str, role: str, ranks: list[int], epoch: int) -> int:
+    def report_dead(self, secret: str, reporter: str, role: str, ranks: list[int], epoch: int) -> int:
         """A participant saw these ranks fail during plan ``epoch``: drop them and re-plan.
 
         A rank that (re)joined after that epoch is a new process and is left alone."""
+        self._admit(secret, "report_dead", reporter)
         with self._cv:
             changed = False
             for r in ranks:
@@ -172,8 +219,7 @@ class Coordinator:
     def part(self, secret: str, role: str, rank: int, after_epoch: int, timeout: float) -> bytes:
         """This participant's part of the first plan newer than ``after_epoch`` (waits up to timeout): a
         packed SourcePart / DestinationPart, or a PlanFailure (weightsync.plan.parts.unpack_part)."""
-        if not hmac.compare_digest(secret, self._secret):
-            raise WeightSyncError(f"group {self.name!r}: {role} rank {rank} presented a wrong secret")
+        self._admit(secret, "part", f"{role} {rank}")
         deadline = time.monotonic() + timeout
         with self._cv:
             while self.epoch <= after_epoch:
@@ -192,7 +238,8 @@ class Coordinator:
                                       f"epoch {self.epoch} (reported dead?)")
             return part
 
-    def current_epoch(self) -> int:
+    def current_epoch(self, secret: str) -> int:
+        self._admit(secret, "current_epoch", None)
         return self.epoch
 
     # -- sources' epoch watchers: the plan epoch without a round trip on the push's path ---------------
@@ -201,8 +248,7 @@ class Coordinator:
         ``after_epoch``, or the current one after ``timeout`` s. A call says that the watcher already
         holds ``after_epoch`` (it sets it before calling again), which is what ``_await_watchers`` waits
         for."""
-        if not hmac.compare_digest(secret, self._secret):
-            raise WeightSyncError(f"group {self.name!r}: source rank {rank} presented a wrong secret")
+        self._admit(secret, "wait_epoch", f"source {rank}")
         deadline = time.monotonic() + timeout
         with self._cv:
             self._watchers[int(rank)] = (token, int(after_epoch), deadline + _WATCHER_GRACE)
@@ -217,8 +263,7 @@ class Coordinator:
 
     def unwatch(self, secret: str, rank: int, token: str) -> None:
         """Source ``rank``'s watcher stopped (the source closed): membership changes no longer wait for it."""
-        if not hmac.compare_digest(secret, self._secret):
-            raise WeightSyncError(f"group {self.name!r}: source rank {rank} presented a wrong secret")
+        self._admit(secret, "unwatch", f"source {rank}")
         with self._cv:
             w = self._watchers.get(int(rank))
             if w is not None and w[0] == token:
@@ -253,8 +298,7 @@ class Coordinator:
     # -- FP8 gathers: sources expose a receive buffer to each other ---------------------------------
     def publish_receive(self, secret: str, rank: int, epoch: int, descriptor: bytes) -> None:
         """Source ``rank`` registered its receive buffer for plan ``epoch`` (sized by that plan)."""
-        if not hmac.compare_digest(secret, self._secret):
-            raise WeightSyncError(f"group {self.name!r}: source rank {rank} presented a wrong secret")
+        self._admit(secret, "publish_receive", f"source {rank}")
         with self._cv:
             self._recv.setdefault(epoch, {})[rank] = descriptor
             for e in [e for e in self._recv if e < epoch - 1]:
@@ -263,8 +307,7 @@ class Coordinator:
 
     def receive_buffers(self, secret: str, epoch: int, ranks: list[int], timeout: float) -> dict[int, bytes]:
         """The receive-buffer descriptors of ``ranks`` for plan ``epoch`` (waits until all published)."""
-        if not hmac.compare_digest(secret, self._secret):
-            raise WeightSyncError(f"group {self.name!r}: wrong secret")
+        self._admit(secret, "receive_buffers", None)
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
@@ -288,7 +331,10 @@ class Coordinator:
             parts.append(f"destination ranks {md}")
         return ", ".join(parts)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, secret: str) -> dict[str, Any]:
+        self._admit(secret, "status", None)
+        with self._rejected_lock:
+            rejected = dict(self._rejected)
         with self._cv:
             return {
                 "name": self.name,
@@ -302,4 +348,6 @@ class Coordinator:
                 "chain": list(self._chain),  # relay: destination ranks in forwarding order (head first)
                 # sources' epoch watchers: rank -> the newest epoch each has heard
                 "watchers": {r: seen for r, (_, seen, _) in sorted(self._watchers.items())},
+                # calls refused for a wrong secret, per method
+                "rejected": rejected,
             }

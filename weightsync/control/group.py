@@ -1,16 +1,46 @@
-"""The driver's handle of a weight-sync group: starts the coordinator as a named Ray actor and shares the
-group's secret through Ray's internal key-value store (members of this Ray cluster can join, others
-cannot)."""
+"""The driver's handle of a weight-sync group: starts the coordinator as a named Ray actor, and where
+every process of the group finds the group's secret.
+
+The secret is the group's only credential: the coordinator answers no call that does not present it.
+Ray offers no store that another job of the same cluster cannot read (its internal key-value store, in
+any namespace, and the job table with every job's ``runtime_env``, are open to every Ray client;
+named actors are reachable from any namespace), so the secret is never put into Ray by weightsync.
+It comes, in this order, from:
+
+1. ``secret=`` handed in explicitly (``Group.create``, ``Source``, ``Destination``);
+2. a group created by this very process (the process-local copy ``Group.create`` keeps);
+3. the ``WEIGHTSYNC_SECRET`` environment variable, which an RL framework sets for all actors of its
+   job with ``ray.init(runtime_env={"env_vars": {"WEIGHTSYNC_SECRET": ...}})`` (the driver itself
+   reads it from its job's runtime_env). Convenient, but Ray records a job's runtime_env in its job
+   table, which any client of the cluster can read: see docs/SECURITY.md;
+4. nothing: ``Group.create`` makes a fresh random secret that only this process knows (hand it on as
+   ``group.secret``); a participant raises an error that says how to share it.
+
+The coordinator never holds the secret itself, only a verifier (an HMAC of a fixed label keyed by the
+secret), so neither the actor's creation arguments nor its memory give the secret away.
+"""
 
 from __future__ import annotations
 
+import os
 import secrets
+import threading
 from typing import Any
 
-from weightsync.control.coordinator import Coordinator
-from weightsync.errors import LayoutError, PlanError
+from weightsync.control.coordinator import Coordinator, verifier
+from weightsync.errors import LayoutError, PlanError, WeightSyncError
 from weightsync.plan.lower import RELAY_CHUNK_BYTES
 from weightsync.plan.ops import LOCAL_ROUND_BYTES, ROUND_BYTES
+
+SECRET_ENV = "WEIGHTSYNC_SECRET"
+# A secret handed in must carry at least this many characters (a token_hex(16) has 32): the secret is
+# the whole of the group's access control, so a short password-like one is refused rather than used.
+MIN_SECRET_CHARS = 16
+
+# Secrets of groups created by this process, by (Ray namespace, group name): a Source or Destination
+# made in the same process (a notebook, a single-process test) finds its group's secret here.
+_local_secrets: dict[tuple[str, str], str] = {}
+_local_lock = threading.Lock()
 
 
 def actor_name(name: str) -> str:
@@ -18,25 +48,98 @@ def actor_name(name: str) -> str:
     return f"weightsync:{name}"
 
 
-def secret_key(name: str) -> bytes:
-    """Where group ``name``'s secret lives in Ray's internal key-value store."""
-    return f"weightsync/{name}/secret".encode()
+def new_secret() -> str:
+    """A fresh group secret (128 random bits, hex)."""
+    return secrets.token_hex(16)
+
+
+def _checked(secret: Any, group: str, origin: str) -> str:
+    if not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS:
+        # Says where the bad secret came from and what is wrong with it, never its value.
+        raise WeightSyncError(f"group {group!r}: the secret from {origin} must be a string of at least "
+                              f"{MIN_SECRET_CHARS} characters (weightsync.control.group.new_secret() "
+                              f"makes one)")
+    return secret
+
+
+def _namespace() -> str:
+    import ray
+
+    try:
+        return ray.get_runtime_context().namespace if ray.is_initialized() else ""
+    except Exception:  # no namespace to tell groups of the same name apart: one process, one group
+        return ""
+
+
+def _job_env_secret() -> str | None:
+    """WEIGHTSYNC_SECRET of this job's runtime_env: on a driver, runtime_env env_vars reach the job's
+    workers but not the driver's own environment."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        env = ray.get_runtime_context().runtime_env.get("env_vars") or {}
+    except Exception:  # a runtime context without a runtime_env: nothing set there
+        return None
+    value = env.get(SECRET_ENV)
+    return value if value else None
+
+
+def resolve_secret(group: str, explicit: str | None) -> str | None:
+    """The group's secret as this process knows it (explicit, this process's own group, the
+    environment, the job's runtime_env), or None when it knows none."""
+    if explicit is not None:
+        return _checked(explicit, group, "the secret= argument")
+    with _local_lock:
+        local = _local_secrets.get((_namespace(), group))
+    if local is not None:
+        return local
+    value = os.environ.get(SECRET_ENV)
+    if value:
+        return _checked(value, group, f"the {SECRET_ENV} environment variable")
+    value = _job_env_secret()
+    if value:
+        return _checked(value, group, f"the job's runtime_env ({SECRET_ENV})")
+    return None
+
+
+def participant_secret(group: str, explicit: str | None) -> str:
+    """The secret a Source or Destination joins with; a clear error when this process has none."""
+    secret = resolve_secret(group, explicit)
+    if secret is None:
+        raise WeightSyncError(
+            f"group {group!r}: this process does not know the group's secret. Hand it in as "
+            f"secret=group.secret, or set {SECRET_ENV} for every process of the job, e.g. ray.init("
+            f"runtime_env={{'env_vars': {{'{SECRET_ENV}': weightsync.control.group.new_secret()}}}}) on "
+            f"the driver before Group.create (see docs/SECURITY.md for who else can read that)")
+    return secret
 
 
 class Group:
-    """Driver-side handle of a weight-sync group: owns the named coordinator actor."""
+    """Driver-side handle of a weight-sync group: owns the named coordinator actor. ``secret`` is the
+    group's credential (hand it to participants that cannot read it from their environment); it is
+    kept out of the handle's repr."""
 
     def __init__(self, name: str, actor: Any, secret: str) -> None:
         self.name = name
         self._actor = actor
         self.secret = secret
 
+    def __repr__(self) -> str:
+        return f"Group(name={self.name!r})"
+
     @classmethod
     def create(cls, name: str, num_sources: int, num_destinations: int, *, allow_cast: bool = False,
                fp8_block: tuple[int, int] | None = (128, 128), relay: bool | None = None,
                relay_chunk_bytes: int = RELAY_CHUNK_BYTES, round_bytes: int = ROUND_BYTES,
-               local_round_bytes: int = LOCAL_ROUND_BYTES) -> Group:
+               local_round_bytes: int = LOCAL_ROUND_BYTES, secret: str | None = None) -> Group:
         """Starts the coordinator as a named actor in the caller's Ray namespace.
+
+        ``secret``: the group's credential; every participant must present it. None: the
+        ``WEIGHTSYNC_SECRET`` of this process's environment or of its job's runtime_env, else a fresh
+        random one that only this process knows (``group.secret``; participants elsewhere must be
+        handed it). See the module's docstring and docs/SECURITY.md.
 
         Destinations say what they want by the dtype of their tensors. ``fp8_block``: a destination
         tensor in ``float8_e4m3fn`` with a float32 ``<name>_scale_inv`` beside it receives FP8 block
@@ -54,7 +157,6 @@ class Group:
         ``round_bytes`` / ``local_round_bytes``: how much a source writes into one destination before it
         moves on to the next, over NICs / between GPUs of one host (see :func:`weightsync.plan.plan`)."""
         import ray
-        from ray.experimental import internal_kv
 
         if num_sources < 1 or num_destinations < 1:
             raise LayoutError(f"group {name!r} needs at least one source and one destination")
@@ -63,29 +165,44 @@ class Group:
                             f"({local_round_bytes}) must be at least 1")
         if not ray.is_initialized():
             ray.init()
-        secret = secrets.token_hex(16)
+        if secret is not None:
+            secret = _checked(secret, name, "the secret= argument")
+        else:
+            # Not this process's earlier group of the same name: a new group gets the environment's
+            # secret or a new one.
+            env = os.environ.get(SECRET_ENV)
+            if env:
+                secret = _checked(env, name, f"the {SECRET_ENV} environment variable")
+            else:
+                job = _job_env_secret()
+                secret = _checked(job, name, f"the job's runtime_env ({SECRET_ENV})") if job else new_secret()
+        # The actor is created with the verifier only: its creation arguments and memory hold no secret.
         actor = (
             ray.remote(num_cpus=0, max_concurrency=1024)(Coordinator)
             .options(name=actor_name(name))
-            .remote(name, num_sources, num_destinations, secret, allow_cast, fp8_block, relay,
-                    int(relay_chunk_bytes), int(round_bytes), int(local_round_bytes))
+            .remote(name, num_sources, num_destinations, None, allow_cast, fp8_block, relay,
+                    int(relay_chunk_bytes), int(round_bytes), int(local_round_bytes),
+                    verifier=verifier(secret, name))
         )
-        ray.get(actor.current_epoch.remote())
-        # The secret travels through Ray's own store: members of this Ray cluster can join, others not.
-        internal_kv._internal_kv_put(secret_key(name), secret.encode(), overwrite=True)
+        ray.get(actor.status.remote(secret))
+        with _local_lock:
+            _local_secrets[(_namespace(), name)] = secret
         return cls(name, actor, secret)
 
     def status(self) -> dict[str, Any]:
         """The coordinator's view: plan epoch, member ranks, dead ones, the last planning error, whether
-        the plan relays and its chain, and the epoch each source's watcher has heard."""
+        the plan relays and its chain, the epoch each source's watcher has heard, and the calls refused
+        for a wrong secret (per method)."""
         import ray
 
-        return ray.get(self._actor.status.remote())
+        return ray.get(self._actor.status.remote(self.secret))
 
     def shutdown(self) -> None:
-        """Ends the group: forgets its secret and kills the coordinator actor."""
+        """Ends the group: forgets this process's copy of its secret and kills the coordinator actor."""
         import ray
-        from ray.experimental import internal_kv
 
-        internal_kv._internal_kv_del(secret_key(self.name))
+        with _local_lock:
+            key = (_namespace(), self.name)
+            if _local_secrets.get(key) == self.secret:
+                del _local_secrets[key]
         ray.kill(self._actor)
