@@ -298,8 +298,7 @@ class ImmCounter:
     def wait(self, n: int, timeout: float = 60.0) -> None:
         """Consumes ``n`` credits, blocking until that many are held; TimeoutError after ``timeout``
         seconds (nothing consumed then), TransportError if the engine closes meanwhile."""
-        if n < 0:
-            raise ValueError(f"cannot wait for {n} immediates")
+        n = _u64(n, "n", f"counter {self.imm}: cannot wait for {n} immediates")
         ok = self._engine._native.counter_wait(self.imm, n, float(timeout))
         if not ok:
             _drain_log()
@@ -544,8 +543,12 @@ class TransferEngine:
             raise TransportError(
                 f"write source must be a Region registered with this engine, got {type(src).__name__}"
             )
-        if min(src_off, dst_off, nbytes, rows, src_pitch, dst_pitch) < 0:
-            raise TransportError(f"negative offset, size, row count or pitch in write to {peer.label}")
+        where = f"write to {peer.label}"
+        src_off, dst_off, nbytes, rows, src_pitch, dst_pitch = (
+            _u64(v, name, where)
+            for v, name in ((src_off, "source offset"), (dst_off, "destination offset"), (nbytes, "size"),
+                            (rows, "row count"), (src_pitch, "source pitch"), (dst_pitch, "target pitch"))
+        )
         remote = self._import(peer, dst_descriptor)
         native = self._native.write(src._native, src_off, remote, dst_off, nbytes, _imm(imm), rows, src_pitch,
                                     dst_pitch)
@@ -572,21 +575,23 @@ class TransferEngine:
         """
         remotes = [self._import(peer, desc) for peer, desc in peer_descriptors]
         cols = [
-            np.ascontiguousarray(src_index, dtype=np.uint32),
-            np.ascontiguousarray(src_off, dtype=np.uint64),
-            np.ascontiguousarray(dst_index, dtype=np.uint32),
-            np.ascontiguousarray(dst_off, dtype=np.uint64),
-            np.ascontiguousarray(nbytes, dtype=np.uint64),
+            _column(src_index, np.uint32, "source index"),
+            _column(src_off, np.uint64, "source offset"),
+            _column(dst_index, np.uint32, "destination index"),
+            _column(dst_off, np.uint64, "destination offset"),
+            _column(nbytes, np.uint64, "size"),
         ]
         imm_col = None
         if imm is not None:
             imm_col = (
                 np.full(len(cols[0]), _imm(int(imm)), dtype=np.uint32)
                 if np.isscalar(imm)
-                else np.ascontiguousarray(imm, dtype=np.uint32)
+                else _column(imm, np.uint32, "immediate")
             )
-        geometry = [None if c is None else np.ascontiguousarray(c, dtype=np.uint64)
-                    for c in (rows, src_pitch, dst_pitch)]
+        geometry = [
+            None if c is None else _column(c, np.uint64, name)
+            for c, name in ((rows, "row count"), (src_pitch, "source pitch"), (dst_pitch, "target pitch"))
+        ]
         native = self._native.write_batch([s._native for s in srcs], remotes, *cols, imm_col, *geometry)
         return Transfer(native, tuple(srcs))
 
@@ -619,8 +624,13 @@ class TransferEngine:
             raise TransportError(
                 f"forward source must be a Region registered with this engine, got {type(src).__name__}"
             )
-        if min(src_off, dst_off, nbytes, rows, src_pitch, dst_pitch, count) < 0:
-            raise TransportError(f"negative offset, size, count or pitch in forward to {peer.label}")
+        where = f"forward to {peer.label}"
+        src_off, dst_off, nbytes, rows, src_pitch, dst_pitch, count = (
+            _u64(v, name, where)
+            for v, name in ((src_off, "source offset"), (dst_off, "destination offset"), (nbytes, "size"),
+                            (rows, "row count"), (src_pitch, "source pitch"), (dst_pitch, "target pitch"),
+                            (count, "count"))
+        )
         remote = self._import(peer, dst_descriptor)
         trigger_id, native = self._native.forward(
             _imm(on_imm), count, src._native, src_off, remote, dst_off, nbytes, _imm(imm), rows, src_pitch,
@@ -687,6 +697,45 @@ def _cuda_lane(transport: str, cuda_device: int | None) -> int:
             raise TransportError(f"transport 'cuda' unavailable: {why}")
         return -1
     return int(cuda_device)
+
+
+def _u64(value: Any, name: str, where: str) -> int:
+    """``value`` as an unsigned 64-bit integer, or a TransportError naming the argument and the call
+    (nanobind would raise a bare TypeError naming neither)."""
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        raise TransportError(f"{where}: {name} {value!r} is not an integer") from None
+    if v < 0:
+        raise TransportError(f"{where}: {name} {v} must be >= 0")
+    if v >= 1 << 64:
+        raise TransportError(f"{where}: {name} {v} does not fit in 64 bits (0 <= {name} < 2**64)")
+    return v
+
+
+def _column(values: Any, dtype: type[np.unsignedinteger], name: str) -> np.ndarray:
+    """A batch column as a contiguous array of ``dtype``; a value out of its range is a TransportError
+    naming the column and the first offending write (numpy would wrap negatives or raise OverflowError)."""
+    limit = int(np.iinfo(dtype).max)
+    arr = np.asarray(values)
+    if arr.dtype.kind in "ui":
+        bad = np.flatnonzero((arr < 0) | (arr > limit)) if arr.size else np.empty(0, dtype=np.int64)
+        if bad.size:
+            k = int(bad[0])
+            raise TransportError(
+                f"write {k} of the batch: {name} {int(arr.reshape(-1)[k])} is outside 0..{limit}"
+            )
+        return np.ascontiguousarray(arr, dtype=dtype)
+    flat = arr.reshape(-1)
+    for k, v in enumerate(flat.tolist()):
+        if not isinstance(v, int) or isinstance(v, bool):
+            try:
+                v = int(v)
+            except (TypeError, ValueError):
+                raise TransportError(f"write {k} of the batch: {name} {v!r} is not an integer") from None
+        if not 0 <= v <= limit:
+            raise TransportError(f"write {k} of the batch: {name} {v} is outside 0..{limit}")
+    return np.ascontiguousarray(flat.astype(dtype), dtype=dtype).reshape(arr.shape)
 
 
 def _imm(imm: int | None) -> int | None:
