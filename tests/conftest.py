@@ -8,15 +8,17 @@ from typing import Any
 import pytest
 
 from tests import ROOT
+from weightsync.control.group import new_secret
 
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
     """A local Ray of 4 CPUs for one test module, its workers able to import ``tests`` (the actors in
-    tests/runtime/group_actors.py); yields the ray module."""
+    tests/runtime/group_actors.py) and holding the job's WEIGHTSYNC_SECRET; yields the ray module."""
     import ray
 
+    # Every actor of the job knows the groups' secret, as an RL framework would set it up.
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "WEIGHTSYNC_SECRET": new_secret()}})
     yield ray
     ray.shutdown()

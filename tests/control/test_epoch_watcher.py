@@ -84,7 +84,7 @@ def test_wait_epoch_answers_at_once_on_a_replan_and_at_timeout() -> None:
         got.append((c.wait_epoch("s", 0, "tok", after, 10.0), time.monotonic()))
 
     for after, change in ((1, lambda: _join(c, DESTINATION, 1)),
-                          (2, lambda: c.report_dead("test", DESTINATION, [1], 2))):
+                          (2, lambda: c.report_dead("s", "test", DESTINATION, [1], 2))):
         th = threading.Thread(target=poll, args=(after,))
         th.start()
         time.sleep(0.2)  # the poll is waiting
@@ -106,9 +106,9 @@ def test_membership_change_returns_once_every_watcher_heard_it() -> None:
         # Returned only once the watcher held the new epoch: a push started now would use the new plan.
         assert slow.heard == c.epoch == 2
         assert 0.3 <= time.monotonic() - t < coordinator.WATCHER_ACK_TIMEOUT
-        assert c.status()["watchers"] == {0: 2}
+        assert c.status("s")["watchers"] == {0: 2}
         t = time.monotonic()
-        assert c.report_dead("test", DESTINATION, [1], 2) == 3
+        assert c.report_dead("s", "test", DESTINATION, [1], 2) == 3
         assert slow.heard == 3
         assert 0.3 <= time.monotonic() - t < coordinator.WATCHER_ACK_TIMEOUT
     finally:
@@ -123,17 +123,17 @@ def test_silent_closed_or_replaced_watchers_are_not_waited_for(monkeypatch: pyte
     t = time.monotonic()
     _join(c, DESTINATION, 1)
     assert 0.4 <= time.monotonic() - t < 1.5
-    assert c.status()["watchers"] == {}
+    assert c.status("s")["watchers"] == {}
     t = time.monotonic()
-    c.report_dead("test", DESTINATION, [1], c.epoch)
+    c.report_dead("s", "test", DESTINATION, [1], c.epoch)
     assert time.monotonic() - t < 0.2
 
     # Closed: unwatch with its own token forgets it (another token does not).
     c.wait_epoch("s", 0, "tok", c.epoch, 0.0)
     c.unwatch("s", 0, "another")
-    assert c.status()["watchers"] == {0: c.epoch}
+    assert c.status("s")["watchers"] == {0: c.epoch}
     c.unwatch("s", 0, "tok")
-    assert c.status()["watchers"] == {}
+    assert c.status("s")["watchers"] == {}
     t = time.monotonic()
     _join(c, DESTINATION, 2)
     assert time.monotonic() - t < 0.2
@@ -143,7 +143,7 @@ def test_silent_closed_or_replaced_watchers_are_not_waited_for(monkeypatch: pyte
     t = time.monotonic()
     _join(c, SOURCE, 0)
     assert time.monotonic() - t < 0.2
-    assert c.status()["watchers"] == {}
+    assert c.status("s")["watchers"] == {}
 
 
 # -- sources in Ray actors -------------------------------------------------------------------------------
@@ -267,8 +267,10 @@ _SHUTDOWN_SCRIPT = textwrap.dedent("""
     import time
     import ray, torch
     import weightsync as ws
+    from weightsync.control.group import new_secret
 
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"WEIGHTSYNC_SECRET": new_secret()}})
     group = ws.Group.create("shutdown", 1, 1)  # held: the coordinator lives as long as its handle
 
     @ray.remote(num_cpus=0)
