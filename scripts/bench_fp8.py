@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -153,7 +154,8 @@ def main() -> None:
         raise SystemExit(f"needs 4 GPUs (2 trainers, 2 rollouts), found {torch.cuda.device_count()}")
     os.environ.update(NO_MULTICAST)
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT, **NO_MULTICAST}})
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, **NO_MULTICAST,
+                                       "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
     try:
         bf16_times, _, bf16_bytes = run(False, args.pushes)
         fp8_times, fp8_stats, fp8_bytes = run(True, args.pushes)

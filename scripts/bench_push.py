@@ -51,6 +51,7 @@ import importlib.util
 import json
 import os
 import platform
+import secrets
 import statistics
 import sys
 import time
@@ -659,7 +660,8 @@ def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
     # Few CPUs on purpose: every actor takes none, and Ray prestarts a Python worker per CPU.
     ray.init(address="local", num_cpus=8, num_gpus=gpus, include_dashboard=False,
              log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST}})
+             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST,
+                                       "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
     rows: list[dict[str, Any]] = []
     try:
         if bw is None:
@@ -805,7 +807,8 @@ def cpu_section(args: argparse.Namespace) -> None:
     """Control-plane cost over TCP loopback, and scenario 1 at small scale against gloo broadcasts."""
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST}})
+             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST,
+                                       "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
     hosts = [ray.remote(num_cpus=0)(Host).remote() for _ in range(4)]
     try:
         small = run_group("bench-small", model_shapes(1 << 20, 4), 5 if args.quick else args.small_pushes,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -60,7 +61,7 @@ def main() -> int:
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
     try:
         cfg = Config(pushes=args.pushes, seed=args.seed, netns=args.netns, push_timeout=args.push_timeout,
                      dest_push_timeout=args.push_timeout, fault_rate=args.fault_rate,

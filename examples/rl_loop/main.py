@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import sys
@@ -85,7 +86,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gpus = args.gpus if args.device == "cuda" else 0
     ray.init(address="local", num_cpus=actors_n, num_gpus=gpus, include_dashboard=False,
              log_to_driver=not args.quiet, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}})
+             # Every actor of this job gets the group's secret (docs/SECURITY.md: who else can read it).
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
+                                       "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
     name = f"rl_loop-{os.getpid()}"
     actors: list[Any] = []
     group = None

@@ -10,6 +10,7 @@ stopped (SIGSTOP) or killed at a chosen point, or a destination's Python thread 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def ray_cluster():
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+             runtime_env={"env_vars": {"PYTHONPATH": path, "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
     yield
     ray.shutdown()
 
