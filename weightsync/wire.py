@@ -22,7 +22,7 @@ version is complete. The two records have their own field names but the same siz
 addresses a slot as ``rank * SLOT_BYTES``.
 
 Immediate counts: a destination expects exactly the immediates its sources' writes deliver. The rule
-is the engine's (cpp/include/weightsync/pieces.hpp), exposed by the binding; :func:`imm_counts` calls
+is the engine's (cpp/core/pieces.hpp), exposed by the binding; :func:`imm_counts` calls
 it, so the planner never re-derives it.
 """
 
