@@ -454,6 +454,7 @@ class Campaign:
         self.version = 0
         self._order: list[str] = []
         self.left_behind: list[int] = []
+        self.missing: set[tuple[str, int]] = set()  # ranks whose replacement failed to join
         self.t0 = time.monotonic()
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -534,7 +535,10 @@ class Campaign:
         ray.kill((self.sources if role == "source" else self.dests)[rank], no_restart=True)
 
     def _stop(self, pid: int) -> None:
-        os.kill(pid, signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:  # a participant that is gone (its replacement failed to join)
+            return
         self.stopped.add(pid)
 
     def _cont(self, pid: int) -> None:
@@ -556,6 +560,24 @@ class Campaign:
         self.reports.append((f"{mode}#{self.generation[mode]}", rep))
 
     def _replace(self, role: str, rank: int) -> None:
+        """Starts a replacement under ``rank``; one that fails to join is counted, and tried again before
+        the next push."""
+        import ray
+
+        try:
+            self._start_replacement(role, rank)
+        except Hang:
+            self.missing.add((role, rank))
+        except ray.exceptions.RayError as exc:
+            cause = getattr(exc, "cause", None) or exc
+            inner = getattr(cause, "cause", None) or cause  # the actor's creation task wraps the join's error
+            self.errors[f"replacement_failed:{type(inner).__name__}"] += 1
+            self._log(f"replacement {role} {rank} failed to join: {type(inner).__name__}: "
+                      f"{str(inner)[-300:]}")
+            self.missing.add((role, rank))
+
+    def _start_replacement(self, role: str, rank: int) -> None:
+        self.missing.discard((role, rank))
         if role == "destination":
             self.dests[rank] = self._start_dest(rank)
             self.generation[self.modes[rank]] += 1
@@ -582,15 +604,17 @@ class Campaign:
 
     def _push_once(self, kind: str, count: bool = True) -> None:
         cfg = self.cfg
+        for role, rank in sorted(self.missing):
+            self._replace(role, rank)
         self.version += 1
         v = self.version
-        pushing = list(range(cfg.sources))
+        pushing = [i for i in range(cfg.sources) if ("source", i) not in self.missing]
         after: list[Callable[[], None]] = []
         timers: list[threading.Timer] = []
         detail = ""
         if kind == "abandon":
             # Some sources push, the others skip this version: the ones that push time out and abandon it.
-            pushing = sorted(self.rng.sample(range(cfg.sources), self.rng.randint(1, cfg.sources - 1)))
+            pushing = sorted(self.rng.sample(pushing, self.rng.randint(1, max(len(pushing) - 1, 1))))
             detail = f"only sources {pushing} push"
         # The fault's moment: up to 60 ms before the push starts (the push meets a participant already
         # dead, stopped or cut off) or up to 60 ms into it (pushes here take tens of ms).
