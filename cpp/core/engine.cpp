@@ -23,7 +23,7 @@ std::string random_uid() {
 }  // namespace
 
 RegistrationHold::~RegistrationHold() {
-  if (auto e = engine.lock()) e->release_region(id, std::move(regs), landing);
+  if (auto e = engine.lock()) e->release_region(id, std::move(regs), landing, std::move(owner));
 }
 
 std::shared_ptr<Engine> Engine::create(const EngineConfig& cfg, const TestHooks& hooks) {
@@ -125,7 +125,7 @@ std::vector<std::string> Engine::nic_addresses() const {
 }
 
 std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, MemKind kind, int device,
-                                                    bool internal) {
+                                                    bool internal, std::shared_ptr<void> owner) {
   if (closed_) throw TransportError("engine is closed");
   if (ptr == nullptr && len > 0) throw UsageError("cannot register a null buffer of " + std::to_string(len) + " bytes");
   auto region = std::make_shared<LocalRegion>();
@@ -196,6 +196,7 @@ std::shared_ptr<LocalRegion> Engine::register_memory(void* ptr, uint64_t len, Me
   hold->id = region->id;
   hold->regs = region->regs;
   hold->landing = region->landing;
+  hold->owner = std::move(owner);
   region->hold = std::move(hold);
   if (cuda_lane_ >= 0 && !region->regs[cuda_lane_].blob.empty()) {
     // Exported to same-host peers: they may copy into it from now until it is deregistered.
@@ -273,7 +274,8 @@ void Engine::deregister(const std::shared_ptr<LocalRegion>& region) {
   }
 }
 
-void Engine::release_region(uint64_t id, std::vector<MemRegistration> regs, int landing) {
+void Engine::release_region(uint64_t id, std::vector<MemRegistration> regs, int landing,
+                            std::shared_ptr<void> owner) {
   // Possibly on the cuda lane's own thread (a piece's pin): no waiting for its landing copies here.
   retire_landing(landing, id, false);
   std::lock_guard<std::mutex> lock(regions_mu_);
@@ -282,7 +284,9 @@ void Engine::release_region(uint64_t id, std::vector<MemRegistration> regs, int 
   if (cuda_lane_ >= 0) workers_[cuda_lane_]->lane().set_region_live(id, false);
   for (size_t i = 0; i < regs.size() && i < workers_.size(); ++i) {
     MemRegistration reg = regs[i];
-    workers_[i]->post_command([reg](Lane& t) { t.deregister(reg); });
+    // Every command holds the memory's owner: it is released once the last of them ran (or the
+    // worker dropped it unrun, stopping).
+    workers_[i]->post_command([reg, owner](Lane& t) { t.deregister(reg); });
   }
 }
 

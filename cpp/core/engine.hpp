@@ -77,13 +77,18 @@ struct TestHooks {
   bool land_host_regions = false;
 };
 
-// What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) alive:
-// the region until it is deregistered, and every piece still reading from it. The last one releases.
+// What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) and its
+// memory alive: the region until it is deregistered, and every piece still reading from it (queued, in
+// the provider, or superseded but not yet released by it). The last one releases.
 struct RegistrationHold {
   std::weak_ptr<Engine> engine;
   uint64_t id = 0;
   std::vector<MemRegistration> regs;
   int landing = -1;  // the region's landing index, retired with it
+  // The owner of the memory (the binding: a reference to the Python buffer, whose deleter never
+  // touches Python on a worker thread). Dropped only after the registrations are released, so neither
+  // the caller dropping its last reference nor a timed-out wait can free memory a NIC still reads.
+  std::shared_ptr<void> owner;
   ~RegistrationHold();
 };
 
@@ -351,8 +356,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   }
 
   // internal: the engine's own buffers (doorbell, staging slots), always registered on the NICs.
+  // `owner` (may be null) keeps the memory alive for as long as any piece reads from it.
   std::shared_ptr<LocalRegion> register_memory(void* ptr, uint64_t len, MemKind kind, int device,
-                                               bool internal = false);
+                                               bool internal = false, std::shared_ptr<void> owner = {});
   void deregister(const std::shared_ptr<LocalRegion>& region);
 
   std::shared_ptr<Peer> connect(const std::string& uid, const std::string& provider,
@@ -395,7 +401,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Routes a piece whose path (nic, peer) failed to another NIC, or fails it when none is left.
   void reroute(Piece* p, int failed_nic, const std::string& why);
   void piece_failed(Piece* p, const std::string& why);
-  void release_region(uint64_t id, std::vector<MemRegistration> regs, int landing = -1);
+  // `owner` goes with the last deregistration command, so the memory outlives its registrations.
+  void release_region(uint64_t id, std::vector<MemRegistration> regs, int landing = -1,
+                      std::shared_ptr<void> owner = {});
   // A tagged receive of NIC `nic` completed into `buf` (its landing ring's buffer `slot`): check it and
   // copy it into its landing region. true: done with the buffer now (copied, or dropped); false: a copy
   // on the cuda lane is under way, and the engine calls LaneWorker::landing_done when it is over.

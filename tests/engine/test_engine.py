@@ -226,6 +226,36 @@ def test_register_write_deregister_cycles_do_not_leak(engine: TransferEngine, re
     assert rss1 - rss0 < 32
 
 
+def test_registered_buffer_is_referenced_until_its_writes_are_released(
+    engine: TransferEngine, remote: PeerProcess
+) -> None:
+    """The engine, not the caller, keeps a registered buffer alive while writes read from it, and lets go
+    of it afterwards: the buffer survives dropping the region and the transfer, and is freed (not leaked)
+    once the write completed and the region is gone, whether deregistered or only dropped."""
+    import weakref
+
+    _dst_id, dst_desc = remote.call("alloc", size=MiB)
+    peer = engine.connect(remote.address)
+    for deregister in (False, True):
+        buf = random_bytes(MiB, seed=7)
+        alive = weakref.ref(buf)
+        region = engine.register(buf)
+        t = engine.write(region, 0, peer, dst_desc, 0, MiB, imm=6)
+        if deregister:
+            engine.deregister(region)
+        del buf, region
+        gc.collect()
+        t.wait(10)
+        remote.call("counter_wait", imm=6, n=t.imm_count, timeout=10)
+        del t
+        deadline = time.monotonic() + 5
+        while alive() is not None and time.monotonic() < deadline:
+            engine.stats()  # a call into the engine releases what its threads let go of
+            gc.collect()
+            time.sleep(0.01)
+        assert alive() is None, f"deregister={deregister}: the engine still references the buffer"
+
+
 # --- 2-D writes -------------------------------------------------------------------------------------------
 
 # (rows, row bytes, source pitch, destination pitch): strided on both sides at odd sizes, on one side

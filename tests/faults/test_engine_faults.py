@@ -187,7 +187,6 @@ def test_failed_nic_path_is_restored_after_link_up(procs) -> None:
 
 
 @pytest.mark.timeout(90)
-@_case(5, "the Transfer holds its source only until wait() succeeds; dropped after a timeout it is freed")
 def test_dropping_a_transfer_after_timeout_keeps_its_source_alive(procs, engines) -> None:
     """A 128 MiB write to a receiver that is paused (SIGSTOP) cannot finish; its wait times out and the
     caller drops the transfer, the region and the array. The engine still has every piece in flight, so

@@ -10,7 +10,8 @@ def pick_provider() -> str: ...
 def drain_log() -> list[tuple[int, str]]:
     """
     Takes the engine's queued log records, oldest first, as (level, message) with Python's level
-    numbers (weightsync.engine forwards them to the logger 'weightsync.engine').
+    numbers (weightsync.engine forwards them to the logger 'weightsync.engine'). Also releases the
+    buffers the engine's threads let go of since the last call.
     """
 
 def lane_types() -> list[str]:
@@ -290,7 +291,12 @@ class Engine:
     def two_d_mode(self) -> str: ...
     @property
     def closed(self) -> bool: ...
-    def register(self, ptr: int, nbytes: int, kind: int, device: int) -> Region: ...
+    def register(self, ptr: int, nbytes: int, kind: int, device: int, owner: object | None = None) -> Region:
+        """
+        Registers memory; `owner` (the object the memory belongs to) is referenced until the region is
+        deregistered or dropped and no write reading from it is left in the engine or a NIC.
+        """
+
     def deregister(self, region: Region) -> None: ...
     def connect(
         self,

@@ -11,8 +11,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <vector>
 
 #include "cuda/cuda_lane.hpp"
 #include "core/engine.hpp"
@@ -37,6 +39,37 @@ nb::object error_class(const char* name) {
 
 nb::bytes to_bytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
 
+// References to Python buffers that native regions own (RegistrationHold::owner). The last reference
+// to a region's memory is often dropped on a lane's worker thread (a piece the NIC released), which must
+// never take the GIL: a Python thread may hold it while waiting for that very worker (LaneWorker::call).
+// Such releases are queued here and done by the next call into the binding that holds the GIL.
+std::mutex g_released_mu;
+std::vector<PyObject*> g_released;
+
+void release_owner(void* obj) noexcept {
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    Py_DECREF(static_cast<PyObject*>(obj));
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_released_mu);
+  g_released.push_back(static_cast<PyObject*>(obj));
+}
+
+// With the GIL held: drops the references worker threads released since the last call.
+void drain_released() {
+  std::vector<PyObject*> objs;
+  {
+    std::lock_guard<std::mutex> lock(g_released_mu);
+    objs.swap(g_released);
+  }
+  for (PyObject* o : objs) Py_DECREF(o);
+}
+
+std::shared_ptr<void> owner_of(nb::handle buffer) {
+  if (buffer.is_none()) return {};
+  return std::shared_ptr<void>(buffer.inc_ref().ptr(), release_owner);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -53,9 +86,12 @@ NB_MODULE(_core, m) {
   });
 
   m.def("pick_provider", &ws::FabricLane::pick_provider);
-  m.def("drain_log", &ws::drain_log,
-        "Takes the engine's queued log records, oldest first, as (level, message) with Python's level\n"
-        "numbers (weightsync.engine forwards them to the logger 'weightsync.engine').");
+  m.def("drain_log", [] {
+    drain_released();
+    return ws::drain_log();
+  }, "Takes the engine's queued log records, oldest first, as (level, message) with Python's level\n"
+     "numbers (weightsync.engine forwards them to the logger 'weightsync.engine'). Also releases the\n"
+     "buffers the engine's threads let go of since the last call.");
   m.def("lane_types", [] {
     std::vector<std::string> out;
     for (const auto& t : ws::lane_types()) out.push_back(t.name);
@@ -245,11 +281,23 @@ NB_MODULE(_core, m) {
       .def_prop_ro("max_piece", [](const ws::Engine& e) { return e.config().max_piece; })
       .def_prop_ro("two_d_mode", &ws::Engine::two_d_mode)
       .def_prop_ro("closed", &ws::Engine::closed)
-      .def("register", [](ws::Engine& e, uintptr_t ptr, uint64_t len, int kind, int device) {
+      .def("register", [](ws::Engine& e, uintptr_t ptr, uint64_t len, int kind, int device, nb::object owner) {
+        drain_released();
+        std::shared_ptr<void> keep = owner_of(owner);
+        nb::gil_scoped_release release;
         // Never internal: only the engine's own buffers bypass test-mode staging.
-        return e.register_memory(reinterpret_cast<void*>(ptr), len, static_cast<ws::MemKind>(kind), device);
-      }, "ptr"_a, "nbytes"_a, "kind"_a, "device"_a, nb::call_guard<nb::gil_scoped_release>())
-      .def("deregister", &ws::Engine::deregister, "region"_a, nb::call_guard<nb::gil_scoped_release>())
+        return e.register_memory(reinterpret_cast<void*>(ptr), len, static_cast<ws::MemKind>(kind), device, false,
+                                 std::move(keep));
+      }, "ptr"_a, "nbytes"_a, "kind"_a, "device"_a, "owner"_a.none() = nb::none(),
+         "Registers memory; `owner` (the object the memory belongs to) is referenced until the region is\n"
+         "deregistered or dropped and no write reading from it is left in the engine or a NIC.")
+      .def("deregister", [](ws::Engine& e, std::shared_ptr<ws::LocalRegion> region) {
+        {
+          nb::gil_scoped_release release;
+          e.deregister(region);
+        }
+        drain_released();
+      }, "region"_a)
       .def("connect", [](ws::Engine& e, const std::string& uid, const std::string& provider,
                          const std::vector<nb::bytes>& addresses, nb::bytes cuda_address,
                          const std::vector<uint64_t>& doorbell_base, const std::vector<uint64_t>& doorbell_key) {
@@ -270,6 +318,7 @@ NB_MODULE(_core, m) {
       .def("write", [](ws::Engine& e, std::shared_ptr<ws::LocalRegion> src, uint64_t src_off,
                        std::shared_ptr<ws::RemoteRegion> dst, uint64_t dst_off, uint64_t len,
                        std::optional<uint32_t> imm, uint64_t rows, uint64_t src_pitch, uint64_t dst_pitch) {
+        drain_released();
         ws::WriteOp op{0, src_off, 0, dst_off, len, imm.value_or(0), rows, src_pitch, dst_pitch};
         return e.write({std::move(src)}, {std::move(dst)}, &op, 1, imm.has_value());
       }, "src"_a, "src_off"_a, "dst"_a, "dst_off"_a, "nbytes"_a, "imm"_a.none(), "rows"_a = 1, "src_pitch"_a = 0,
@@ -280,6 +329,7 @@ NB_MODULE(_core, m) {
                              Column<uint64_t> len, std::optional<Column<uint32_t>> imm,
                              std::optional<Column<uint64_t>> rows, std::optional<Column<uint64_t>> src_pitch,
                              std::optional<Column<uint64_t>> dst_pitch) {
+        drain_released();
         const size_t n = src_idx.shape(0);
         auto bad = [n](const auto& col) { return col && col->shape(0) != n; };
         if (src_off.shape(0) != n || dst_idx.shape(0) != n || dst_off.shape(0) != n || len.shape(0) != n ||
@@ -331,5 +381,11 @@ NB_MODULE(_core, m) {
         }
         return out;
       })
-      .def("close", &ws::Engine::close, nb::call_guard<nb::gil_scoped_release>());
+      .def("close", [](ws::Engine& e) {
+        {
+          nb::gil_scoped_release release;
+          e.close();
+        }
+        drain_released();  // the workers are joined: every piece's reference was let go by now
+      });
 }

@@ -221,7 +221,9 @@ class Transfer:
 
     def __init__(self, native: _ext.Transfer, keep_alive: Sequence[Region]) -> None:
         self._native = native
-        self._keep_alive = keep_alive  # source memory must outlive the pieces still being posted
+        # The engine itself keeps the sources' memory alive while pieces read from it (register's owner);
+        # this only spares the regions' Python objects until the caller has seen the write succeed.
+        self._keep_alive = keep_alive
 
     @property
     def imm_count(self) -> int:
@@ -471,14 +473,18 @@ class TransferEngine:
 
     # --- memory ---------------------------------------------------------------------------------------
     def register(self, buffer: Any, name: str | None = None) -> Region:
-        """Registers a tensor/array/buffer on every NIC; the region keeps it alive."""
+        """Registers a tensor/array/buffer on every NIC. The engine keeps a reference to ``buffer`` for as
+        long as the region or any write reading from it lives (queued, or still held by a NIC), so
+        dropping a transfer, the region and the buffer while writes are in flight never frees memory a
+        NIC still reads."""
         info = _buffer_info(buffer, name)
-        native = self._native.register(info.ptr, info.nbytes, info.kind, info.device)
+        native = self._native.register(info.ptr, info.nbytes, info.kind, info.device, buffer)
         _drain_log()
         return Region(self, native, buffer, info.label)
 
     def deregister(self, region: Region) -> None:
-        """New writes from the region are refused; writes in flight finish first."""
+        """New writes from the region are refused; writes in flight finish first. The buffer stays
+        referenced by the engine until the NIC has released every write in flight from it."""
         self._native.deregister(region._native)
         _drain_log()
 
