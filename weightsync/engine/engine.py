@@ -49,6 +49,7 @@ import numpy as np
 
 from weightsync import _ext
 from weightsync.engine.descriptors import Address, Descriptor
+from weightsync.engine.topology import NicChoice, engine_nics, given_nics
 from weightsync.errors import TimeoutError, TransportError  # noqa: A004
 
 log = logging.getLogger("weightsync.engine")
@@ -65,15 +66,20 @@ def _drain_log() -> None:
         log.log(level, "%s", message)
 
 
-def _default_nics(provider: str) -> list[str]:
-    env = os.environ.get("WEIGHTSYNC_NICS")
-    if env:
-        return [n for n in env.split(",") if n]
+def _default_nics(provider: str, nics: Sequence[str] | None, gpu: int | None) -> NicChoice:
+    """The engine's NICs and why: ``nics``, else ``$WEIGHTSYNC_NICS`` (comma-separated domain names),
+    else those of the provider's NICs nearest CUDA device ``gpu`` (same PCIe switch, else NUMA node,
+    else all), or nearest the calling thread's CPUs for a CPU-memory engine (``gpu=None``); the rules
+    are weightsync.engine.topology's."""
+    given = given_nics(nics)
+    if given is not None:
+        return given
     if provider.startswith("tcp"):
-        # TCP has one "NIC" per network interface. Loopback is the safe default for one host; pass
-        # nics=["eth0"] (or set WEIGHTSYNC_NICS) for engines on different hosts.
-        return ["lo"]
-    return [domain for _prov, domain, _fabric in _ext.discover(provider)]
+        # TCP has one "NIC" per network interface. Loopback is the safe default for one host (it has
+        # no PCI device, so the choice keeps it); pass nics=["eth0"] (or set WEIGHTSYNC_NICS) for
+        # engines on different hosts.
+        return engine_nics(["lo"], provider, gpu)
+    return engine_nics([domain for _prov, domain, _fabric in _ext.discover(provider)], provider, gpu)
 
 
 @dataclass(frozen=True)
@@ -322,8 +328,11 @@ class TransferEngine:
     host; an error where CUDA is unusable) or "auto" (the cuda lane where CUDA and a GPU are available).
     A peer is written through the cuda lane when both engines have one and share a host; otherwise, and
     for every immediate, through the fabric NICs.
-    ``nics``: libfabric domain names to use (every one gets a worker thread); ``None`` picks all of the
-    provider's, or loopback for TCP. ``provider``: e.g. "efa", "verbs;ofi_rxm", "tcp;ofi_rxm"; ``None``
+    ``nics``: libfabric domain names to use (every one gets a worker thread); ``None`` picks
+    ``$WEIGHTSYNC_NICS`` (comma-separated) if set, else the provider's NICs nearest this engine's GPU
+    (its cuda lane's, or ``cuda_device``'s for a fabric-only engine; the calling thread's NUMA node
+    without one), or loopback for TCP; ``nic_choice`` says which and why.
+    ``provider``: e.g. "efa", "verbs;ofi_rxm", "tcp;ofi_rxm"; ``None``
     picks the first of those available (or ``$WEIGHTSYNC_PROVIDER``). ``cuda_device``: the process-local
     ordinal of this engine's GPU (default: torch's current device). ``cuda_piece``: bytes per copy on the
     cuda lane (0, the default: one copy per write, which measured best: see docs/BENCHMARKS.md);
@@ -379,8 +388,12 @@ class TransferEngine:
         config = _ext.EngineConfig()
         config.transport = "fabric"  # the C++ engine's lane policy: NIC lanes, plus the cuda lane below
         config.provider = provider or os.environ.get("WEIGHTSYNC_PROVIDER") or _ext.pick_provider()
-        config.nics = list(nics) if nics is not None else _default_nics(config.provider)
         config.cuda_device = _cuda_lane(transport, cuda_device)
+        # NICs are chosen near the cuda lane's GPU, or near the GPU named for a fabric-only engine.
+        near = cuda_device if cuda_device is not None else (config.cuda_device if config.cuda_device >= 0
+                                                            else None)
+        self._nic_choice = _default_nics(config.provider, nics, near)
+        config.nics = list(self._nic_choice.nics)
         given = {
             "stripe_threshold": stripe_threshold, "max_piece": max_piece, "window_bytes": window_bytes,
             "window_ops": window_ops, "stall_timeout_s": stall_timeout, "cuda_piece": cuda_piece,
@@ -402,7 +415,8 @@ class TransferEngine:
             list(self._native.doorbell_bases), list(self._native.doorbell_keys),
         ).pack()
         """What a peer passes to ``connect`` (opaque msgpack bytes)."""
-        log.debug("engine %s on %s NICs %s", self.uid[:8], self.provider, self.nics)
+        log.info("engine %s on %s NICs %s: %s", self.uid[:8], self.provider, ",".join(self.nics),
+                 self._nic_choice.reason)
 
     @classmethod
     def _for_tests(cls, *args: Any, stage_host_sources: bool = False, land_host_regions: bool = False,
@@ -432,6 +446,12 @@ class TransferEngine:
     def nics(self) -> list[str]:
         """Names of its NIC lanes (libfabric domains), in NIC order."""
         return list(self._native.nic_names)
+
+    @property
+    def nic_choice(self) -> NicChoice:
+        """Why these NICs: ``reason`` in words, ``locality`` ("switch", "numa", "all" or "given" by
+        ``nics=``/``$WEIGHTSYNC_NICS``), the GPU's PCI address and the candidates (``as_dict()``)."""
+        return self._nic_choice
 
     @property
     def lanes(self) -> list[tuple[str, _ext.LaneCaps]]:
