@@ -51,6 +51,8 @@ def main() -> int:
                     "namespaces joined by two rate-limited veth pairs (needs root); adds NIC cuts")
     ap.add_argument("--push-timeout", type=float, default=5.0)
     ap.add_argument("--fault-rate", type=float, default=0.6)
+    ap.add_argument("--max-minutes", type=float, help="stop drawing pushes after this long (then one final "
+                    "clean push and the summary)")
     ap.add_argument("--json", help="also write the summary to this file")
     ap.add_argument("--quiet", action="store_true", help="no per-push log")
     args = ap.parse_args()
@@ -65,6 +67,7 @@ def main() -> int:
     try:
         cfg = Config(pushes=args.pushes, seed=args.seed, netns=args.netns, push_timeout=args.push_timeout,
                      dest_push_timeout=args.push_timeout, fault_rate=args.fault_rate,
+                     max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
                      log=None if args.quiet else lambda m: print(m, flush=True))
         start = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         summary = Campaign(cfg).run()

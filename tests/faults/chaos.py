@@ -415,6 +415,7 @@ class Config:
     hang_margin: float = 60.0          # an actor call this much past its own bound is a hang
     fault_rate: float = 0.6            # share of pushes with a fault (the rest: "none")
     rates_mbit: list[int] = field(default_factory=lambda: [400, 200])
+    max_seconds: float | None = None   # stop drawing pushes after this long (then the final push)
     log: Callable[[str], None] | None = None
 
 
@@ -766,6 +767,9 @@ class Campaign:
             # Warm-up: one clean push that every later check builds on.
             self._push_once("none", count=False)
             for i in range(self.cfg.pushes):
+                if self.cfg.max_seconds is not None and time.monotonic() - self.t0 > self.cfg.max_seconds:
+                    self._log(f"time budget of {self.cfg.max_seconds:.0f} s spent after {i} fault pushes")
+                    break
                 try:
                     self._push_once(self._pick(i))
                 except Hang:
@@ -833,7 +837,8 @@ class Campaign:
         return {
             "seed": self.cfg.seed, "netns": self.cfg.netns, "sources": self.cfg.sources,
             "destinations": dict(enumerate(self.modes)),
-            "pushes": self.cfg.pushes + 2, "pushes_ok": self.pushes_ok, "pushes_failed": self.pushes_failed,
+            "pushes": self.pushes_ok + self.pushes_failed, "pushes_ok": self.pushes_ok,
+            "pushes_failed": self.pushes_failed,
             "faults": {k: self.faults[k] for k in FAULT_KINDS if k in self.faults},
             "replacements": self.replacements,
             "versions_checked": dict(versions), "reads": dict(reads), "inplace_reads_raced": raced,
