@@ -7,8 +7,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from weightsync.engine.topology import NicChoice, choose_nics, given_nics, nic_l
 VERBS = "verbs;ofi_rxm"
 EFA = "efa"
 TCP = "tcp;ofi_rxm"
+HAVE_CUDA_PYTHON = importlib.util.find_spec("cuda") is not None
 
 
 class Sysfs:
@@ -29,9 +33,10 @@ class Sysfs:
         (root / "devices").mkdir(parents=True)
         (root / "bus" / "pci" / "devices").mkdir(parents=True)
 
-    def pci(self, host_bridge: str, *chain: str, numa: int = -1) -> str:
+    def pci(self, host_bridge: str, *chain: str, numa: int = -1, ids: tuple[str, str] | None = None) -> str:
         """PCI functions ``chain`` (root port first, the device last) under ``host_bridge``
-        (``pci0000:17``), each with its ``numa_node`` and its ``bus/pci/devices`` link. The device's BDF."""
+        (``pci0000:17``), each with its ``numa_node`` and its ``bus/pci/devices`` link; ``ids``: the
+        device's ``vendor`` and ``class``. The device's BDF."""
         path = self.root / "devices" / host_bridge
         for bdf in chain:
             path = path / bdf
@@ -40,6 +45,9 @@ class Sysfs:
             link = self.root / "bus" / "pci" / "devices" / bdf
             if not link.is_symlink():
                 link.symlink_to(os.path.relpath(path, link.parent))
+        if ids:
+            (path / "vendor").write_text(ids[0] + "\n")
+            (path / "class").write_text(ids[1] + "\n")
         return chain[-1]
 
     def _function_dir(self, bdf: str) -> Path:
@@ -90,12 +98,17 @@ def sysfs(tmp_path: Path) -> Sysfs:
     return Sysfs(tmp_path / "sys")
 
 
-def switch(tree: Sysfs, base_bus: int, endpoints: int, numa: int) -> list[str]:
+NVIDIA_3D = ("0x10de", "0x030200")
+
+
+def switch(tree: Sysfs, base_bus: int, endpoints: int, numa: int, gpu_first: bool = False) -> list[str]:
     """A root port on host bridge ``pci0000:<base_bus>`` with a PCIe switch below it (upstream port,
-    one downstream port per endpoint); the endpoints' BDFs, in order."""
+    one downstream port per endpoint); the endpoints' BDFs, in order (``gpu_first``: the first endpoint
+    has an NVIDIA GPU's vendor and class)."""
     hb = f"pci0000:{base_bus:02x}"
     root_port, upstream = bdf(base_bus, 1), bdf(base_bus + 1)
-    return [tree.pci(hb, root_port, upstream, bdf(base_bus + 2, i), bdf(base_bus + 3 + i), numa=numa)
+    return [tree.pci(hb, root_port, upstream, bdf(base_bus + 2, i), bdf(base_bus + 3 + i), numa=numa,
+                     ids=NVIDIA_3D if gpu_first and i == 0 else None)
             for i in range(endpoints)]
 
 
@@ -104,15 +117,19 @@ def two_sockets(tree: Sysfs) -> None:
 
 
 # --- layouts of the issue ---------------------------------------------------------------------------------
-def test_eight_gpus_eight_nics_one_per_switch(sysfs: Sysfs) -> None:
-    """A DGX-H100-like node: each PCIe switch holds one GPU and one ConnectX NIC."""
+def dgx(sysfs: Sysfs) -> tuple[list[str], list[str]]:
+    """A DGX-H100-like node: each PCIe switch holds one GPU and one ConnectX NIC. (GPUs, NICs)."""
     two_sockets(sysfs)
     gpus = []
     for i in range(8):
-        gpu, nic = switch(sysfs, 0x10 + 0x10 * i, 2, numa=i // 4)
+        gpu, nic = switch(sysfs, 0x10 + 0x10 * i, 2, numa=i // 4, gpu_first=True)
         sysfs.ibdev(f"mlx5_{i}", nic)
         gpus.append(gpu)
-    nics = [f"mlx5_{i}" for i in range(8)]
+    return gpus, [f"mlx5_{i}" for i in range(8)]
+
+
+def test_eight_gpus_eight_nics_one_per_switch(sysfs: Sysfs) -> None:
+    gpus, nics = dgx(sysfs)
     for i, gpu in enumerate(gpus):
         choice = choose_nics(nics, VERBS, gpu, sysfs=str(sysfs.root))
         assert choice.nics == (f"mlx5_{i}",), choice
@@ -302,7 +319,7 @@ def test_loopback_on_this_machine_has_no_locality() -> None:
     assert choice.reason == "no locality information (lo: no PCI device): all NICs"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cuda") is not None, reason="cuda-python is installed here")
+@pytest.mark.skipif(HAVE_CUDA_PYTHON, reason="cuda-python is installed here")
 def test_gpu_engine_without_cuda_python_takes_all_nics() -> None:
     bdf_, why = topology.gpu_pci_bus_id(0)
     assert bdf_ is None and "cuda-python is not installed" in why
@@ -338,3 +355,22 @@ def test_engine_shows_and_logs_its_choice(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("WEIGHTSYNC_NICS", "lo,lo")
     with TransferEngine("fabric") as eng:
         assert eng.nic_choice.reason == "given by WEIGHTSYNC_NICS" and eng.nics == ["lo", "lo"]
+
+
+@pytest.mark.skipif(HAVE_CUDA_PYTHON, reason="GPUs come from the CUDA driver here")
+def test_script_prints_each_gpus_choice(sysfs: Sysfs) -> None:
+    """scripts/nic_topology.py on a fixture sysfs: without cuda-python it finds the GPUs in sysfs."""
+    gpus, nics = dgx(sysfs)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "nic_topology.py"
+    out = subprocess.run([sys.executable, str(script), "--sysfs", str(sysfs.root), "--provider", VERBS,
+                          "--nics", ",".join(nics), "--json"], capture_output=True, text=True, timeout=60,
+                         check=True, env={**os.environ, "WEIGHTSYNC_NICS": ""})
+    report = json.loads(out.stdout)
+    engines = report["engines"]
+    assert [e["gpu"] for e in engines[:-1]] == gpus
+    assert [e["nics"] for e in engines[:-1]] == [[nic] for nic in nics]
+    assert engines[-1]["gpu"] is None and engines[-1]["engine"].startswith("CPU")
+    assert report["nics"]["mlx5_3"]["bdf"] == bdf(0x10 + 0x10 * 3 + 4)
+    text = subprocess.run([sys.executable, str(script), "--sysfs", str(sysfs.root), "--provider", VERBS,
+                           "--nics", ",".join(nics)], capture_output=True, text=True, timeout=60, check=True)
+    assert f"-> mlx5_0: same PCIe switch as GPU {gpus[0]}" in text.stdout
