@@ -132,8 +132,6 @@ def test_replacement_source_writes_the_shadow_the_destination_receives_into(ray_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="issue 15 case 2: the direct receive loop waits out a dead version "
-                   "for the full push_timeout and never notices the new plan epoch")
 def test_destination_abandons_a_dead_version_when_a_new_plan_arrives(ray_cluster) -> None:
     """Two sources, one inplace destination with a long ``push_timeout`` (60 s). Source 1 dies; source 0
     pushes version 2 alone, which cannot complete (and times out on source 0, as it should). A replacement

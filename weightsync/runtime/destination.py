@@ -29,6 +29,10 @@ from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.relay import RelayMember, consumed
 from weightsync.wire import ACK, ACK_RECORD, ANNOUNCE, ANNOUNCE_RECORD, SLOT_BYTES, data_imm
 
+# How often a waiting destination looks for a newer plan or version (the native wait itself returns the
+# moment the last immediate arrives; this bounds only how late a dead version is given up).
+WAIT_SLICE_S = 0.02
+
 
 class Destination(Participant):
     """A rollout rank: receives into its tensors (``inplace``) or into shadows (``staged``)."""
@@ -67,6 +71,7 @@ class Destination(Participant):
         self._expected = 0
         self._relay: RelayMember | None = None  # this member's place in the relay chain, if any
         self._stop = threading.Event()
+        self._announces = self.engine.counter(ANNOUNCE)
         self._join(descriptors)
         self._thread = threading.Thread(target=self._run, name=f"weightsync-{group}-dst{rank}", daemon=True)
         self._thread.start()
@@ -93,11 +98,6 @@ class Destination(Participant):
                       self.epoch, self._expected, sorted(self._sources),
                       "" if self._relay is None else
                       f", relay position {self._relay.position} of chain {self._relay.chain}")
-
-    def _newer_epoch(self) -> int | None:
-        """A plan epoch newer than this destination's that a source has announced, or None."""
-        newest = int(self._mailbox["epoch"].max())
-        return newest if newest > self.epoch else None
 
     # -- what users observe ---------------------------------------------------------------------
     @property
@@ -152,7 +152,7 @@ class Destination(Participant):
 
     # -- the receiving thread --------------------------------------------------------------------
     def _run(self) -> None:
-        announce = self.engine.counter(ANNOUNCE)
+        announce = self._announces
         while not self._stop.is_set():
             try:
                 announce.wait(1, timeout=0.2)
@@ -185,19 +185,25 @@ class Destination(Participant):
         counter = self.engine.counter(data_imm(self.epoch, target))
         deadline = time.monotonic() + self._push_timeout
         complete = False
+        reason: str | None = None
         acks = self._arm_acks(counter, target) if self._relay is None and self.mode == "inplace" else None
         if self._relay is not None:
             if self._relay.armed != self.epoch:
                 # Staged: the shadows are known only now; or the first push after a failed one.
                 self._relay.arm(self.epoch, buffer, succ_buffer)
-            complete = self._relay.wait(deadline, self._stop, self._newer_epoch)
+            complete, reason = self._relay.wait(deadline, self._stop, lambda: self._superseded(target))
         while self._relay is None and not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                counter.wait(self._expected, timeout=min(0.2, max(deadline - time.monotonic(), 0.01)))
+                # Short slices: the native wait returns the moment the last immediate arrives, and between
+                # slices a newer plan or version that makes this one dead is noticed at once.
+                left = max(deadline - time.monotonic(), 0.001)
+                counter.wait(self._expected, timeout=min(WAIT_SLICE_S, left))
                 complete = True
                 break
             except TimeoutError:
-                continue
+                reason = self._superseded(target)
+                if reason is not None:
+                    break
         if not complete and acks:
             # Too late for the ack to go out unless it already has: then every immediate was here. Every
             # trigger is cancelled (a list, not all()'s short cut): none may ack an abandoned version later.
@@ -208,14 +214,9 @@ class Destination(Participant):
                 except TimeoutError:
                     pass
         if not complete:
-            with self._lock:
-                self._landing = None
-            counter.reset()
-            if self._relay is not None:
-                # Forget this push's triggers and pieces; the next push re-arms from the totals then.
-                self._relay.reset()
-            self.log.warning("destination %d: version %d incomplete after %s s (a source failed?)", self.rank,
-                             target, self._push_timeout)
+            self._abandon(target, counter, reason or (
+                "closing" if self._stop.is_set() else
+                f"incomplete after {self._push_timeout} s (a source failed?)"))
             return
         with self._lock:
             # The next push writes the other shadow; wait out an apply() that may be reading it.
@@ -245,6 +246,33 @@ class Destination(Participant):
                 self._relay.arm(self.epoch, 0, 0)
             else:
                 self._relay.disarm()
+
+    def _superseded(self, target: int) -> str | None:
+        """Why version ``target`` can no longer complete here, or None: a source announced a newer plan
+        epoch (membership changed: the version's writers are not this plan's any more) or a newer version
+        of this epoch (the sources gave up on ``target``). Announces are only peeked at (credits left for
+        the receiving loop, which then lands the newer one at once)."""
+        if self._announces.value == 0:
+            return None
+        slots = self._mailbox
+        newest_epoch = int(slots["epoch"].max())
+        if newest_epoch > self.epoch:
+            return f"a source announced plan epoch {newest_epoch} (this version is of epoch {self.epoch})"
+        current = slots["version"][slots["epoch"] == self.epoch]
+        if len(current) and int(current.max()) > target:
+            return f"a source announced version {int(current.max())} of the same plan"
+        return None
+
+    def _abandon(self, target: int, counter: Any, reason: str) -> None:
+        """Gives version ``target`` up: it stops landing, its credits (and the relay's) are dropped, so
+        that nothing that arrives for it later can count for another version."""
+        with self._lock:
+            self._landing = None
+        counter.reset()
+        if self._relay is not None:
+            # Forget this push's triggers and pieces; the next push re-arms from the totals then.
+            self._relay.reset()
+        self.log.warning("destination %d: version %d abandoned: %s", self.rank, target, reason)
 
     def _arm_acks(self, counter: Any, version: int) -> list[tuple[int, Any]] | None:
         """``inplace``: one trigger per source, so that the engine's own thread acks ``version`` the moment

@@ -90,26 +90,26 @@ class RelayMember:
         self.forwards = []
         self.armed = None
 
-    def wait(self, deadline: float, stop: threading.Event, newer_epoch: Callable[[], int | None]) -> bool:
-        """Every relay chunk of this push has landed here (one push's pieces of each, consumed).
-        ``newer_epoch()``: a plan epoch newer than this one that a source announced, or None."""
+    def wait(self, deadline: float, stop: threading.Event, superseded: Callable[[], str | None],
+             slice_s: float = 0.02) -> tuple[bool, str | None]:
+        """Every relay chunk of this push has landed here (one push's pieces of each, consumed):
+        (True, None); else (False, why). ``superseded()``: why this push can no longer complete (a newer
+        plan or version was announced: a member before this one failed, or the sources gave up), or None."""
         for counter, pieces in zip(self.counters, self.pieces, strict=True):
             while True:
                 left = deadline - time.monotonic()
-                if stop.is_set() or left <= 0:
-                    return False
+                if stop.is_set():
+                    return False, "closing"
+                if left <= 0:
+                    return False, None
                 try:
-                    counter.wait(pieces, timeout=min(0.2, max(left, 0.01)))
+                    counter.wait(pieces, timeout=min(slice_s, max(left, 0.001)))
                     break
                 except TimeoutError:
-                    # A newer plan announced: a member before this one failed and this push cannot
-                    # complete here (it starves behind it); give up now rather than at the deadline.
-                    newer = newer_epoch()
-                    if newer is not None:
-                        self.log.warning("destination %d: relay push abandoned for plan epoch %d", self.rank,
-                                         newer)
-                        return False
-        return True
+                    reason = superseded()
+                    if reason is not None:
+                        return False, reason
+        return True, None
 
     def reset(self) -> None:
         """Forgets this push's triggers and pieces; the next push re-arms from the totals then."""
