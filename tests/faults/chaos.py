@@ -779,16 +779,24 @@ class Campaign:
                     self._log(f"harness error: {traceback.format_exc()}")
             # A final clean push: every destination (also every replacement) must then hold it.
             self.fresh |= set(range(len(self.dests)))
-            self._push_once("none", count=False)
+            try:
+                self._push_once("none", count=False)
+            except Exception as exc:  # the summary must still come out
+                self.errors[f"harness:{type(exc).__name__}"] += 1
+                self._log(f"harness error in the final push: {traceback.format_exc()}")
             for j in sorted(self.fresh):
-                # Alive (it answers) but not brought up to date by a clean push with every source up: it was
-                # dropped from the plan (reported failed while stopped, say) and never taken back.
-                held = self._get(self.dests[j].version.remote(), 30.0, f"destination {j} version")
+                # Not brought up to date by a clean push with every source up: dropped from the plan
+                # (reported failed while stopped, say) and never taken back, or its replacement never joined.
+                try:
+                    held: Any = self._get(self.dests[j].version.remote(), 30.0, f"destination {j} version")
+                except Exception as exc:
+                    held = f"nothing ({type(exc).__name__}: it is not running)"
                 self.left_behind.append(j)
                 self.expect_failures.append(f"destination {j} ({self.modes[j]}) left behind: holds version "
                                             f"{held} after the final clean push of version {self.version}")
             for j in range(len(self.dests)):
-                self._collect(j)
+                if ("destination", j) not in self.missing:
+                    self._collect(j)
             return self.summary()
         finally:
             self.teardown()
