@@ -489,3 +489,14 @@ def test_part_for_one_participant_round_trips() -> None:
     assert len(part.for_source(1)) == 0
     d = Plan.from_msgpack(p.part(destinations=[1]).to_msgpack())
     assert d.expected_for_destination(1).nbytes == p.expected_for_destination(1).nbytes == g.nbytes
+
+
+def test_no_destinations_is_an_empty_plan() -> None:
+    # Every destination reported dead and none rejoined yet: the coordinator still plans for the sources
+    # (it used to die in the planner with numpy's IndexError and take the joining source with it).
+    g = _global((8, 6), np.float32, 3)
+    sources = [describe_tensors({"w": Sharded(half, (8, 6), (4 * i, 0))})
+               for i, half in enumerate(np.split(g, 2))]
+    p = plan(sources, [])
+    assert len(p) == 0 and p.num_sources == 2 and p.num_destinations == 0
+    assert len(p.for_source(0)) == 0 and len(p.for_source(1)) == 0

@@ -126,6 +126,13 @@ class _Planner(_Intersection, _Checks, _Fp8Tiles, _Scheduling):
         self._check_bounds()
         self._check_destinations()
         lap("checks")
+        if self.R == 0:
+            # Every destination is gone (all reported dead, replacements not joined yet): nothing to
+            # write, and the sources must still get a plan (of no ops) rather than an error.
+            self.stats.update(writes=0, dest_bytes_max=0, seconds=times)
+            return Plan(np.zeros(0, OP_DTYPE), self.T, 0, self.keys, self.names,
+                        [DTYPES[int(c)] for c in self.g_dtype], [DTYPES[int(c)] for c in self.g_dst_dtype],
+                        stats=self.stats, fp8_block=self.fp8_block)
         self._holders()
         lap("holders")
         self._pieces()
