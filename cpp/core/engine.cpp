@@ -307,6 +307,8 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
   peer->paths.resize(workers_.size());
   peer->remote_nic.resize(workers_.size());
   peer->path_failed.reset(new std::atomic<bool>[workers_.size()]);
+  peer->path_progress_ns.reset(new std::atomic<int64_t>[workers_.size()]);
+  for (size_t i = 0; i < workers_.size(); ++i) peer->path_progress_ns[i] = 0;
   peer->doorbell_base = doorbell_base;
   peer->doorbell_key = doorbell_key;
   if (doorbell_base.size() != addresses.size() || doorbell_key.size() != addresses.size()) {
@@ -744,6 +746,7 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
     Piece* t = trailer_piece(op, transfer, dst, op.dst_off);
     t->has_imm = true;
     t->nic = fixed_nic;
+    t->delivery = fabric_delivery_complete_;
     if (data.empty()) {
       data.push_back(t);
     } else {
@@ -758,6 +761,10 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
   }
   for (uint64_t k = 0; k < data.size(); ++k) {
     Piece* p = data[k];
+    // Every fabric write completes only once placed at the target: a write lost with its connection
+    // (a peer that dropped it after refusing another write, a link cut with bytes in a socket buffer)
+    // then comes back as an error and is retried, instead of completing locally as if it had landed.
+    p->delivery = p->delivery || fabric_delivery_complete_;
     if (!src->on_fabric && p->src == src) {
       // The NICs cannot read this source: the piece goes through a staging slot, its NIC picked then.
       p->stage = 1;
@@ -827,6 +834,7 @@ void Engine::send_signals(Piece* copy) {
     s->dst = bell;
     s->has_imm = true;
     s->imm = copy->imm;
+    s->delivery = fabric_delivery_complete_;
     int nic = pick_nic(*bell->peer, rr_++);
     if (nic < 0) {
       piece_failed(s, bell->peer->label + " is unreachable on every NIC to deliver a copy's completion");
@@ -853,7 +861,6 @@ void Engine::reroute(Piece* p, int failed_nic, const std::string& why) {
     std::lock_guard<std::mutex> lock(peer.mu);
     peer.last_error = "NIC " + workers_[failed_nic]->lane().nic_name() + ": " + why;
   }
-  peer.path_failed[failed_nic] = true;
   if (closed_) {
     piece_failed(p, "engine closed");
     return;

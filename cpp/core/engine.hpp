@@ -127,7 +127,11 @@ struct Peer {
   std::string label;  // printable, for error messages
   std::vector<uint64_t> paths;     // lane-level peer handle per lane (insert_peer)
   std::vector<int> remote_nic;     // remote NIC paired with local NIC i
+  // Per lane: whether the path through it failed (writes move to the other NICs; a probe restores
+  // it), and when it last completed a write (steady-clock ns): a stalled path is taken for failed only
+  // while another path to the same peer made progress (then the NIC, not the peer, is the problem).
   std::unique_ptr<std::atomic<bool>[]> path_failed;
+  std::unique_ptr<std::atomic<int64_t>[]> path_progress_ns;
   size_t remote_nics = 0;
   bool cuda = false;                 // same host, both engines have a cuda lane
   bool cuda_imm = false;             // the cuda lane delivers immediates itself (shared-memory ring)
@@ -185,6 +189,8 @@ struct Piece {
   int nic = -1;
   uint64_t signals = 0;  // cuda lane: immediates to deliver over a fabric NIC once the copy is done
   bool stale = false;  // superseded by a retry on another NIC; its completion is ignored
+  uint64_t seq = 0;     // its place in its peer's queue on the worker it is queued on (posting order)
+  int conn_errors = 0;  // times its connection was dropped under it (a peer that keeps refusing it)
   bool tagged = false;  // into a landing region: a tagged message, not an RMA write
   int fixed_nic = -1;   // landing: every message of the op on this NIC (send order = landing order)
 };
@@ -238,7 +244,17 @@ class LaneWorker {
 
  private:
   void run();
+  struct PeerQueue;
   void post_pending();
+  // Posts from one peer's queue until it is empty, refused (EAGAIN, back-off) or the window is full;
+  // false when the window is full.
+  bool post_queue(PeerQueue& q, std::chrono::steady_clock::time_point now);
+  void enqueue(Piece* p);
+  void mark_ready(uint64_t peer_id, PeerQueue& q);
+  void forget_if_idle(uint64_t peer_id);
+  bool window_full(uint64_t next_len) const;
+  // Whether another NIC's path to `peer` completed a write within the stall timeout.
+  bool sibling_progressed(const Peer& peer, std::chrono::steady_clock::time_point now) const;
   void handle(const Completion& c);
   void fail_path(Peer* peer, const std::string& why);
   void check_stalls();
@@ -260,18 +276,26 @@ class LaneWorker {
   bool stop_ = false;
   std::thread thread_;
 
-  // Worker-thread state.
-  std::deque<Piece*> pending_;
+  // Worker-thread state. One FIFO per peer (a path is (peer, this NIC)): every ordering the engine
+  // relies on is per path, and a peer the provider keeps refusing (EAGAIN while it cannot connect) or
+  // that stalls holds back only its own queue, never another peer's writes.
+  struct PeerQueue {
+    Peer* peer = nullptr;  // kept alive by the pieces queued or in flight to it
+    std::deque<Piece*> pending;  // in `seq` order
+    uint64_t outstanding = 0;
+    std::chrono::steady_clock::time_point progress{};       // last completion (or first post after idle)
+    std::chrono::steady_clock::time_point blocked_since{};  // its head refused with EAGAIN since
+    std::chrono::steady_clock::time_point retry_at{};       // no post before this (back-off)
+    int eagain_streak = 0;
+    int conn_errors = 0;  // connections dropped since the last success: while > 0, one write at a time
+    bool ready = false;   // listed in ready_
+  };
+  std::unordered_map<uint64_t, PeerQueue> queues_;  // by peer id
+  std::deque<uint64_t> ready_;                       // peers with queued pieces, served round robin
+  uint64_t next_seq_ = 1;
   std::unordered_set<Piece*> outstanding_;
   std::vector<Piece*> stale_;  // superseded pieces the provider may still complete
   uint64_t outstanding_bytes_ = 0;
-  struct PathClock {
-    Peer* peer = nullptr;  // kept alive by the pieces in flight to it
-    uint64_t outstanding = 0;
-    std::chrono::steady_clock::time_point progress;
-  };
-  std::unordered_map<uint64_t, PathClock> path_clock_;  // by peer id
-  std::chrono::steady_clock::time_point blocked_since_{};  // head of pending_ refused with EAGAIN since
   std::chrono::steady_clock::time_point last_stall_check_{};
 
   // Landing ring (fabric NICs). Receives match messages in the order they were posted, and buffers

@@ -143,6 +143,10 @@ class Lane {
   virtual void deregister(const MemRegistration& reg) = 0;
 
   virtual uint64_t insert_peer(const std::string& address) = 0;
+  // Drops the lane's connection state for a peer handle and makes a fresh one to the same address
+  // (returned; may equal the old one). Writes still posted on the old connection come back as error
+  // completions; the next post connects again. Lanes without connections return `peer` unchanged.
+  virtual uint64_t reset_path(uint64_t peer) { return peer; }
   // Makes a peer's exported memory (MemRegistration::blob) writable from here; returns its address
   // (lanes with LaneCaps::maps_remote).
   virtual uint64_t import_remote(const std::string& blob) { (void)blob; return 0; }

@@ -37,11 +37,14 @@ LaneWorker::~LaneWorker() {
   lane_.reset();
   for (Piece* p : stale_) delete p;
   for (Piece* p : outstanding_) delete p;
-  for (Piece* p : pending_) delete p;
+  for (auto& [id, q] : queues_) {
+    for (Piece* p : q.pending) delete p;
+  }
   for (Piece* p : incoming_) delete p;
   stale_.clear();
   outstanding_.clear();
-  pending_.clear();
+  queues_.clear();
+  ready_.clear();
   incoming_.clear();
 }
 
@@ -134,7 +137,7 @@ void LaneWorker::run() {
     for (auto& cmd : commands) cmd(*lane_);
     const bool had_work = !commands.empty() || !incoming.empty();
     commands.clear();
-    for (Piece* p : incoming) pending_.push_back(p);
+    for (Piece* p : incoming) enqueue(p);
     incoming.clear();
     if (stopping) break;
 
@@ -151,28 +154,78 @@ void LaneWorker::run() {
       check_stalls();
     }
     if (completions.empty() && !had_work && outstanding_.size() == before) {
-      // Nothing happened: block in the provider until a completion, a signal, or a short timeout.
-      lane_->wait(kIdleWaitMs);
+      // Nothing happened: block in the provider until a completion, a signal, or a short timeout
+      // (short while some peer's queue waits out a back-off).
+      lane_->wait(ready_.empty() ? kIdleWaitMs : 1);
     }
   }
   shutdown_pieces();
 }
 
+void LaneWorker::enqueue(Piece* p) {
+  const uint64_t id = p->dst->peer->id;
+  PeerQueue& q = queues_[id];
+  q.peer = p->dst->peer.get();
+  p->seq = next_seq_++;
+  q.pending.push_back(p);
+  mark_ready(id, q);
+}
+
+void LaneWorker::mark_ready(uint64_t peer_id, PeerQueue& q) {
+  if (q.ready || q.pending.empty()) return;
+  q.ready = true;
+  ready_.push_back(peer_id);
+}
+
+void LaneWorker::forget_if_idle(uint64_t peer_id) {
+  auto it = queues_.find(peer_id);
+  if (it == queues_.end()) return;
+  const PeerQueue& q = it->second;
+  if (q.pending.empty() && q.outstanding == 0 && !q.ready && q.conn_errors == 0) queues_.erase(it);
+}
+
+bool LaneWorker::window_full(uint64_t next_len) const {
+  return outstanding_.size() >= window_ops_ ||
+         (outstanding_bytes_ > 0 && outstanding_bytes_ + next_len > window_bytes_);
+}
+
 void LaneWorker::post_pending() {
-  while (!pending_.empty()) {
-    Piece* p = pending_.front();
+  const auto now = Clock::now();
+  for (size_t n = ready_.size(); n > 0; --n) {
+    const uint64_t id = ready_.front();
+    ready_.pop_front();
+    auto it = queues_.find(id);
+    if (it == queues_.end()) continue;
+    PeerQueue& q = it->second;
+    q.ready = false;
+    bool room = true;
+    if (now >= q.retry_at) room = post_queue(q, now);
+    if (!q.pending.empty()) {
+      mark_ready(id, q);
+    } else {
+      forget_if_idle(id);
+    }
+    if (!room) return;  // the NIC's window is full: the rest wait for completions
+  }
+}
+
+bool LaneWorker::post_queue(PeerQueue& q, Clock::time_point now) {
+  while (!q.pending.empty()) {
+    Piece* p = q.pending.front();
     if (p->transfer->failed() && !p->stale) {
       // Its transfer already failed for good: do not spend the link on it.
-      pending_.pop_front();
+      q.pending.pop_front();
       engine_->piece_failed(p, p->transfer->error());
       continue;
     }
-    if (outstanding_.size() >= window_ops_ || (outstanding_bytes_ > 0 && outstanding_bytes_ + p->len > window_bytes_)) {
-      return;
-    }
+    if (window_full(p->len)) return false;
+    // After a dropped connection, one write at a time until one succeeds: the piece the peer refuses
+    // (and drops the connection over) then meets the new connection alone, not the writes behind it.
+    if (q.conn_errors > 0 && q.outstanding > 0) return true;
     const Peer& peer = *p->dst->peer;
     if (caps_.is_nic && peer.path_failed[index_].load()) {
-      pending_.pop_front();
+      q.pending.pop_front();
+      rerouted_++;
       engine_->reroute(p, index_, "path already failed");
       continue;
     }
@@ -204,11 +257,17 @@ void LaneWorker::post_pending() {
     }
     int rc = lane_->post_write(req);
     if (rc == -EAGAIN) {
-      if (blocked_since_ == Clock::time_point{}) blocked_since_ = Clock::now();
-      return;
+      // Refused for now (queue full, or a connection still being made): this peer backs off briefly;
+      // the others go on.
+      if (q.blocked_since == Clock::time_point{}) q.blocked_since = now;
+      const int shift = std::min(q.eagain_streak++, 7);
+      q.retry_at = now + std::min<Clock::duration>(std::chrono::microseconds(50 << shift),
+                                                     std::chrono::milliseconds(5));
+      return true;
     }
-    blocked_since_ = Clock::time_point{};
-    pending_.pop_front();
+    q.blocked_since = Clock::time_point{};
+    q.eagain_streak = 0;
+    q.pending.pop_front();
     if (rc != 0) {
       errors_++;
       if (!caps_.is_nic) {
@@ -216,7 +275,10 @@ void LaneWorker::post_pending() {
                                      " could not start on " + lane_->nic_name() + ": " +
                                      lane_->error_string(-rc));
       } else {
-        engine_->reroute(p, index_, "posting failed: " + lane_->error_string(-rc));
+        const std::string why = "posting failed: " + lane_->error_string(-rc);
+        fail_path(p->dst->peer.get(), why);
+        rerouted_++;
+        engine_->reroute(p, index_, why);
       }
       continue;
     }
@@ -224,11 +286,46 @@ void LaneWorker::post_pending() {
     outstanding_.insert(p);
     outstanding_bytes_ += p->len;
     in_flight_ = outstanding_.size();
-    PathClock& clock = path_clock_[peer.id];
-    clock.peer = p->dst->peer.get();
-    if (clock.outstanding++ == 0) clock.progress = Clock::now();
+    if (q.outstanding++ == 0) q.progress = now;
+  }
+  return true;
+}
+
+namespace {
+
+constexpr int kTruncated = 265;  // FI_ETRUNC: a message longer than the receive buffer it matched
+
+// How an error completion of a write is taken.
+enum class ErrClass {
+  kAccess,      // the target refused this write (bad key, out of bounds, too long): the same on every NIC
+  kConnection,  // the connection under it was dropped or reset (possibly by the target, refusing the
+                // write before it): the path is fine, the write is tried again on a new connection
+  kPath,        // the path itself is broken (unreachable, timed out): the write moves to another NIC
+};
+
+ErrClass classify(int err) {
+  switch (err) {
+    case EACCES:
+    case EINVAL:
+    case EPERM:
+    case EKEYREJECTED:
+    case EMSGSIZE:
+    case kTruncated:
+      return ErrClass::kAccess;
+    case EPIPE:
+    case ECONNRESET:
+    case ENOTCONN:
+    case ECONNABORTED:
+    case ECANCELED:
+      return ErrClass::kConnection;
+    default:
+      return ErrClass::kPath;
   }
 }
+
+constexpr auto kReconnectDelay = std::chrono::milliseconds(20);  // lets the provider finish the disconnect
+
+}  // namespace
 
 void LaneWorker::handle(const Completion& c) {
   if (c.kind == Completion::kRecv) {
@@ -260,33 +357,81 @@ void LaneWorker::handle(const Completion& c) {
   outstanding_bytes_ -= p->len;
   in_flight_ = outstanding_.size();
   Peer* peer = p->dst->peer.get();
-  PathClock& clock = path_clock_[peer->id];
-  if (clock.outstanding > 0) clock.outstanding--;
-  clock.progress = Clock::now();
+  const uint64_t peer_id = peer->id;
+  PeerQueue& q = queues_[peer_id];
+  q.peer = peer;
+  const auto now = Clock::now();
+  if (q.outstanding > 0) q.outstanding--;
+  q.progress = now;
   if (c.kind == Completion::kLocalDone) {
+    q.blocked_since = Clock::time_point{};  // the peer answers: a refusal to post is back-pressure
+    q.conn_errors = 0;
+    if (caps_.is_nic) {
+      peer->path_progress_ns[index_] =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
+    }
     bytes_completed_ += p->len;
     writes_completed_++;
     engine_->piece_done(p, index_);
+    mark_ready(peer_id, q);
+    forget_if_idle(peer_id);
     return;
   }
   errors_++;
   if (!caps_.is_nic) {
     // No other lane can copy GPU memory to this peer: the write fails.
     engine_->piece_failed(p, "copy to " + peer->label + " failed on " + lane_->nic_name() + ": " + c.message);
+    forget_if_idle(peer_id);
     return;
   }
-  // Access errors (a bad key, out of the region's bounds) are the same on every NIC: do not retry them.
-  const bool access_error = c.error == EACCES || c.error == EINVAL || c.error == EPERM || c.error == EKEYREJECTED;
-  if (access_error) {
-    engine_->piece_failed(p, "remote refused the write on NIC " + lane_->nic_name() + ": " + c.message);
-    return;
+  switch (classify(c.error)) {
+    case ErrClass::kAccess:
+      engine_->piece_failed(p, "remote refused the write on NIC " + lane_->nic_name() + ": " + c.message);
+      break;
+    case ErrClass::kConnection: {
+      // Refused at posting because the connection was already broken (never reached the peer) says
+      // nothing about this write; dropped while it was on the connection may be the peer refusing it.
+      const bool never_sent = c.error == EPIPE || c.error == ENOTCONN;
+      q.conn_errors++;
+      if (!never_sent) ++p->conn_errors;
+      if (!never_sent) {
+        q.blocked_since = Clock::time_point{};
+      } else if (q.blocked_since == Clock::time_point{}) {
+        q.blocked_since = now;  // no connection for as long as the stall timeout: the path failed
+      }
+      if (p->conn_errors >= 2) {
+        // Sent alone on a fresh connection and dropped again: the peer refuses this very write.
+        engine_->piece_failed(p, peer->label + " dropped the connection on NIC " + lane_->nic_name() +
+                                     " twice under this write (a region it deregistered, a wrong key or "
+                                     "an out-of-bounds write?): " + c.message);
+      } else {
+        // Back into the queue at its place: a path's writes keep their order.
+        auto at = std::upper_bound(q.pending.begin(), q.pending.end(), p,
+                                   [](const Piece* a, const Piece* b) { return a->seq < b->seq; });
+        q.pending.insert(at, p);
+        q.retry_at = now + std::min<Clock::duration>(kReconnectDelay * (1 << std::min(q.conn_errors - 1, 5)),
+                                                     std::chrono::milliseconds(500));
+      }
+      // Once nothing else is on the dropped connection, start a fresh one (the provider would
+      // otherwise keep the broken one and refuse every later write with EPIPE).
+      if (q.outstanding == 0) peer->paths[index_] = lane_->reset_path(peer->paths[index_]);
+      break;
+    }
+    case ErrClass::kPath:
+      fail_path(peer, c.message);
+      rerouted_++;
+      engine_->reroute(p, index_, c.message);
+      break;
   }
-  fail_path(peer, c.message);
-  rerouted_++;
-  engine_->reroute(p, index_, c.message);
+  mark_ready(peer_id, q);
+  forget_if_idle(peer_id);
 }
 
 void LaneWorker::fail_path(Peer* peer, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(peer->mu);
+    peer->last_error = "NIC " + lane_->nic_name() + ": " + why;
+  }
   // Mark the path first, so the engine routes the pieces below (and new writes) to other NICs.
   if (!peer->path_failed[index_].exchange(true)) failed_paths_++;
   // Everything in flight or queued to this peer on this NIC moves to the peer's other NICs.
@@ -304,37 +449,57 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
     rerouted_++;
     engine_->reroute(retry, index_, why);
   }
-  std::deque<Piece*> keep;
-  for (Piece* p : pending_) {
-    if (p->dst->peer.get() == peer) {
+  auto it = queues_.find(peer->id);
+  if (it != queues_.end()) {
+    PeerQueue& q = it->second;
+    std::deque<Piece*> queued;
+    queued.swap(q.pending);
+    q.outstanding = 0;
+    q.blocked_since = Clock::time_point{};
+    q.conn_errors = 0;
+    for (Piece* p : queued) {
       rerouted_++;
       engine_->reroute(p, index_, why);
-    } else {
-      keep.push_back(p);
     }
   }
-  pending_.swap(keep);
   in_flight_ = outstanding_.size();
-  path_clock_.erase(peer->id);
+}
+
+bool LaneWorker::sibling_progressed(const Peer& peer, Clock::time_point now) const {
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
+  const int64_t window_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(stall_timeout_).count();
+  for (size_t j = 0; j < engine_->num_nics(); ++j) {
+    if (static_cast<int>(j) == index_ || peer.path_failed[j].load()) continue;
+    const int64_t last = peer.path_progress_ns[j].load();
+    if (last != 0 && now_ns - last < window_ns) return true;
+  }
+  return false;
 }
 
 void LaneWorker::check_stalls() {
   const auto now = Clock::now();
-  std::vector<Peer*> stalled;
-  for (auto& [peer_id, clock] : path_clock_) {
-    if (clock.outstanding > 0 && now - clock.progress > stall_timeout_) stalled.push_back(clock.peer);
+  std::vector<std::pair<Peer*, std::string>> failing;
+  for (auto& [peer_id, q] : queues_) {
+    if (q.peer == nullptr || q.peer->path_failed[index_].load()) continue;
+    const bool stalled = q.outstanding > 0 && now - q.progress > stall_timeout_;
+    const bool blocked = !q.pending.empty() && q.blocked_since != Clock::time_point{} &&
+                         now - q.blocked_since > stall_timeout_;
+    if (!stalled && !blocked) continue;
+    const std::string secs = std::to_string(stall_timeout_.count());
+    if (blocked && q.outstanding == 0) {
+      // Nothing of ours in flight to it, and the provider has refused every write for that long: it
+      // cannot connect (the peer is gone, or the link is down).
+      failing.emplace_back(q.peer, "NIC " + lane_->nic_name() + " accepted no write to it for " + secs +
+                                       " s (cannot connect: link down or peer gone)");
+    } else if (sibling_progressed(*q.peer, now)) {
+      // Another NIC reaches the same peer meanwhile: this NIC's path, not the peer, is the problem.
+      failing.emplace_back(q.peer, "no completion on NIC " + lane_->nic_name() + " for " + secs +
+                                       " s while another NIC reached the peer (link down?)");
+    }
+    // Otherwise the peer is slow on every path (paused, or draining its landing ring slowly): that is
+    // back-pressure, not a failure. The writes stay posted; the caller's own timeout bounds the wait.
   }
-  for (Peer* peer : stalled) {
-    fail_path(peer, "no completion on NIC " + lane_->nic_name() + " for " +
-                           std::to_string(stall_timeout_.count()) + " s (link down or peer gone)");
-  }
-  if (!pending_.empty() && blocked_since_ != Clock::time_point{} && now - blocked_since_ > stall_timeout_) {
-    // The provider has refused new work for too long (for example while it keeps failing to connect).
-    blocked_since_ = Clock::time_point{};
-    fail_path(pending_.front()->dst->peer.get(),
-              "NIC " + lane_->nic_name() + " accepted no new write for " +
-                  std::to_string(stall_timeout_.count()) + " s");
-  }
+  for (auto& [peer, why] : failing) fail_path(peer, why);
 }
 
 void LaneWorker::start_landing(char* base, uint64_t slot_bytes, uint32_t count, void* desc) {
@@ -413,8 +578,11 @@ void LaneWorker::drain_landing() {
 }
 
 void LaneWorker::shutdown_pieces() {
-  for (Piece* p : pending_) engine_->piece_failed(p, "engine closed with the write queued");
-  pending_.clear();
+  for (auto& [id, q] : queues_) {
+    for (Piece* p : q.pending) engine_->piece_failed(p, "engine closed with the write queued");
+    q.pending.clear();
+  }
+  ready_.clear();
   std::vector<Piece*> incoming;
   {
     std::lock_guard<std::mutex> lock(mu_);

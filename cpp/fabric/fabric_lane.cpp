@@ -287,7 +287,24 @@ uint64_t FabricLane::insert_peer(const std::string& address) {
     throw TransportError("fi_av_insert of peer " + describe_address(address) + " failed on NIC " +
                          domain_ + ": " + fi_error(rc < 0 ? rc : -FI_EINVAL));
   }
+  peer_addresses_[addr] = address;
   return addr;
+}
+
+uint64_t FabricLane::reset_path(uint64_t peer) {
+  auto it = peer_addresses_.find(peer);
+  if (it == peer_addresses_.end()) return peer;
+  const std::string address = it->second;
+  // Removing the address closes rxm's connection to it (ops still on it complete with errors); the
+  // address inserted again connects afresh on the next post.
+  fi_addr_t old = peer;
+  if (fi_av_remove(av_, &old, 1, 0) != 0) return peer;
+  peer_addresses_.erase(it);
+  try {
+    return insert_peer(address);
+  } catch (const TransportError&) {
+    return old;  // not reachable any more: posting to it fails, and the path with it
+  }
 }
 
 int FabricLane::post_recv(void* buf, size_t len, void* desc, void* context) {

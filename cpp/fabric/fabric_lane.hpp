@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -46,6 +47,7 @@ class FabricLane final : public Lane {
   MemRegistration register_memory(void* ptr, size_t len, MemKind kind, int device) override;
   void deregister(const MemRegistration& reg) override;
   uint64_t insert_peer(const std::string& address) override;
+  uint64_t reset_path(uint64_t peer) override;
 
   int post_write(const WriteRequest& req) override;
   size_t poll(std::vector<Completion>& out, size_t max) override;
@@ -87,6 +89,8 @@ class FabricLane final : public Lane {
   // Contexts of the tagged receives posted now: their completions (and errors) are told apart from
   // those of our sends and of the zero-length receives for remote CQ data by this set, not by flags.
   std::unordered_set<void*> posted_recvs_;
+  // The address behind every peer handle inserted (reset_path inserts it again).
+  std::unordered_map<uint64_t, std::string> peer_addresses_;
   // Receive contexts for providers with FI_RX_CQ_DATA.
   std::vector<LaneContext> rx_ctx_;
   // A completion that wait() read while blocking in fi_cq_sread, handed out by the next poll().

@@ -46,6 +46,7 @@ void Engine::make_landing_pieces(const WriteOp& op, const std::shared_ptr<Transf
   auto announce = [&](size_t first, uint64_t dst_off) {
     Piece* t = on_nic(trailer_piece(op, transfer, dst, dst_off));
     t->has_imm = true;
+    t->delivery = fabric_delivery_complete_;
     if (data.size() == first) {
       data.push_back(t);  // nothing to wait for: it is an ordinary (empty) message
       return;
@@ -84,6 +85,9 @@ void Engine::make_landing_pieces(const WriteOp& op, const std::shared_ptr<Transf
     if (has_imm) announce(0, op.dst_off);  // one immediate for the whole block, after every row
   }
   for (Piece* p : data) {
+    // Complete at delivery where the provider can (see make_pieces): a message lost with its
+    // connection is an error, retried, not a silent success.
+    p->delivery = p->delivery || fabric_delivery_complete_;
     if (!src->on_fabric && p->src == src) {
       // The NICs cannot read this source: staged first; send_staged keeps it on fixed_nic.
       p->stage = 1;
