@@ -193,6 +193,7 @@ struct Piece {
   int conn_errors = 0;  // times its connection was dropped under it (a peer that keeps refusing it)
   bool tagged = false;  // into a landing region: a tagged message, not an RMA write
   int fixed_nic = -1;   // landing: every message of the op on this NIC (send order = landing order)
+  bool probe = false;   // a zero-length write into a peer's doorbell that tests a failed path (no transfer)
 };
 
 struct LaneStats {
@@ -203,7 +204,8 @@ struct LaneStats {
   uint64_t imm_received = 0;
   uint64_t errors = 0;
   uint64_t rerouted = 0;
-  uint64_t failed_paths = 0;
+  uint64_t failed_paths = 0;    // paths marked failed (cumulative)
+  uint64_t restored_paths = 0;  // failed paths a probe found working again (cumulative)
   uint64_t in_flight = 0;
   uint64_t landed = 0;           // messages copied into landing regions
   uint64_t landed_bytes = 0;
@@ -281,6 +283,7 @@ class LaneWorker {
   // that stalls holds back only its own queue, never another peer's writes.
   struct PeerQueue {
     Peer* peer = nullptr;  // kept alive by the pieces queued or in flight to it
+    std::shared_ptr<Peer> ref;   // ... and by this, for a path that fails (probed afterwards)
     std::deque<Piece*> pending;  // in `seq` order
     uint64_t outstanding = 0;
     std::chrono::steady_clock::time_point progress{};       // last completion (or first post after idle)
@@ -317,7 +320,19 @@ class LaneWorker {
   std::deque<uint32_t> land_repost_;  // refused with EAGAIN: posted again first, in order
 
   std::atomic<uint64_t> bytes_completed_{0}, writes_completed_{0}, imm_received_{0}, errors_{0},
-      rerouted_{0}, failed_paths_{0}, in_flight_{0}, landed_{0}, landed_bytes_{0}, landing_dropped_{0};
+      rerouted_{0}, failed_paths_{0}, restored_paths_{0}, in_flight_{0}, landed_{0}, landed_bytes_{0},
+      landing_dropped_{0};
+  // Failed paths of this NIC, probed with back-off until one answers (then restored). Holds the peer.
+  struct FailedPath {
+    std::shared_ptr<Peer> peer;
+    std::chrono::steady_clock::time_point next_probe{};
+    std::chrono::duration<double> backoff{0.5};
+    Piece* probe = nullptr;  // in flight
+    std::chrono::steady_clock::time_point probe_sent{};
+  };
+  std::unordered_map<uint64_t, FailedPath> failed_;  // by peer id
+  void probe_failed_paths();
+  void probe_answered(Piece* p, bool ok);
 };
 
 // One write of a batch. rows > 1 makes it 2-D: `rows` rows of `len` bytes, the rows `src_pitch` and
@@ -420,6 +435,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void close();
   bool closed() const { return closed_.load(); }
 
+  // The engine's doorbell (target and source of zero-length writes: signals, trailers, path probes).
+  const std::shared_ptr<LocalRegion>& doorbell() const { return doorbell_; }
   // Called by workers.
   void piece_done(Piece* p, int nic);
   // Routes a piece whose path (nic, peer) failed to another NIC, or fails it when none is left.

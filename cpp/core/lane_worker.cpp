@@ -36,6 +36,8 @@ LaneWorker::~LaneWorker() {
   // The lane (and its endpoint) goes first, so no completion can name a piece we free below.
   lane_.reset();
   for (Piece* p : stale_) delete p;
+  for (auto& [id, f] : failed_) delete f.probe;
+  failed_.clear();
   for (Piece* p : outstanding_) delete p;
   for (auto& [id, q] : queues_) {
     for (Piece* p : q.pending) delete p;
@@ -114,6 +116,7 @@ LaneStats LaneWorker::stats() {
   s.errors = errors_.load();
   s.rerouted = rerouted_.load();
   s.failed_paths = failed_paths_.load();
+  s.restored_paths = restored_paths_.load();
   s.in_flight = in_flight_.load();
   s.landed = landed_.load();
   s.landed_bytes = landed_bytes_.load();
@@ -166,6 +169,7 @@ void LaneWorker::enqueue(Piece* p) {
   const uint64_t id = p->dst->peer->id;
   PeerQueue& q = queues_[id];
   q.peer = p->dst->peer.get();
+  if (!q.ref) q.ref = p->dst->peer;
   p->seq = next_seq_++;
   q.pending.push_back(p);
   mark_ready(id, q);
@@ -346,6 +350,10 @@ void LaneWorker::handle(const Completion& c) {
     errors_++;
     return;
   }
+  if (p->probe && !p->stale) {
+    probe_answered(p, c.kind == Completion::kLocalDone);
+    return;
+  }
   if (p->stale) {
     // A piece we already gave up on and retried elsewhere: the retry owns the transfer now.
     auto it = std::find(stale_.begin(), stale_.end(), p);
@@ -360,6 +368,7 @@ void LaneWorker::handle(const Completion& c) {
   const uint64_t peer_id = peer->id;
   PeerQueue& q = queues_[peer_id];
   q.peer = peer;
+  if (!q.ref) q.ref = p->dst->peer;
   const auto now = Clock::now();
   if (q.outstanding > 0) q.outstanding--;
   q.progress = now;
@@ -384,7 +393,16 @@ void LaneWorker::handle(const Completion& c) {
     forget_if_idle(peer_id);
     return;
   }
-  switch (classify(c.error)) {
+  const ErrClass kind = classify(c.error);
+  if (peer->path_failed[index_].load() && kind != ErrClass::kAccess) {
+    // A write that was on the path when it failed, now out of the provider (its connection was reset):
+    // it did not land, so it is posted again elsewhere, the same piece, never a concurrent copy.
+    rerouted_++;
+    engine_->reroute(p, index_, c.message);
+    forget_if_idle(peer_id);
+    return;
+  }
+  switch (kind) {
     case ErrClass::kAccess:
       engine_->piece_failed(p, "remote refused the write on NIC " + lane_->nic_name() + ": " + c.message);
       break;
@@ -434,7 +452,19 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
   }
   // Mark the path first, so the engine routes the pieces below (and new writes) to other NICs.
   if (!peer->path_failed[index_].exchange(true)) failed_paths_++;
-  // Everything in flight or queued to this peer on this NIC moves to the peer's other NICs.
+  {
+    FailedPath& f = failed_[peer->id];
+    auto it = queues_.find(peer->id);
+    if (!f.peer && it != queues_.end()) f.peer = it->second.ref;
+    f.next_probe = Clock::now() + std::chrono::duration_cast<Clock::duration>(f.backoff);
+    if (!f.peer) failed_.erase(peer->id);  // no handle on it (cannot happen: it had pieces here)
+  }
+  // Everything queued or in flight to this peer on this NIC moves to the peer's other NICs. A piece in
+  // flight cannot be taken back from the provider (no cancel for RMA, and on tcp;ofi_rxm removing the
+  // address does not complete the ops still on its connection): the retry is a copy, and the original
+  // is superseded (its completion ignored, its source kept alive until then). If the original still
+  // lands, its bytes are the same, but they may land late and its immediate is counted too: the
+  // exactly-once window of issue 15 case 7, which only counting by piece id closes.
   std::vector<Piece*> moved;
   for (Piece* p : outstanding_) {
     if (p->dst->peer.get() == peer) moved.push_back(p);
@@ -444,25 +474,26 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
     outstanding_bytes_ -= p->len;
     Piece* retry = new Piece(*p);
     retry->stale = false;
-    p->stale = true;  // the provider may still complete it; that completion is then ignored
+    p->stale = true;
+    p->stage_slot = -1;  // the retry owns the staging slot
+    p->group.reset();    // ... and the piece's place in its group
     stale_.push_back(p);
     rerouted_++;
     engine_->reroute(retry, index_, why);
   }
-  auto it = queues_.find(peer->id);
-  if (it != queues_.end()) {
-    PeerQueue& q = it->second;
-    std::deque<Piece*> queued;
-    queued.swap(q.pending);
-    q.outstanding = 0;
-    q.blocked_since = Clock::time_point{};
-    q.conn_errors = 0;
-    for (Piece* p : queued) {
-      rerouted_++;
-      engine_->reroute(p, index_, why);
-    }
+  PeerQueue& q = queues_[peer->id];
+  q.peer = peer;
+  std::deque<Piece*> queued;
+  queued.swap(q.pending);
+  q.outstanding = 0;
+  q.blocked_since = Clock::time_point{};
+  q.conn_errors = 0;
+  for (Piece* p : queued) {
+    rerouted_++;
+    engine_->reroute(p, index_, why);
   }
   in_flight_ = outstanding_.size();
+  forget_if_idle(peer->id);
 }
 
 bool LaneWorker::sibling_progressed(const Peer& peer, Clock::time_point now) const {
@@ -500,6 +531,85 @@ void LaneWorker::check_stalls() {
     // back-pressure, not a failure. The writes stay posted; the caller's own timeout bounds the wait.
   }
   for (auto& [peer, why] : failing) fail_path(peer, why);
+  probe_failed_paths();
+}
+
+void LaneWorker::probe_failed_paths() {
+  const auto now = Clock::now();
+  for (auto it = failed_.begin(); it != failed_.end();) {
+    FailedPath& f = it->second;
+    Peer& peer = *f.peer;
+    if (!peer.path_failed[index_].load() || f.peer.use_count() == 1) {
+      // Restored, or nobody holds the peer any more (nothing can be written to it): forget it.
+      if (f.probe) {
+        f.probe->stale = true;
+        stale_.push_back(f.probe);
+      }
+      it = failed_.erase(it);
+      continue;
+    }
+    auto backoff = [&] {
+      f.backoff = std::min(f.backoff * 2, std::chrono::duration<double>(8.0));
+      f.next_probe = now + std::chrono::duration_cast<Clock::duration>(f.backoff);
+    };
+    if (f.probe && now - f.probe_sent > stall_timeout_) {
+      // No answer: superseded (the reset below cancels it; its completion is ignored).
+      f.probe->stale = true;
+      stale_.push_back(f.probe);
+      f.probe = nullptr;
+      backoff();
+    }
+    auto q = queues_.find(it->first);
+    const bool draining = q != queues_.end() && q->second.outstanding > 0;
+    if (f.probe || draining || now < f.next_probe) {
+      ++it;
+      continue;
+    }
+    // A fresh connection, then a zero-length write into the peer's doorbell that completes only once
+    // delivered: an answer means the path works again.
+    peer.paths[index_] = lane_->reset_path(peer.paths[index_]);
+    const int rn = peer.remote_nic[index_];
+    auto* p = new Piece();
+    p->probe = true;
+    p->nic = index_;
+    WriteRequest req;
+    req.src = engine_->doorbell()->ptr;
+    req.len = 0;
+    req.src_desc = engine_->doorbell()->regs[index_].local_desc;
+    req.peer = peer.paths[index_];
+    req.remote_addr = rn < static_cast<int>(peer.doorbell_base.size()) ? peer.doorbell_base[rn] : 0;
+    req.key = rn < static_cast<int>(peer.doorbell_key.size()) ? peer.doorbell_key[rn] : 0;
+    req.context = p;
+    req.delivery_complete = caps_.delivery_complete;
+    const int rc = lane_->post_write(req);
+    if (rc != 0) {
+      delete p;  // refused (still connecting, or no route): not in the provider
+      backoff();
+    } else {
+      f.probe = p;
+      f.probe_sent = now;
+    }
+    ++it;
+  }
+}
+
+void LaneWorker::probe_answered(Piece* p, bool ok) {
+  for (auto& [id, f] : failed_) {
+    if (f.probe != p) continue;
+    f.probe = nullptr;
+    if (ok) {
+      f.peer->path_failed[index_] = false;
+      f.peer->path_progress_ns[index_] =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+      restored_paths_++;
+      failed_.erase(id);
+    } else {
+      f.backoff = std::min(f.backoff * 2, std::chrono::duration<double>(8.0));
+      f.next_probe = Clock::now() + std::chrono::duration_cast<Clock::duration>(f.backoff);
+    }
+    break;
+  }
+  delete p;
 }
 
 void LaneWorker::start_landing(char* base, uint64_t slot_bytes, uint32_t count, void* desc) {

@@ -139,7 +139,6 @@ def test_refused_write_does_not_poison_the_peer(procs, engines) -> None:
 
 @pytest.mark.timeout(90)
 @needs_netns
-@_case(4, "a NIC path marked failed is never probed again, so it stays unused after the link comes back")
 def test_failed_nic_path_is_restored_after_link_up(procs) -> None:
     """Two NICs; NIC 1's link goes down, a write fails over to NIC 0 (right). Once the link is back up,
     the path must be restored within 20 s: failed_paths clears and new striped writes use NIC 1 again."""

@@ -373,6 +373,7 @@ NB_MODULE(_core, m) {
           d["errors"] = s.errors;
           d["rerouted"] = s.rerouted;
           d["failed_paths"] = s.failed_paths;
+          d["restored_paths"] = s.restored_paths;
           d["in_flight"] = s.in_flight;
           d["landed"] = s.landed;
           d["landed_bytes"] = s.landed_bytes;
