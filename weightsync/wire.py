@@ -9,17 +9,29 @@ tag (bits)     value                                       meaning
 =============  ==========================================  ==================================
 ``0b0``        ``epoch & 0x7F << 24 | version & 0xFFFFFF``  data of ``version`` into a destination
 ``0b100``      ``epoch & 0x1F << 24 | version``             FP8 tile rows into a source's receive buffer
-``0b101``      ``epoch & 0x1F << 24 | chunk & 0xFFFFFF``    relay chunk ``chunk`` (forwarded as it is)
+``0b101``      ``epoch & 0x1F << 24 | version & 0xFF << 16  relay chunk ``chunk`` of ``version`` (forwarded as
+               | chunk & 0xFFFF``                            it is)
 ``0b110``      ``epoch & 0x1F << 24 | version``             a gatherer has used its provider's rows
 ``0xFFFFFFFF``                                             an announce landed in a destination's mailbox
 ``0xFFFFFFFE``                                             an ack landed in a source's mailbox
+``0xFFFFFFFD``                                             a grant landed in a writer's mailbox
 =============  ==========================================  ==================================
 
 Mailboxes: every participant registers an array of fixed-size slots, one per peer of the other role
-(indexed by that peer's rank). A source writes an :data:`ANNOUNCE_RECORD` into each destination's
-mailbox before its data; a destination writes an :data:`ACK_RECORD` into each source's mailbox once the
-version is complete. The two records have their own field names but the same size, because a peer
-addresses a slot as ``rank * SLOT_BYTES``.
+(indexed by that peer's rank), followed by grant slots (:func:`grant_slot`). A push is
+``announce -> grant -> data -> ack``:
+
+* a source writes an :data:`ANNOUNCE_RECORD` (epoch, version) into each destination's mailbox;
+* the destination decides whether it takes that version (newer than the one it holds, of the plan it
+  holds) and into which shadow, raises ``updating``, then writes one :data:`GRANT_RECORD` into each of its
+  writers' grant slots (its sources; in a relay chain also its predecessor, which forwards into it).
+  Refusals go to the announcing source only. The destination is the authority: sources keep no shadow
+  or version state of their own, and no data byte is written before the grant;
+* the source writes its data into the granted shadow;
+* the destination writes an :data:`ACK_RECORD` into each source's mailbox once the version is complete.
+
+Records have their own field names but the same size, because a peer addresses a slot as
+``slot * SLOT_BYTES``.
 
 Immediate counts: a destination expects exactly the immediates its sources' writes deliver. The rule
 is the engine's (cpp/core/pieces.hpp), exposed by the binding; :func:`imm_counts` calls
@@ -32,19 +44,38 @@ import numpy as np
 
 ANNOUNCE = 0xFFFFFFFF
 ACK = 0xFFFFFFFE
+GRANT = 0xFFFFFFFD
 
-# A source's announce into a destination's mailbox: the plan epoch and version it writes, and the shadow
-# buffers it writes into (bit 0: the destination's own; bit 1, relay: the successor's).
+# A source's announce into a destination's mailbox: the plan epoch and version it is about to write.
+# ``buffer`` is no longer read (the destination picks the shadow and says so in its grant); kept 0.
 ANNOUNCE_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("buffer", "<i8")])
-# A destination's ack into a source's mailbox: the version now complete there and the shadow the next
-# push must write (staged mode; 0 inplace). ``reserved`` keeps both records one slot size.
+# A destination's ack into a source's mailbox: the version now complete there. ``next_buffer`` says which
+# shadow the destination will grant next (for logs and tools only: the grant is what sources obey).
 ACK_RECORD = np.dtype([("version", "<i8"), ("next_buffer", "<i8"), ("reserved", "<i8")])
+# A destination's answer to an announce, in a writer's grant slot: the version it answers (writers match
+# grants by it), the version the destination holds, its plan epoch, the shadow it receives this version
+# into (0 inplace) and whether it takes the version (GRANTED) or why not.
+GRANT_RECORD = np.dtype([("version", "<i8"), ("held", "<i8"), ("epoch", "<i4"), ("shadow", "<i2"),
+                         ("status", "<i2")])
+GRANTED = 0
+REFUSED_NOT_NEWER = 1  # the version is not newer than the one the destination holds
+REFUSED_BUSY = 2  # the destination is landing a newer version
+REFUSED_EPOCH = 3  # announced under a plan epoch the destination does not hold
 SLOT_BYTES = ANNOUNCE_RECORD.itemsize
-assert ACK_RECORD.itemsize == SLOT_BYTES
+assert ACK_RECORD.itemsize == GRANT_RECORD.itemsize == SLOT_BYTES
 MAX_SLOTS = 1024  # mailbox slots per participant: peers of the other role, by rank
 EMPTY = -1  # every field of a slot nothing has been written into (0 would read as version 0)
 
-RELAY_MAX_CHUNKS = 1 << 24  # chunk index bits of a relay immediate
+
+def grant_slot(sender: int, version: int) -> int:
+    """The mailbox slot a grant of ``version`` from ``sender`` lands in: past the announce/ack slots, two
+    per sender (a destination's rank in a source's mailbox; 0 for a relay member's successor), by the
+    version's parity, so that a late grant of the previous version cannot overwrite this one's."""
+    return MAX_SLOTS + 2 * sender + (version & 1)
+
+
+RELAY_MAX_CHUNKS = 1 << 16  # chunk index bits of a relay immediate
+RELAY_VERSIONS = 256  # relay immediates repeat every this many versions (8 version bits)
 
 
 def data_imm(epoch: int, version: int) -> int:
@@ -58,10 +89,20 @@ def gather_imm(epoch: int, version: int) -> int:
     return 0x80000000 | ((epoch & 0x1F) << 24) | (version & 0xFFFFFF)
 
 
-def relay_imm(epoch: int, chunk: int) -> int:
-    """The immediate of relay chunk ``chunk``: tag 0b101 in the top bits, so never equal to a data
-    immediate (top bit 0), a gather (0b100), gathered (0b110), ANNOUNCE or ACK (0xFF...)."""
-    return 0xA0000000 | ((epoch & 0x1F) << 24) | (chunk & 0xFFFFFF)
+def relay_imm(epoch: int, chunk: int, version: int = 0) -> int:
+    """The immediate of relay chunk ``chunk`` of ``version``: tag 0b101 in the top bits, so never equal to
+    a data immediate (top bit 0), a gather (0b100), gathered (0b110), ANNOUNCE, ACK or GRANT.
+
+    The version's low 8 bits make every version count on counters of its own: pieces of an abandoned
+    version that arrive late (a slow or stopped chain member completes it after all) can never count
+    for the next one. Plans carry the immediates of version bits 0; a push ORs in
+    :func:`relay_version_bits`."""
+    return 0xA0000000 | ((epoch & 0x1F) << 24) | relay_version_bits(version) | (chunk & 0xFFFF)
+
+
+def relay_version_bits(version: int) -> int:
+    """What a push of ``version`` ORs into its plan's relay immediates."""
+    return (version & 0xFF) << 16
 
 
 def gathered_imm(epoch: int, version: int) -> int:

@@ -1,5 +1,7 @@
 """Group-level faults of issue 15: each test asserts what a user who trusts these weights expects and
-fails on the code of commit 06749a6 (hence ``xfail(strict=True)``: a fix removes the marker).
+failed on the code of commit 06749a6 (each was ``xfail(strict=True)`` until its fix: the grant protocol,
+announce -> grant -> data -> ack, for cases 1, 6, 9; version-scoped relay immediates and relay grants for
+case 8; the superseded-version check for case 2; weightsync errors for case 11).
 
 CPU only: Ray actors (tests/faults/_group_procs.py) push and receive over the engine's default transport.
 Each version's tensors are random (never zero) and every row names its version, so a mixed version is
@@ -98,8 +100,6 @@ def _kill_and_wait(actor: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="issue 15 case 1: a replacement source writes shadow 0 while the "
-                   "other source writes shadow 1; the destination takes one announce's shadow: torn version")
 def test_replacement_source_writes_the_shadow_the_destination_receives_into(ray_cluster) -> None:
     """Two sources, one staged destination. After an odd number of pushes the sources write shadow 1
     next; source 1 is killed and replaced (a new process, which knows no shadow). The next push must give
@@ -160,8 +160,6 @@ def test_destination_abandons_a_dead_version_when_a_new_plan_arrives(ray_cluster
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="issue 15 case 6: a version that is not newer than the destination's "
-                   "lands in an inplace destination's weights; the push fails only after its timeout")
 @pytest.mark.parametrize(("version", "salt"), [(3, 0), (5, 1)], ids=["backwards", "repeated"])
 def test_version_not_newer_is_refused_before_any_byte_moves(ray_cluster, version: int, salt: int) -> None:
     """One source, one inplace destination at version 5. Pushing version 3 (or version 5 again, with other
@@ -189,8 +187,6 @@ def test_version_not_newer_is_refused_before_any_byte_moves(ray_cluster, version
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="issue 15 case 8: relay immediates carry no version: pieces of an "
-                   "abandoned version that arrive late count for the next one")
 def test_late_relay_pieces_never_complete_a_later_version(ray_cluster) -> None:
     """One source, a relay chain of two staged destinations: head H (push_timeout 20 s), tail T
     (push_timeout 1.5 s). H is stopped (SIGSTOP) during version 2: the source's writes wait in H's socket,
@@ -235,8 +231,6 @@ def test_late_relay_pieces_never_complete_a_later_version(ray_cluster) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, reason="issue 15 case 9: `updating` is raised by the Python receive thread "
-                   "after the announce is processed; bytes of the version may land before")
 def test_updating_is_raised_before_any_byte_of_the_next_version_lands(ray_cluster, tmp_path: Path) -> None:
     """One source, one inplace destination at version 1. The destination's Python threads are kept off
     the GIL for up to 8 s (its engine keeps running) while version 2 is pushed: the window a slow or

@@ -148,7 +148,8 @@ def lower_group(sources: Sequence[Member], dests: Sequence[Member], epoch: int,
         data = w["kind"] == K_DATA
         ri = np.zeros(len(w), np.uint32)
         if relay:
-            # Every data write into the head is a relay chunk with an immediate of its own.
+            # Every data write into the head is a relay chunk with an immediate of its own (of version bits
+            # 0: a push ORs its version in, weightsync.wire.relay_version_bits).
             idx = np.flatnonzero(data)
             if chunk_base + len(idx) > RELAY_MAX_CHUNKS:
                 raise PlanError(f"{chunk_base + len(idx)} relay chunks, more than {RELAY_MAX_CHUNKS} "
@@ -223,7 +224,8 @@ def lower_group(sources: Sequence[Member], dests: Sequence[Member], epoch: int,
                       imm=cimm, pieces=pieces.astype(np.int64), keys=keys,
                       offset=cw["dst_offset"].astype(np.int64),
                       row_bytes=cw["nbytes"].astype(np.int64) // rows, rows=rows,
-                      pitch=cw["dst_pitch"].astype(np.int64)))
+                      pitch=cw["dst_pitch"].astype(np.int64),
+                      predecessor=None if j == 0 else _peer(dests[j - 1])))
     return GroupParts(parts, chain)
 
 

@@ -31,7 +31,7 @@ from weightsync.plan.writes import (
 )
 from weightsync.wire import imm_counts
 
-PART_FORMAT = 2  # 1: the untyped dicts before the parts had types
+PART_FORMAT = 3  # 1: the untyped dicts before the parts had types; 2: relay parts without predecessor
 SOURCE, DESTINATION = "source", "destination"
 
 
@@ -203,7 +203,10 @@ class Successor:
 class RelayPart:
     """A destination's place in the relay chain: per relay chunk (in chunk order) its immediate, the
     immediates one push of it delivers here (``pieces``, by the sending engine's rule), and where it
-    lands (local key, offset, row bytes, rows, pitch), which is where it is forwarded to as well."""
+    lands (local key, offset, row bytes, rows, pitch), which is where it is forwarded to as well.
+    ``imm`` are the immediates of version bits 0 (weightsync.wire.relay_version_bits: a push ORs its
+    version in). ``predecessor``: the member that forwards into this one (None for the head, which the
+    sources write): it gets this member's grants."""
 
     chain: list[int]
     position: int
@@ -215,10 +218,13 @@ class RelayPart:
     row_bytes: np.ndarray
     rows: np.ndarray
     pitch: np.ndarray
+    predecessor: PeerInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
         s = self.successor
+        p = self.predecessor
         return {"chain": list(self.chain), "position": self.position,
+                "predecessor": None if p is None else p.to_dict(),
                 "successor": None if s is None else {"rank": s.rank, "address": s.address,
                                                      "descriptors": dict(s.descriptors)},
                 "imm": np.ascontiguousarray(self.imm, np.uint32).tobytes(),
@@ -236,7 +242,8 @@ class RelayPart:
                 {str(k): [bytes(x) for x in v] for k, v in s["descriptors"].items()}),
             imm=_array(d["imm"], np.uint32), pieces=_array(d["pieces"], np.int64),
             keys=[str(k) for k in d["keys"]],
-            **{k: _array(d[k], np.int64) for k in ("offset", "row_bytes", "rows", "pitch")})
+            **{k: _array(d[k], np.int64) for k in ("offset", "row_bytes", "rows", "pitch")},
+            predecessor=None if d["predecessor"] is None else PeerInfo.from_dict(d["predecessor"]))
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,15 +1,20 @@
 """A rollout rank's side of a push: ``Destination``.
 
 A destination's own thread (never the user's code) waits for announces (weightsync.wire.ANNOUNCE_RECORD
-in its mailbox), then for the expected number of data immediates of that version (computed by the
-coordinator from the same lowering the sources run), flips its version, and acks
-(weightsync.wire.ACK_RECORD into each source's mailbox). A version is visible only when all of its
-immediates have arrived: immediates arrive after their bytes are placed, and nothing assumes ordering
-between writes.
+in its mailbox) and answers each with a *grant* (weightsync.wire.GRANT_RECORD) before any data byte of
+that version may be written: it takes a version only when it is newer than the one it holds and of the
+plan it holds, picks the shadow it receives it into, raises ``updating``, and only then grants every
+writer (its sources; in a relay chain also its predecessor). It then waits for the expected number of
+data immediates of that version (computed by the coordinator from the same lowering the sources run),
+flips its version, and acks (weightsync.wire.ACK_RECORD into each source's mailbox). A version is
+visible only when all of its immediates have arrived: immediates arrive after their bytes are placed,
+and nothing assumes ordering between writes.
 
-Staged destinations receive into one of two shadow copies; the ack tells sources which one the next
-push must use, so ``apply()`` (one local copy of the newest complete shadow into the live tensors) never
-reads a shadow that is being written. Inplace destinations receive straight into the live tensors.
+Staged destinations receive into one of two shadow copies, always the one that does not hold the newest
+complete version, chosen here and granted to every writer of the version alike, so ``apply()`` (one
+local copy of the newest complete shadow into the live tensors) never reads a shadow that is being
+written and no two writers of a version can disagree. Inplace destinations receive straight into the
+live tensors.
 """
 
 from __future__ import annotations
@@ -27,11 +32,30 @@ from weightsync.plan.parts import DESTINATION, DestinationPart
 from weightsync.runtime.links import PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.relay import RelayMember, consumed
-from weightsync.wire import ACK, ACK_RECORD, ANNOUNCE, ANNOUNCE_RECORD, SLOT_BYTES, data_imm
+from weightsync.wire import (
+    ACK,
+    ACK_RECORD,
+    ANNOUNCE,
+    ANNOUNCE_RECORD,
+    EMPTY,
+    GRANT,
+    GRANTED,
+    MAX_SLOTS,
+    REFUSED_BUSY,
+    REFUSED_EPOCH,
+    REFUSED_NOT_NEWER,
+    SLOT_BYTES,
+    data_imm,
+    grant_slot,
+)
 
 # How often a waiting destination looks for a newer plan or version (the native wait itself returns the
 # moment the last immediate arrives; this bounds only how late a dead version is given up).
 WAIT_SLICE_S = 0.02
+# Outbox slots grants are written from (a ring: a NIC may still read a slot while the next grant is
+# prepared; a slot is reused only once its writes completed). Acks use slots 0 and 1.
+GRANT_OUT, GRANT_RING = 8, 32
+_ANSWERED = np.dtype([("epoch", "<i8"), ("version", "<i8")])
 
 
 class Destination(Participant):
@@ -40,6 +64,7 @@ class Destination(Participant):
     role = DESTINATION
     inbox_record = ANNOUNCE_RECORD  # sources announce into this destination's mailbox
     outbox_record = ACK_RECORD  # and it acks from its outbox
+    grant_slots = 2  # its relay successor's grants (grant_slot(0, version))
 
     def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], mode: str = "staged", *,
                  timeout: float = 120.0, push_timeout: float = 60.0, engine: TransferEngine | None = None,
@@ -53,6 +78,8 @@ class Destination(Participant):
         self._version = -1
         self._live_version = -1
         self._landing: int | None = None
+        self._landing_shadow = 0  # the shadow granted to the version landing
+        self._dirty = False  # inplace: an abandoned version may have left bytes in the live tensors
         self._applying = False
         self._complete_buffer = 0  # staged: the shadow that holds the newest complete version
         self._live: dict[str, Any] = {k: contiguous(self._local_tensor(k), k) for k in self.tensors}
@@ -72,6 +99,13 @@ class Destination(Participant):
         self._relay: RelayMember | None = None  # this member's place in the relay chain, if any
         self._stop = threading.Event()
         self._announces = self.engine.counter(ANNOUNCE)
+        self._grants = self.engine.counter(GRANT)  # relay: the successor's grants
+        # Per source slot, the announce (epoch, version) last answered: a slot holds its last announce
+        # forever, and each is answered once.
+        self._answered = np.full(MAX_SLOTS, EMPTY, dtype=_ANSWERED)
+        self._granted: tuple[int, int] | None = None  # (epoch, version) last granted to every source
+        self._grant_next = 0
+        self._grant_writes: dict[int, list[Any]] = {}  # outbox ring slot -> its writes in flight
         self._join(descriptors)
         self._thread = threading.Thread(target=self._run, name=f"weightsync-{group}-dst{rank}", daemon=True)
         self._thread.start()
@@ -83,17 +117,15 @@ class Destination(Participant):
             self._relay.disarm()  # the previous plan's triggers name immediates no one sends any more
         self._relay = None
         if part.relay is not None:
-            succ = part.relay.successor
+            succ, pred = part.relay.successor, part.relay.predecessor
             self._relay = RelayMember(self.engine, self.rank, part.relay,
                                       None if succ is None else self._peer(succ.address), self._key_regions,
-                                      self.log)
+                                      self.log,
+                                      None if pred is None else PeerLink(pred, self._peer(pred.address)))
             unknown = self._relay.unknown_keys()
             if unknown:
                 raise PlanError(f"destination {self.rank}: relay chunks name tensors {unknown[:3]} it "
                                 "does not hold")
-            if self.mode == "inplace":
-                # Inplace forwards read the live tensors: nothing to choose per push, arm now.
-                self._relay.arm(self.epoch, 0, 0)
         self.log.info("destination %d: plan epoch %d, expecting %d immediates from sources %s%s", self.rank,
                       self.epoch, self._expected, sorted(self._sources),
                       "" if self._relay is None else
@@ -114,9 +146,18 @@ class Destination(Participant):
 
     @property
     def updating(self) -> bool:
-        """True while an announced update is landing (inplace: the live tensors are being written)."""
+        """True while an update is landing (inplace: the live tensors are being written). Raised before
+        this destination grants the version, so before any byte of it can be written."""
         with self._lock:
             return self._landing is not None
+
+    @property
+    def dirty(self) -> bool:
+        """Inplace: True from a version that was abandoned after it was granted (some of its bytes may be
+        in the live tensors) until the next complete version. ``updating == False`` then means that no
+        push is landing, not that the live tensors hold one whole version. Always False when staged."""
+        with self._lock:
+            return self._dirty
 
     def wait(self, version: int | None = None, timeout: float = 60.0) -> int:
         """Blocks until a complete version (``>= version``, or newer than now when None) has landed."""
@@ -166,32 +207,127 @@ class Destination(Participant):
                 self.log.error("destination %d: receiving failed: %s", self.rank, exc)
 
     def _receive(self) -> None:
-        slots = self._mailbox[: len(self._mailbox)]
-        epochs = slots["epoch"]
-        newest_epoch = int(epochs.max())
-        if newest_epoch > self.epoch:
-            self._fetch_part(self._timeout)
-        current = slots[slots["epoch"] == self.epoch]
-        if len(current) == 0:
-            return
-        newest = int(np.argmax(current["version"]))
-        # buffer: bit 0 the shadow this push lands in; bit 1 (relay) the one the successor receives into
-        target, raw = int(current["version"][newest]), int(current["buffer"][newest])
-        buffer, succ_buffer = raw & 1, (raw >> 1) & 1
+        target = self._answer()
+        if target is not None:
+            self._land(target)
+
+    # -- announces and grants --------------------------------------------------------------------
+    def _new_announces(self) -> np.ndarray:
+        """Source slots holding an announce not answered yet."""
+        slots = self._mailbox
+        fresh = (slots["epoch"] != self._answered["epoch"]) | (slots["version"] != self._answered["version"])
+        return np.flatnonzero(fresh & (slots["epoch"] != EMPTY))
+
+    def _mark_answered(self, ranks: np.ndarray) -> None:
+        self._answered["epoch"][ranks] = self._mailbox["epoch"][ranks]
+        self._answered["version"][ranks] = self._mailbox["version"][ranks]
+
+    def _answer(self) -> int | None:
+        """Answers the announces not answered yet; returns the version this destination takes now (it has
+        raised ``updating`` and granted it to every writer), or None."""
+        if int(self._mailbox["epoch"].max()) > self.epoch:
+            self._fetch_part(self._timeout)  # a membership change: the announce is of the new plan
+        new = self._new_announces()
+        if not len(new):
+            return None
+        epochs, versions = self._mailbox["epoch"][new], self._mailbox["version"][new]
+        self._mark_answered(new)
+        current = epochs == self.epoch
+        target = int(versions[current].max()) if current.any() else None
+        for rank, epoch, version in zip(new.tolist(), epochs.tolist(), versions.tolist(), strict=True):
+            if epoch != self.epoch:
+                self._refuse(rank, version, REFUSED_EPOCH)
+            elif version != target:
+                self._refuse(rank, version, REFUSED_NOT_NEWER if version <= self._version else REFUSED_BUSY)
+        if target is None or (self.epoch, target) == self._granted:
+            return None  # every source of that version was granted at its first announce
+        if target <= self._version:
+            for rank in new[current & (versions == target)].tolist():
+                self._refuse(rank, target, REFUSED_NOT_NEWER)
+            return None
+        shadow = 1 - self._complete_buffer if self.mode == "staged" else 0
         with self._lock:
-            if target <= self._version:
-                return
+            # Before the grant: no byte of the version can land before a reader sees ``updating``.
             self._landing = target
+            self._landing_shadow = shadow
+        self._granted = (self.epoch, target)
+        self._grant(target, shadow, GRANTED, list(self._sources))
+        return target
+
+    def _unanswered_during(self, target: int) -> str | None:
+        """While landing ``target``: why it can no longer complete here (a source announced a newer plan
+        epoch, or a newer version of this plan: the sources gave up on it), or None. Other new announces
+        are answered here (a lagging source's older version is refused); a newer one is left for
+        ``_answer``, which the receiving loop runs at once (its announce credit was only peeked at)."""
+        if self._announces.value == 0:
+            return None
+        new = self._new_announces()
+        if not len(new):
+            return None
+        epochs, versions = self._mailbox["epoch"][new], self._mailbox["version"][new]
+        newer = (epochs > self.epoch) | ((epochs == self.epoch) & (versions > target))
+        if newer.any():
+            i = int(np.argmax(newer))
+            return (f"source {int(new[i])} announced version {int(versions[i])} of plan epoch "
+                    f"{int(epochs[i])}")
+        self._mark_answered(new)
+        for rank, epoch, version in zip(new.tolist(), epochs.tolist(), versions.tolist(), strict=True):
+            if epoch != self.epoch:
+                self._refuse(rank, version, REFUSED_EPOCH)
+            elif version != target:  # same version from another source: granted already
+                self._refuse(rank, version, REFUSED_NOT_NEWER if version <= self._version else REFUSED_BUSY)
+        return None
+
+    def _grant_record(self, version: int, shadow: int, status: int) -> int:
+        """Fills the next outbox ring slot with a grant record; returns the slot."""
+        slot = GRANT_OUT + self._grant_next % GRANT_RING
+        self._grant_next += 1
+        for t in self._grant_writes.pop(slot, []):
+            try:  # long done in practice: a ring turn is GRANT_RING answers
+                t.wait(1.0)
+            except (TransportError, TimeoutError):
+                pass
+        self._grant_out[slot] = (version, self._version, self.epoch, shadow, status)
+        return slot
+
+    def _grant(self, version: int, shadow: int, status: int, ranks: list[int]) -> None:
+        """Writes one grant record to sources ``ranks`` (and, for a granted version in a relay chain, to the
+        predecessor, which forwards into this member)."""
+        slot = self._grant_record(version, shadow, status)
+        writes = []
+        # (what, link, sender index of the grant slot at the receiver)
+        targets = [(f"source {r}", self._sources[r], self.rank) for r in ranks if r in self._sources]
+        pred = None if self._relay is None else self._relay.predecessor
+        if status == GRANTED and pred is not None:
+            targets.append((f"relay predecessor {pred.info.rank}", pred, 0))
+        for what, link, sender in targets:
+            try:
+                writes.append(self.engine.write(
+                    self._outbox_region, slot * SLOT_BYTES, link.peer, link.mailbox,
+                    grant_slot(sender, version) * SLOT_BYTES, SLOT_BYTES, imm=GRANT))
+            except TransportError as exc:
+                self.log.warning("destination %d: grant of version %d to %s failed: %s", self.rank, version,
+                                 what, exc)
+        self._grant_writes[slot] = writes
+
+    def _refuse(self, rank: int, version: int, status: int) -> None:
+        self.log.warning("destination %d: refused version %d announced by source %d (%s; holds version %d, "
+                         "plan epoch %d)", self.rank, version, rank,
+                         {REFUSED_NOT_NEWER: "not newer", REFUSED_BUSY: "landing a newer one",
+                          REFUSED_EPOCH: "another plan epoch"}[status], self._version, self.epoch)
+        self._grant(version, 0, status, [rank])
+
+    # -- landing a granted version ---------------------------------------------------------------
+    def _land(self, target: int) -> None:
+        buffer = self._landing_shadow
         counter = self.engine.counter(data_imm(self.epoch, target))
         deadline = time.monotonic() + self._push_timeout
         complete = False
         reason: str | None = None
         acks = self._arm_acks(counter, target) if self._relay is None and self.mode == "inplace" else None
+        armed = True
         if self._relay is not None:
-            if self._relay.armed != self.epoch:
-                # Staged: the shadows are known only now; or the first push after a failed one.
-                self._relay.arm(self.epoch, buffer, succ_buffer)
-            complete, reason = self._relay.wait(deadline, self._stop, lambda: self._superseded(target))
+            complete, reason, armed = self._land_relay(target, buffer, deadline)
         while self._relay is None and not self._stop.is_set() and time.monotonic() < deadline:
             try:
                 # Short slices: the native wait returns the moment the last immediate arrives, and between
@@ -201,7 +337,7 @@ class Destination(Participant):
                 complete = True
                 break
             except TimeoutError:
-                reason = self._superseded(target)
+                reason = self._unanswered_during(target)
                 if reason is not None:
                     break
         if not complete and acks:
@@ -224,6 +360,7 @@ class Destination(Participant):
                 self._lock.wait(1.0)
             self._version = target
             self._landing = None
+            self._dirty = False
             if self.mode == "staged":
                 self._complete_buffer = buffer
                 next_buffer = 1 - buffer
@@ -239,39 +376,72 @@ class Destination(Participant):
                 except (TransportError, TimeoutError) as exc:
                     self.log.warning("destination %d: ack to source %d failed: %s", self.rank, rank, exc)
         if self._relay is not None:
-            # After the ack (it is on the sources' critical path): inplace arms the next push's triggers
-            # now (a trigger whose data has already arrived fires at once); staged arms at the announce,
-            # which names the shadows.
-            if self.mode == "inplace":
-                self._relay.arm(self.epoch, 0, 0)
-            else:
-                self._relay.disarm()
+            if not armed:
+                self._await_successor(target, deadline)
+            self._relay.done(target)  # after the ack: it is on the sources' critical path
 
-    def _superseded(self, target: int) -> str | None:
-        """Why version ``target`` can no longer complete here, or None: a source announced a newer plan
-        epoch (membership changed: the version's writers are not this plan's any more) or a newer version
-        of this epoch (the sources gave up on ``target``). Announces are only peeked at (credits left for
-        the receiving loop, which then lands the newer one at once)."""
-        if self._announces.value == 0:
-            return None
-        slots = self._mailbox
-        newest_epoch = int(slots["epoch"].max())
-        if newest_epoch > self.epoch:
-            return f"a source announced plan epoch {newest_epoch} (this version is of epoch {self.epoch})"
-        current = slots["version"][slots["epoch"] == self.epoch]
-        if len(current) and int(current.max()) > target:
-            return f"a source announced version {int(current.max())} of the same plan"
-        return None
+    def _land_relay(self, target: int, buffer: int, deadline: float) -> tuple[bool, str | None, bool]:
+        """Relay: waits for every chunk of ``target``, arming the forwards into the successor as soon as it
+        has granted the version (into the shadow it granted). Returns (complete, why not, armed)."""
+        relay = self._relay
+        assert relay is not None
+        relay.begin(self.epoch, target, buffer, deadline)
+        armed = relay.successor is None
+
+        def arm_if_granted() -> None:  # a read of one slot: cheap enough before every chunk's wait
+            nonlocal armed
+            if not armed:
+                armed = self._successor_answered(target)
+
+        def superseded() -> str | None:
+            arm_if_granted()
+            return self._unanswered_during(target)
+
+        complete, reason = relay.wait(deadline, self._stop, superseded, WAIT_SLICE_S, arm_if_granted)
+        return complete, reason, armed
+
+    def _successor_answered(self, target: int) -> bool:
+        """Whether the relay successor answered ``target``; if it granted it, arms the forwards into the
+        shadow it granted."""
+        relay = self._relay
+        assert relay is not None and relay.successor is not None
+        g = self._grant_box[grant_slot(0, target) - MAX_SLOTS]
+        if int(g["version"]) != target or int(g["epoch"]) != self.epoch:
+            return False
+        if int(g["status"]) == GRANTED:
+            relay.arm(int(g["shadow"]))
+        else:
+            self.log.warning("destination %d: relay successor %d refused version %d (status %d): not "
+                             "forwarding it", self.rank, relay.successor.rank, target, int(g["status"]))
+        return True
+
+    def _await_successor(self, target: int, deadline: float) -> None:
+        """``target`` is complete here but the successor has not granted it yet: waits for its grant (until
+        the deadline, or a newer announce) and arms the forwards then (they fire at once: every chunk is
+        here)."""
+        self._grants.reset()  # credits of earlier grants: what arrives from now on is also in the slot
+        while not self._successor_answered(target):
+            left = deadline - time.monotonic()
+            if self._stop.is_set() or left <= 0:
+                self.log.warning("destination %d: relay successor granted no version %d: not forwarding it",
+                                 self.rank, target)
+                return
+            try:
+                self._grants.wait(1, timeout=min(WAIT_SLICE_S, left))
+            except TimeoutError:
+                if self._announces.value and self._unanswered_during(target) is not None:
+                    return  # a newer version is announced: the successor will be asked for that one
 
     def _abandon(self, target: int, counter: Any, reason: str) -> None:
         """Gives version ``target`` up: it stops landing, its credits (and the relay's) are dropped, so
         that nothing that arrives for it later can count for another version."""
         with self._lock:
             self._landing = None
+            if self.mode == "inplace":
+                self._dirty = True
         counter.reset()
         if self._relay is not None:
-            # Forget this push's triggers and pieces; the next push re-arms from the totals then.
-            self._relay.reset()
+            self._relay.abandon(target)
         self.log.warning("destination %d: version %d abandoned: %s", self.rank, target, reason)
 
     def _arm_acks(self, counter: Any, version: int) -> list[tuple[int, Any]] | None:

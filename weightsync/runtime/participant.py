@@ -16,7 +16,7 @@ from weightsync.engine import TransferEngine
 from weightsync.errors import LayoutError
 from weightsync.plan.parts import EngineInfo, Part, PlanFailure
 from weightsync.runtime.describe import describe_tensors
-from weightsync.wire import EMPTY, MAX_SLOTS
+from weightsync.wire import EMPTY, GRANT_RECORD, MAX_SLOTS
 
 log = logging.getLogger("weightsync")
 
@@ -33,12 +33,14 @@ def contiguous(t: Any, key: str) -> Any:
 
 class Participant:
     """A source or destination: its tensors' layout, engine, mailbox (peers of the other role write
-    records of ``inbox_record`` into it, one slot per peer rank) and outbox (records of
-    ``outbox_record`` it writes to peers from)."""
+    records of ``inbox_record`` into it, one slot per peer rank), grant slots after it (``grant_slots``
+    records of ``GRANT_RECORD``: weightsync.wire.grant_slot) and outbox (records of ``outbox_record`` it
+    writes to peers from; grants go out from ``GRANT_OUT`` on)."""
 
     role: ClassVar[str]
     inbox_record: ClassVar[np.dtype]
     outbox_record: ClassVar[np.dtype]
+    grant_slots: ClassVar[int]
 
     def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], timeout: float,
                  engine: TransferEngine | None, secret: str | None) -> None:
@@ -53,10 +55,13 @@ class Participant:
         self.tensors = dict(tensors)
         self.layout = describe_tensors(self.tensors)
         self.epoch = 0
-        # -1 (EMPTY): nothing received. Zeros would read as an announce or ack of version 0.
-        self._mailbox = np.full(MAX_SLOTS, EMPTY, dtype=self.inbox_record)
-        self._mailbox_region = self.engine.register(self._mailbox, name=f"{self.role} {rank} mailbox")
+        # -1 (EMPTY): nothing received. Zeros would read as an announce, ack or grant of version 0.
+        inbox = np.full(MAX_SLOTS + self.grant_slots, EMPTY, dtype=self.inbox_record)
+        self._mailbox = inbox[:MAX_SLOTS]
+        self._grant_box = inbox[MAX_SLOTS:].view(GRANT_RECORD)  # indexed by grant_slot() - MAX_SLOTS
+        self._mailbox_region = self.engine.register(inbox, name=f"{self.role} {rank} mailbox")
         self._outbox = np.zeros(MAX_SLOTS, dtype=self.outbox_record)
+        self._grant_out = self._outbox.view(GRANT_RECORD)
         self._outbox_region = self.engine.register(self._outbox, name=f"{self.role} {rank} outbox")
         self._peers: dict[bytes, Any] = {}
         _LIVE.add(self)

@@ -23,7 +23,7 @@ from weightsync.plan.lower import SourceProgram
 from weightsync.plan.parts import SourcePart
 from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.transforms import Preparer
-from weightsync.wire import data_imm, gather_imm, gathered_imm
+from weightsync.wire import data_imm, gather_imm, gathered_imm, relay_version_bits
 
 _CUDA_GRAPHS = os.environ.get("WEIGHTSYNC_CUDA_GRAPHS", "1") != "0"
 
@@ -141,9 +141,12 @@ class Staging:
             self.control.publish_receive(part.epoch, self.recv_region.descriptor, timeout)
 
     def run(self, version: int, deadline: float, dests: dict[int, DestinationLink], failed: dict[int, str],
-            one_writer_at_a_time: bool) -> dict[str, float]:
+            one_writer_at_a_time: bool, gate: Any) -> dict[str, float]:
         """Prepares chunk k+1 while chunk k is on the wire; at most ``slots`` chunks hold staging.
-        Returns timing and staging figures for PushStats."""
+        ``gate`` (the push's grants, weightsync.runtime.source._Grants): the first post opens it (so the
+        first chunks are prepared while the grants travel); chunks go to the destinations it allows, and
+        destinations it grants late get their chunks in a pass of their own. Returns timing and staging
+        figures for PushStats."""
         nch = len(self.lowered.chunks)
         self.prep.reset()
         self.graphs.start_push()
@@ -151,11 +154,17 @@ class Staging:
             return {"prepare": 0.0, "gather_wait": 0.0, "peak": 0, "chunks": nch}
         if self.gatherers and self.gatherer_descs is None:
             self.gatherer_descs = self.control.receive_buffers(self.epoch, sorted(self.gatherers), deadline)
-        run = _ChunkRun(self, version, deadline, dests, failed)
+        run = _ChunkRun(self, version, deadline, dests, failed, gate)
         for only, chunks, first in self._passes(dests, one_writer_at_a_time):
             for c in chunks:
                 run.step(c, only, first)
-        run.finish()
+        run.finish()  # also opens the gate if no chunk was posted yet
+        for rank in gate.late():
+            # Granted after the writes started: its chunks again, for it alone (like one_writer passes).
+            for c in range(nch):
+                if any(d[0] == rank for d in self.chunk_groups[c][1]):
+                    run.step(c, rank, False, late=True)
+            run.finish()
         if self.device.type == "cuda":
             self.graphs.end_push()
         run.drain()
@@ -201,6 +210,7 @@ class _Pending:
     event: Any
     only: int | None
     first: bool
+    late: bool = False  # a pass for a destination granted after the gate opened
 
 
 @dataclass
@@ -218,6 +228,7 @@ class _ChunkRun:
     deadline: float
     dests: dict[int, DestinationLink]
     failed: dict[int, str]
+    gate: Any
     out: dict[str, float] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
     inflight: list[tuple[int, int, list[tuple[int | None, Any]]]] = field(default_factory=list)
@@ -231,10 +242,11 @@ class _ChunkRun:
         self.free = list(range(st.slots))
         self.gathered = st.gather_expected == 0
         self.data_imm = data_imm(st.epoch, self.version)
+        self.relay_bits = np.uint32(relay_version_bits(self.version))
         self.gather_imm = gather_imm(st.epoch, self.version)
         self.cuda = st.device.type == "cuda"
 
-    def step(self, c: int, only: int | None, first: bool) -> None:
+    def step(self, c: int, only: int | None, first: bool, late: bool = False) -> None:
         """Prepares chunk ``c`` into its slot, posting what came before it."""
         st = self.st
         if not self.gathered and int(st.lowered.chunks["unit"][c]) >= 0:
@@ -253,7 +265,7 @@ class _ChunkRun:
         self.held += nb
         self.out["peak"] = max(self.out["peak"], self.held)
         self._post_pending()
-        self.pending = _Pending(c, slot, nb, event, only, first)
+        self.pending = _Pending(c, slot, nb, event, only, first, late)
         if not self.cuda:  # on the CPU the preparation is already done: nothing to overlap it with
             self._post_pending()
 
@@ -289,8 +301,10 @@ class _ChunkRun:
             self._post(p)
 
     def _post(self, p: _Pending) -> None:
-        """Submits a prepared chunk's writes: its gathers (first pass only), then its data writes."""
+        """Submits a prepared chunk's writes: its gathers (first pass only), then its data writes (into
+        the destinations granted)."""
         st = self.st
+        self.gate.open()  # the first post waits for the grants (and posts the direct rounds first)
         if p.event is not None:
             t = time.perf_counter()
             p.event.synchronize()
@@ -311,11 +325,13 @@ class _ChunkRun:
         for rank, src_off, di, dst_off, nbytes, imms in data:
             if rank in self.failed or (p.only is not None and rank != p.only):
                 continue
-            descs = self.dests[rank].descriptors()
+            if not p.late and not self.gate.allowed(rank):
+                continue  # not granted (yet): a late pass serves it once it is
+            descs = self.dests[rank].descs
             try:
                 zeros = np.zeros(len(src_off), np.uint32)
                 tr = st.engine.write_batch([st.pool_region], descs, zeros, src_off + base, di, dst_off,
-                                           nbytes, self.data_imm if imms is None else imms)
+                                           nbytes, self.data_imm if imms is None else imms | self.relay_bits)
                 trs.append((rank, tr))
             except TransportError as exc:
                 self.failed[rank] = str(exc)
@@ -335,8 +351,9 @@ class _ChunkRun:
         self.held -= nb
 
     def finish(self) -> None:
-        """Posts the last prepared chunk."""
+        """Posts the last prepared chunk (and opens the gate if nothing was posted)."""
         self._post_pending()
+        self.gate.open()
 
     def drain(self) -> None:
         """Waits for every chunk in flight, and for the gathered rows if no FP8 unit waited for them."""
