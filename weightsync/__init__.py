@@ -49,6 +49,7 @@ __all__ = [
     "WeightSyncError",
     "__version__",
     "describe_tensors",
+    "new_secret",
     "plan",
     "push",
 ]
@@ -58,6 +59,7 @@ _LAZY = {
     "Transfer": "weightsync.engine",
     "ImmCounter": "weightsync.engine",
     "Group": "weightsync.control.group",
+    "new_secret": "weightsync.control.group",
     "Source": "weightsync.runtime.source",
     "Destination": "weightsync.runtime.destination",
     "PushStats": "weightsync.runtime.source",

@@ -57,7 +57,7 @@ def _checked(secret: Any, group: str, origin: str) -> str:
     if not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS:
         # Says where the bad secret came from and what is wrong with it, never its value.
         raise WeightSyncError(f"group {group!r}: the secret from {origin} must be a string of at least "
-                              f"{MIN_SECRET_CHARS} characters (weightsync.control.group.new_secret() "
+                              f"{MIN_SECRET_CHARS} characters (weightsync.new_secret() "
                               f"makes one)")
     return secret
 
@@ -111,7 +111,7 @@ def participant_secret(group: str, explicit: str | None) -> str:
         raise WeightSyncError(
             f"group {group!r}: this process does not know the group's secret. Hand it in as "
             f"secret=group.secret, or set {SECRET_ENV} for every process of the job, e.g. ray.init("
-            f"runtime_env={{'env_vars': {{'{SECRET_ENV}': weightsync.control.group.new_secret()}}}}) on "
+            f"runtime_env={{'env_vars': {{'{SECRET_ENV}': weightsync.new_secret()}}}}) on "
             f"the driver before Group.create (see docs/SECURITY.md for who else can read that)")
     return secret
 
