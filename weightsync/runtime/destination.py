@@ -218,9 +218,10 @@ class Destination(Participant):
         fresh = (slots["epoch"] != self._answered["epoch"]) | (slots["version"] != self._answered["version"])
         return np.flatnonzero(fresh & (slots["epoch"] != EMPTY))
 
-    def _mark_answered(self, ranks: np.ndarray) -> None:
-        self._answered["epoch"][ranks] = self._mailbox["epoch"][ranks]
-        self._answered["version"][ranks] = self._mailbox["version"][ranks]
+    def _mark_answered(self, ranks: np.ndarray, epochs: np.ndarray, versions: np.ndarray) -> None:
+        # From the values read, not the slots again: an announce landing in between is answered next time.
+        self._answered["epoch"][ranks] = epochs
+        self._answered["version"][ranks] = versions
 
     def _answer(self) -> int | None:
         """Answers the announces not answered yet; returns the version this destination takes now (it has
@@ -231,7 +232,7 @@ class Destination(Participant):
         if not len(new):
             return None
         epochs, versions = self._mailbox["epoch"][new], self._mailbox["version"][new]
-        self._mark_answered(new)
+        self._mark_answered(new, epochs, versions)
         current = epochs == self.epoch
         target = int(versions[current].max()) if current.any() else None
         for rank, epoch, version in zip(new.tolist(), epochs.tolist(), versions.tolist(), strict=True):
@@ -270,7 +271,7 @@ class Destination(Participant):
             i = int(np.argmax(newer))
             return (f"source {int(new[i])} announced version {int(versions[i])} of plan epoch "
                     f"{int(epochs[i])}")
-        self._mark_answered(new)
+        self._mark_answered(new, epochs, versions)
         for rank, epoch, version in zip(new.tolist(), epochs.tolist(), versions.tolist(), strict=True):
             if epoch != self.epoch:
                 self._refuse(rank, version, REFUSED_EPOCH)

@@ -146,9 +146,9 @@ class _Grants:
             g = src._grant_box[grant_slot(r, v) - MAX_SLOTS]
             if int(g["version"]) == v:
                 epoch, status = int(g["epoch"]), int(g["status"])
-                if epoch < src.epoch:
-                    pass  # an answer to an announce of an earlier plan; this one's answer follows
-                elif epoch > src.epoch or status == REFUSED_EPOCH:
+                if epoch < src.epoch or (epoch == src.epoch and status == REFUSED_EPOCH):
+                    pass  # an answer to an announce of an earlier plan (or a slot read half-written)
+                elif epoch > src.epoch:
                     self.pending.discard(r)
                     self.stale.add(r)
                     self.failed[r] = (f"destination {r} holds plan epoch {epoch}, this source {src.epoch}: "
