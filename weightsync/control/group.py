@@ -11,8 +11,9 @@ It comes, in this order, from:
 2. a group created by this very process (the process-local copy ``Group.create`` keeps);
 3. the ``WEIGHTSYNC_SECRET`` environment variable, which an RL framework sets for all actors of its
    job with ``ray.init(runtime_env={"env_vars": {"WEIGHTSYNC_SECRET": ...}})`` (the driver itself
-   reads it from its job's runtime_env). Convenient, but Ray records a job's runtime_env in its job
-   table, which any client of the cluster can read: see docs/SECURITY.md;
+   reads it from its job's runtime_env first, since that is what the job's actors see). Convenient,
+   but Ray records a job's runtime_env in its job table, which any client of the cluster can read:
+   see docs/SECURITY.md;
 4. nothing: ``Group.create`` makes a fresh random secret that only this process knows (hand it on as
    ``group.secret``); a participant raises an error that says how to share it.
 
@@ -95,12 +96,19 @@ def resolve_secret(group: str, explicit: str | None) -> str | None:
         local = _local_secrets.get((_namespace(), group))
     if local is not None:
         return local
-    value = os.environ.get(SECRET_ENV)
-    if value:
-        return _checked(value, group, f"the {SECRET_ENV} environment variable")
+    return _environment_secret(group)
+
+
+def _environment_secret(group: str) -> str | None:
+    """WEIGHTSYNC_SECRET of the job's runtime_env, else of this process's environment. The job's comes
+    first: it is the value every actor of the job sees (runtime_env env_vars override what a worker
+    inherits), while a driver's own environment may hold another one from its shell."""
     value = _job_env_secret()
     if value:
         return _checked(value, group, f"the job's runtime_env ({SECRET_ENV})")
+    value = os.environ.get(SECRET_ENV)
+    if value:
+        return _checked(value, group, f"the {SECRET_ENV} environment variable")
     return None
 
 
@@ -170,12 +178,7 @@ class Group:
         else:
             # Not this process's earlier group of the same name: a new group gets the environment's
             # secret or a new one.
-            env = os.environ.get(SECRET_ENV)
-            if env:
-                secret = _checked(env, name, f"the {SECRET_ENV} environment variable")
-            else:
-                job = _job_env_secret()
-                secret = _checked(job, name, f"the job's runtime_env ({SECRET_ENV})") if job else new_secret()
+            secret = _environment_secret(name) or new_secret()
         # The actor is created with the verifier only: its creation arguments and memory hold no secret.
         actor = (
             ray.remote(num_cpus=0, max_concurrency=1024)(Coordinator)
