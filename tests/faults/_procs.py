@@ -5,8 +5,7 @@
 public face of the package (``import weightsync as ws``). A child can be stopped (SIGSTOP), resumed and
 killed, which is the point: a peer that is slow, gone or cut off is a real process on a real connection.
 
-``Hosts`` makes two namespaces joined by veth pairs ("NICs" for the tcp provider), each pair with its own
-rate limit, and removes exactly what it made.
+Two hosts in network namespaces for these tests are ``tests.support.netns.TwoHosts``.
 """
 
 from __future__ import annotations
@@ -15,13 +14,11 @@ import hashlib
 import os
 import pickle
 import select
-import shutil
 import signal
 import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 POISON = 0xA5
@@ -210,87 +207,6 @@ def _serve() -> None:
         answers.flush()
         if op == "quit":
             return
-
-
-# --- two hosts in network namespaces ----------------------------------------------------------------
-
-
-def netns_unavailable() -> str | None:
-    """None when namespaces can be made here, else why not."""
-    if os.geteuid() != 0:
-        return "needs root for network namespaces"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs iproute2 (ip, tc)"
-    return None
-
-
-def _run(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=20)
-
-
-_serial = [0]
-
-
-@dataclass
-class Hosts:
-    """Namespaces ``a`` and ``b`` (unique ``wsf`` names), NIC i = veth ``wsf{i}`` on both sides,
-    10.213.i.1 (a) and 10.213.i.2 (b), rate-limited to ``rates_mbit[i]`` on both ends."""
-
-    rates_mbit: list[int] = field(default_factory=lambda: [400, 400])
-    a: str = ""
-    b: str = ""
-
-    def __post_init__(self) -> None:
-        _serial[0] += 1
-        tag = f"{os.getpid()}x{_serial[0]}"
-        self.a = self.a or f"wsfA{tag}"
-        self.b = self.b or f"wsfB{tag}"
-
-    @property
-    def nics(self) -> list[str]:
-        return [f"wsf{i}" for i in range(len(self.rates_mbit))]
-
-    def create(self) -> Hosts:
-        try:
-            for ns in (self.a, self.b):
-                _run("ip", "netns", "add", ns)
-                _run("ip", "-n", ns, "link", "set", "lo", "up")
-            for i, (nic, rate) in enumerate(zip(self.nics, self.rates_mbit, strict=True)):
-                _run("ip", "link", "add", nic, "netns", self.a, "type", "veth",
-                     "peer", "name", nic, "netns", self.b)
-                for ns, host in ((self.a, 1), (self.b, 2)):
-                    _run("ip", "-n", ns, "addr", "add", f"10.213.{i}.{host}/24", "dev", nic)
-                    _run("ip", "-n", ns, "link", "set", nic, "up")
-                    _run("tc", "-n", ns, "qdisc", "add", "dev", nic, "root", "tbf", "rate", f"{rate}mbit",
-                         "burst", "256kb", "latency", "400ms")
-            self._wait_up()
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def _wait_up(self, timeout: float = 10.0) -> None:
-        # The tcp provider lists only running interfaces: wait for both ends' carrier.
-        deadline = time.monotonic() + timeout
-        for ns in (self.a, self.b):
-            for nic in self.nics:
-                while True:
-                    out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "dev", nic],
-                                         capture_output=True, text=True, timeout=10).stdout
-                    if "state UP" in out and "LOWER_UP" in out:
-                        break
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{nic} in {ns} not up after {timeout} s: {out.strip()}")
-                    time.sleep(0.02)
-
-    def set_link(self, nic: int, up: bool) -> None:
-        _run("ip", "-n", self.a, "link", "set", self.nics[nic], "up" if up else "down")
-        if up:
-            self._wait_up()
-
-    def remove(self) -> None:
-        for ns in (self.a, self.b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
 if __name__ == "__main__":

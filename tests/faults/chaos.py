@@ -33,7 +33,6 @@ import hashlib
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 import traceback
@@ -44,6 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tests.support.netns import TwoHosts
+from tests.support.netns import available as netns_available
 
 # Rows of "emb", "w" and "col" are split between sources ("col" by columns: strided 2-D writes); "norm"
 # is held whole by every source. About 0.9 MiB per version, several writes per source and destination.
@@ -124,84 +126,9 @@ def classify(name: str, got: np.ndarray, version: int) -> tuple[str, str]:
 
 # -- network namespaces ----------------------------------------------------------------------------------
 
-_serial = [0]
-
-
 def netns_unavailable() -> str | None:
     """None when namespaces can be made here, else why not."""
-    if os.geteuid() != 0:
-        return "needs root for network namespaces"
-    for tool in ("ip", "tc"):
-        if subprocess.run(["which", tool], capture_output=True).returncode != 0:
-            return "needs iproute2 (ip, tc)"
-    return None
-
-
-def _run(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
-
-
-@dataclass
-class Net:
-    """Namespaces ``a`` (sources) and ``b`` (destinations), unique ``wsc`` names, joined by veth pairs
-    ``wsc0``, ``wsc1`` (10.215.i.1 in a, 10.215.i.2 in b) with a tbf rate limit on each end. ``remove``
-    deletes exactly what ``create`` made."""
-
-    rates_mbit: list[int] = field(default_factory=lambda: [400, 200])
-    a: str = ""
-    b: str = ""
-
-    def __post_init__(self) -> None:
-        _serial[0] += 1
-        tag = f"{os.getpid()}x{_serial[0]}"
-        self.a = self.a or f"wscA{tag}"
-        self.b = self.b or f"wscB{tag}"
-
-    @property
-    def nics(self) -> list[str]:
-        return [f"wsc{i}" for i in range(len(self.rates_mbit))]
-
-    def create(self) -> Net:
-        try:
-            for ns in (self.a, self.b):
-                _run("ip", "netns", "add", ns)
-                _run("ip", "-n", ns, "link", "set", "lo", "up")
-            for i, (nic, rate) in enumerate(zip(self.nics, self.rates_mbit, strict=True)):
-                _run("ip", "link", "add", nic, "netns", self.a, "type", "veth",
-                     "peer", "name", nic, "netns", self.b)
-                for ns, host in ((self.a, 1), (self.b, 2)):
-                    _run("ip", "-n", ns, "addr", "add", f"10.215.{i}.{host}/24", "dev", nic)
-                    _run("ip", "-n", ns, "link", "set", nic, "up")
-                    _run("tc", "-n", ns, "qdisc", "add", "dev", nic, "root", "tbf", "rate", f"{rate}mbit",
-                         "burst", "256kb", "latency", "400ms")
-            for i in range(len(self.nics)):
-                self.wait_up(i)
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def wait_up(self, nic: int, timeout: float = 15.0) -> None:
-        # The tcp provider lists only running interfaces: wait for both ends' carrier.
-        deadline = time.monotonic() + timeout
-        for ns in (self.a, self.b):
-            while True:
-                out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "dev", self.nics[nic]],
-                                     capture_output=True, text=True, timeout=10).stdout
-                if "state UP" in out and "LOWER_UP" in out:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.nics[nic]} in {ns} not up after {timeout} s: {out.strip()}")
-                time.sleep(0.02)
-
-    def set_link(self, nic: int, up: bool) -> None:
-        _run("ip", "-n", self.a, "link", "set", self.nics[nic], "up" if up else "down")
-        if up:
-            self.wait_up(nic)
-
-    def remove(self) -> None:
-        for ns in (self.a, self.b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    return netns_available()
 
 
 def make_engine(netns: str | None, nics: list[str] | None, **kw: Any) -> Any:
@@ -435,7 +362,7 @@ class Campaign:
         self.rng = random.Random(cfg.seed)
         self._src_cls = ray.remote(num_cpus=0, max_restarts=0)(ChaosSource)
         self._dst_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(ChaosDestination)
-        self.net: Net | None = None
+        self.net: TwoHosts | None = None
         self.group: Any = None
         self.sources: list[Any] = []
         self.dests: list[Any] = []
@@ -503,7 +430,7 @@ class Campaign:
     def _ns(self, role: str) -> tuple[str | None, list[str] | None]:
         if self.net is None:
             return None, None
-        return (self.net.a if role == "source" else self.net.b), self.net.nics
+        return (self.net.a if role == "source" else self.net.b), self.net.nic_names
 
     def _start_source(self, rank: int) -> Any:
         ns, nics = self._ns("source")
@@ -645,7 +572,7 @@ class Campaign:
                 return f"{role} {rank} stopped {hold:.1f} s"
             if kind == "nic_cut":
                 assert self.net is not None
-                nic = self.rng.randrange(len(self.net.nics))
+                nic = self.rng.randrange(len(self.net.nic_names))
                 down = self.rng.uniform(0.25, 1.0) * cfg.nic_down  # around the engine's stall timeout
                 self.net.set_link(nic, False)
                 t = threading.Timer(down, self._link_up, args=(nic,))
@@ -753,7 +680,7 @@ class Campaign:
         import weightsync as ws
 
         if self.cfg.netns:
-            self.net = Net(rates_mbit=list(self.cfg.rates_mbit)).create()
+            self.net = TwoHosts(rates_mbit=list(self.cfg.rates_mbit), prefix="wsc", latency_ms=400).create()
         self.group = ws.Group.create(self.name, num_sources=self.cfg.sources,
                                      num_destinations=len(self.modes))
         self.dests = [self._start_dest(j) for j in range(len(self.modes))]

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import weightsync as ws
-from tests.faults._procs import EngineProc, Hosts, digest, netns_unavailable, random_bytes
+from tests.faults._procs import EngineProc, digest, random_bytes
+from tests.support.netns import TwoHosts, available
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -27,7 +28,7 @@ def _case(n: int, why: str) -> pytest.MarkDecorator:
     return pytest.mark.xfail(strict=True, reason=f"issue 15 case {n}: {why}")
 
 
-needs_netns = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
+needs_netns = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 
 @pytest.fixture()
@@ -142,9 +143,9 @@ def test_refused_write_does_not_poison_the_peer(procs, engines) -> None:
 def test_failed_nic_path_is_restored_after_link_up(procs) -> None:
     """Two NICs; NIC 1's link goes down, a write fails over to NIC 0 (right). Once the link is back up,
     the path must be restored within 20 s: failed_paths clears and new striped writes use NIC 1 again."""
-    hosts = Hosts(rates_mbit=[400, 400]).create()
+    hosts = TwoHosts(rates_mbit=[400, 400], prefix="wsf", latency_ms=400).create()
     try:
-        kwargs = {"nics": hosts.nics, "stall_timeout": 1.0, "max_piece": 4 * MiB}
+        kwargs = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
         tx = _start(procs, netns=hosts.a, **kwargs)
         rx = _start(procs, netns=hosts.b, **kwargs)
         size = 8 * MiB
@@ -232,9 +233,9 @@ def test_retried_piece_is_counted_once_and_never_lands_late(procs) -> None:
     is still being sent. What must hold whatever the engine retries: version 1's counter reaches its
     target only once every byte of version 1 landed, it receives exactly imm_count immediates, and once
     version 2 completed no byte of version 1 lands over it."""
-    hosts = Hosts(rates_mbit=[400, 16]).create()
+    hosts = TwoHosts(rates_mbit=[400, 16], prefix="wsf", latency_ms=400).create()
     try:
-        kwargs = {"nics": hosts.nics, "stall_timeout": 1.0, "max_piece": 4 * MiB}
+        kwargs = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
         tx = _start(procs, netns=hosts.a, **kwargs)
         rx = _start(procs, netns=hosts.b, **kwargs)
         size = 8 * MiB  # two pieces of 4 MiB, one per NIC
