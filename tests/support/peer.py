@@ -271,7 +271,9 @@ class PeerProcess:
         cmd = [sys.executable, "-m", "tests.support.peer"]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # The repository root (tests/support/peer.py -> three levels up), so that ``-m tests.support.peer``
+        # resolves without relying on an editable install putting the root on sys.path.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root, env={**os.environ, **(env or {})}
         )
