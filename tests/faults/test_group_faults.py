@@ -263,6 +263,58 @@ def test_updating_is_raised_before_any_byte_of_the_next_version_lands(ray_cluste
 
 
 # ------------------------------------------------------------------------------------------------
+# a destination dropped while it was stopped is re-admitted when it resumes
+
+
+def _members(run: _Run, want: list[int], timeout: float) -> list[int]:
+    """The coordinator's destination ranks once they are ``want`` (or whatever they are at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = run.group.status()["destinations"]
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["inplace", "staged"])
+def test_destination_stopped_past_the_push_timeout_is_readmitted(ray_cluster, mode: str) -> None:
+    """Two sources, two destinations. Destination 0 is stopped (SIGSTOP) for longer than the push
+    timeout: the push succeeds on destination 1, reports destination 0 failed and the coordinator drops
+    it. While it is behind it must keep its old version, whole (never a version it did not fully
+    receive). Once it resumes (SIGCONT) it must notice that it was dropped, join again under its rank,
+    and hold the next version bit for bit: the first push after its rejoin reaches both destinations."""
+    run = _Run(f"fault-readmit-{mode}", 2, [(mode, 3.0), ("staged", 3.0)], relay=False)
+    try:
+        assert _ok(run.push(1, 10.0))
+        run.check(0, 1)
+        run.check(1, 1)
+        stopped = ray.get(run.rollouts[0].pid.remote(), timeout=30)
+
+        run.stop(stopped)
+        results = run.push(2, 2.5)
+        assert all(r["ok"] and r["failed"] == [0] for r in results), results
+        assert _members(run, [1], 10.0) == [1], "the stopped destination was not dropped from the plan"
+        assert _ok(run.push(3, 2.5))  # the group goes on without it
+        run.check(1, 3)
+        time.sleep(1.0)  # past its own push_timeout too: whatever it was landing is abandoned on resume
+        run.resume(stopped)
+
+        # It notices that it was dropped and joins again (a new plan epoch with both destinations).
+        assert _members(run, [0, 1], 15.0) == [0, 1], (
+            f"destination 0 was not re-admitted after it resumed: {run.group.status()}")
+        # While behind, it still holds version 1 bit for bit (never 2 or 3, which it did not receive).
+        run.check(0, 1)
+        for version in (4, 5):
+            results = run.push(version, 10.0)
+            assert _ok(results), f"version {version} after the rejoin: {results}"
+            run.check(0, version)
+            run.check(1, version)
+    finally:
+        run.close()
+
+
+# ------------------------------------------------------------------------------------------------
 # case 11 (the group part)
 
 

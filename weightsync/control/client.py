@@ -10,11 +10,11 @@ import logging
 import socket
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightsync.control.group import actor_name, participant_secret
-from weightsync.control.watcher import EpochWatcher
+from weightsync.control.watcher import DROPPED, MEMBER, SUPERSEDED, EpochWatcher, MembershipWatcher
 from weightsync.errors import TimeoutError, WeightSyncError  # noqa: A004
 from weightsync.plan.parts import EngineInfo, Part, PlanFailure, unpack_part
 
@@ -37,6 +37,9 @@ class ControlClient:
     """One participant's connection to its group's coordinator (found by name in the caller's Ray
     namespace). ``secret`` None: the group's secret as this process knows it (its environment's
     WEIGHTSYNC_SECRET; weightsync.control.group.resolve_secret), else an error saying how to share it."""
+
+    # What a participant is to the coordinator (``membership``, ``start_member_watcher``).
+    MEMBER, DROPPED, SUPERSEDED = MEMBER, DROPPED, SUPERSEDED
 
     def __init__(self, group: str, role: str, rank: int, secret: str | None = None) -> None:
         import ray
@@ -72,11 +75,40 @@ class ControlClient:
 
     # -- membership and parts ----------------------------------------------------------------------
     def join(self, layout: bytes, address: bytes, engine: EngineInfo, descriptors: Mapping[str, list[bytes]],
-             mailbox: bytes, timeout: float) -> int:
-        """Joins the group; returns the plan epoch before the join (the first part is newer than it)."""
-        return self._get(self._coord.join.remote(
-            self._secret, self.role, self.rank, layout, address, host_id(), engine.to_dict(),
-            dict(descriptors), mailbox), timeout)
+             mailbox: bytes, timeout: float, rejoin: bool = False) -> int:
+        """Joins the group; returns the plan epoch before the join (the first part is newer than it).
+        ``rejoin``: this process was dropped and asks to be taken back (refused with a WeightSyncError if
+        another process holds its rank by then)."""
+        import ray
+
+        try:
+            return self._get(self._coord.join.remote(
+                self._secret, self.role, self.rank, layout, address, host_id(), engine.to_dict(),
+                dict(descriptors), mailbox, rejoin), timeout)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+            if isinstance(cause, WeightSyncError):
+                raise type(cause)(str(cause)) from None
+            raise
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"group {self.group!r}: {self.role} rank {self.rank}: the coordinator did "
+                               f"not answer its join within {timeout} s") from None
+
+    def membership(self, address: bytes, timeout: float) -> tuple[str, int]:
+        """What this process (its engine ``address``) is to the group now and the plan epoch:
+        ("member" | "dropped" | "superseded", epoch) (weightsync.control.watcher)."""
+        state, epoch = self._get(self._coord.wait_member.remote(
+            self._secret, self.role, self.rank, address, "", 0.0), timeout)
+        return str(state), int(epoch)
+
+    def start_member_watcher(self, owner: object, address: bytes,
+                             on_answer: Callable[[str, int], None]) -> MembershipWatcher:
+        """Starts this participant's membership watcher (``on_answer(state, epoch)`` on every answer, from
+        its thread); it stops when ``owner`` is collected without close()."""
+        watcher = MembershipWatcher(self._coord, self._secret, self.group, self.role, self.rank, address,
+                                    on_answer)
+        weakref.finalize(owner, watcher.stop, 0.0)
+        return watcher
 
     def fetch_part(self, after_epoch: int, timeout: float) -> Part:
         """This participant's part of the first plan newer than ``after_epoch``. A failed planning

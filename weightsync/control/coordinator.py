@@ -9,6 +9,12 @@ under a new *epoch*; participants notice the epoch on their next push and fetch 
 Sources learn the epoch without a round trip on the push's path: each keeps a long-poll
 (``wait_epoch``) open from a thread of its own (weightsync.control.watcher.EpochWatcher).
 
+A destination reported dead is dropped from the plan, and a plan without it sends it nothing. If it was
+alive after all (stopped past the push timeout, its link cut for a while), it learns that it was dropped
+from its own long-poll (``wait_member``, weightsync.control.watcher.MembershipWatcher) and joins again
+under its rank (``join(..., rejoin=True)``, refused if another process holds the rank by then); the
+re-plan gives it the next version whole.
+
 Every method called remotely takes the group's secret first and answers nothing, changes nothing, to a
 caller that presents a wrong one: the actor is reachable by name from any Ray namespace and job. The
 coordinator keeps only a verifier of the secret (see ``verifier``); refused calls are counted per
@@ -26,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.control.watcher import DROPPED, MEMBER, SUPERSEDED
 from weightsync.errors import LayoutError, PlanError, WeightSyncError
 from weightsync.plan.lower import RELAY_CHUNK_BYTES, GroupOptions, lower_group
 from weightsync.plan.ops import LOCAL_ROUND_BYTES, ROUND_BYTES
@@ -133,7 +140,11 @@ class Coordinator:
 
     # -- membership ----------------------------------------------------------------------------------
     def join(self, secret: str, role: str, rank: int, layout: bytes, address: bytes, host: str,
-             engine: dict[str, int], descriptors: dict[str, list[bytes]], mailbox: bytes) -> int:
+             engine: dict[str, int], descriptors: dict[str, list[bytes]], mailbox: bytes,
+             rejoin: bool = False) -> int:
+        """Adds (or replaces: a new process under the same rank) a member and re-plans once every rank is
+        present. ``rejoin``: a process that was dropped asks to be taken back; refused if another process
+        holds its rank by then (the newer process wins, the old one stops)."""
         self._admit(secret, "join", f"{role} {rank}")
         if role not in (SOURCE, DESTINATION):
             raise WeightSyncError(f"group {self.name!r}: unknown role {role!r}")
@@ -146,13 +157,23 @@ class Coordinator:
                 # A destination beyond the initial count: a new rollout replica joining at run time.
                 self.num_destinations = rank + 1
             before = self.epoch
+            held = self._members.get((role, rank))
+            if rejoin and held is not None and held.member.address != address:
+                raise WeightSyncError(f"group {self.name!r}: {role} rank {rank} cannot join again: another "
+                                      f"process joined under rank {rank} since it was dropped")
             member = Member(role, rank, layout, address, host, EngineInfo.from_dict(engine),
                             descriptors, mailbox)
             self._members[(role, rank)] = _Joined(member, before)
+            was_dead = (role, rank) in self._dead
             self._dead.discard((role, rank))
             if role == SOURCE:
                 self._watchers.pop(rank, None)  # a new process: the old one's watcher is not its own
-            log.info("group %s: %s rank %d joined from %s", self.name, role, rank, host)
+            if rejoin:
+                log.warning("group %s: %s rank %d (dropped%s) joined again from %s", self.name, role, rank,
+                            " as dead" if was_dead else "", host)
+            else:
+                log.info("group %s: %s rank %d joined from %s", self.name, role, rank, host)
+            self._cv.notify_all()  # membership watchers: this rank is held, and by whom
             self._replan_if_complete()
             self._await_watchers(self.epoch)
             # The epoch before this join: the member's first part is the first plan newer than it.
@@ -174,9 +195,32 @@ class Coordinator:
                     changed = True
                     log.warning("group %s: %s rank %d reported dead by %s", self.name, role, r, reporter)
             if changed:
+                self._cv.notify_all()  # membership watchers of the dropped ranks, also without a re-plan
                 self._replan_if_complete()
             self._await_watchers(self.epoch)
             return self.epoch
+
+    def _member_state(self, role: str, rank: int, address: bytes) -> str:
+        joined = self._members.get((role, rank))
+        if joined is None:
+            return DROPPED
+        return MEMBER if joined.member.address == address else SUPERSEDED
+
+    def wait_member(self, secret: str, role: str, rank: int, address: bytes, known: str,
+                    timeout: float) -> tuple[str, int]:
+        """Long-poll of a participant's membership watcher: what the process with engine ``address`` is
+        to the group (``member``; ``dropped``: reported dead and not joined since; ``superseded``:
+        another process holds the rank) and the plan epoch, as soon as that differs from ``known``, else
+        after ``timeout`` s. A dropped destination that is alive joins again when it hears it."""
+        self._admit(secret, "wait_member", f"{role} {rank}")
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                state = self._member_state(role, int(rank), address)
+                left = deadline - time.monotonic()
+                if state != known or left <= 0:
+                    return state, self.epoch
+                self._cv.wait(left)
 
     # -- planning ----------------------------------------------------------------------------------
     def _alive(self, role: str) -> list[Member]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from weightsync.control.client import ControlClient
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.plan.parts import DESTINATION, DestinationPart
@@ -52,6 +53,11 @@ from weightsync.wire import (
 # How often a waiting destination looks for a newer plan or version (the native wait itself returns the
 # moment the last immediate arrives; this bounds only how late a dead version is given up).
 WAIT_SLICE_S = 0.02
+DROPPED, SUPERSEDED = ControlClient.DROPPED, ControlClient.SUPERSEDED
+# A destination dropped again within READMIT_QUICK_S of joining again (its link is still cut, say) waits
+# READMIT_BACKOFF_S before the next join, doubled per quick drop up to READMIT_MAX_S: each join re-plans
+# the whole group.
+READMIT_BACKOFF_S, READMIT_MAX_S, READMIT_QUICK_S = 0.5, 8.0, 30.0
 # Outbox slots grants are written from (a ring: a NIC may still read a slot while the next grant is
 # prepared; a slot is reused only once its writes completed). Acks use slots 0 and 1.
 GRANT_OUT, GRANT_RING = 8, 32
@@ -106,7 +112,18 @@ class Destination(Participant):
         self._granted: tuple[int, int] | None = None  # (epoch, version) last granted to every source
         self._grant_next = 0
         self._grant_writes: dict[int, list[Any]] = {}  # outbox ring slot -> its writes in flight
+        # Re-admission: the coordinator drops a destination reported failed (stopped past the push timeout,
+        # its link cut); if this process lives on, its membership watcher hears it and the receiving thread
+        # joins again under the same rank (``_readmit``).
+        self._descriptors = descriptors
+        self._dropped = threading.Event()
+        self._superseded: str | None = None  # why this process no longer receives (another took its rank)
+        self._readmit_at: float | None = None  # monotonic time of the next join after a drop (back-off)
+        self._readmit_backoff = 0.0
+        self._joined_at = time.monotonic()
+        self.readmissions = 0  # times this destination joined again after it was dropped
         self._join(descriptors)
+        self._member_watcher = self._control.start_member_watcher(self, self.engine.address, self._membership)
         self._thread = threading.Thread(target=self._run, name=f"weightsync-{group}-dst{rank}", daemon=True)
         self._thread.start()
 
@@ -160,11 +177,15 @@ class Destination(Participant):
             return self._dirty
 
     def wait(self, version: int | None = None, timeout: float = 60.0) -> int:
-        """Blocks until a complete version (``>= version``, or newer than now when None) has landed."""
+        """Blocks until a complete version (``>= version``, or newer than now when None) has landed.
+        Raises ``WeightSyncError`` once another process has joined under this destination's rank (this one
+        then receives nothing more)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             target = self._version + 1 if version is None else version
             while self._version < target:
+                if self._superseded is not None:
+                    raise WeightSyncError(self._superseded)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"group {self.group!r}: destination {self.rank} has version "
@@ -191,10 +212,73 @@ class Destination(Participant):
                 self._lock.notify_all()
         return version
 
+    # -- membership: dropped and taken back ------------------------------------------------------
+    def _membership(self, state: str, epoch: int) -> None:
+        """The membership watcher's answer (its thread): flags a drop for the receiving thread, which
+        joins again; a rank taken by another process ends this one's receiving."""
+        if state == DROPPED:
+            if not self._dropped.is_set():
+                self.log.warning("destination %d: dropped from the group's plan (epoch %d; it was reported "
+                                 "failed); joining again", self.rank, epoch)
+            self._dropped.set()
+        elif state == SUPERSEDED and self._superseded is None:
+            with self._lock:
+                self._superseded = (f"group {self.group!r}: destination rank {self.rank} was taken over by "
+                                    f"another process (plan epoch {epoch}); this one receives nothing more")
+                self._lock.notify_all()
+            self.log.error("%s", self._superseded)
+            self._stop.set()
+
+    def _readmit(self) -> None:
+        """Receiving thread, after a drop: asks the coordinator what this process is now and, if still
+        dropped, joins again under its rank and fetches its part of the re-plan. Nothing it holds changes:
+        ``version`` stays the last complete one, ``dirty`` stays until the next complete version (the
+        next push that includes it again writes every byte it needs)."""
+        now = time.monotonic()
+        if self._readmit_at is None:  # the first look at this drop
+            # Dropped again soon after it joined again (its link still cut, say): each join is a re-plan
+            # of the whole group, so back off before the next one.
+            quick = self.readmissions > 0 and now - self._joined_at < READMIT_QUICK_S
+            self._readmit_backoff = min(self._readmit_backoff * 2 or READMIT_BACKOFF_S, READMIT_MAX_S) \
+                if quick else 0.0
+            self._readmit_at = now + self._readmit_backoff
+            if quick:
+                self.log.warning("destination %d: dropped again %.1f s after it joined again; joining again "
+                                 "in %.1f s", self.rank, now - self._joined_at, self._readmit_backoff)
+        if now < self._readmit_at:
+            return
+        self._readmit_at = now + READMIT_BACKOFF_S  # if asking fails, the next try is not at once
+        state, epoch = self._control.membership(self.engine.address, self._timeout)
+        self._dropped.clear()
+        if state != DROPPED:
+            self._readmit_at = None
+            if state == SUPERSEDED:
+                self._membership(state, epoch)
+            return  # else a late answer: it is a member again already
+        old = self.epoch
+        try:
+            self._join(self._descriptors, rejoin=True)
+        except WeightSyncError as exc:
+            if "another process" in str(exc):
+                self._membership(SUPERSEDED, self.epoch)
+                return
+            self._dropped.set()  # tried again after READMIT_BACKOFF_S
+            raise
+        self._readmit_at = None
+        self._joined_at = time.monotonic()
+        self.readmissions += 1
+        self.log.warning("destination %d: joined again after it was dropped from plan epoch %d: plan epoch "
+                         "%d, holds version %d", self.rank, old, self.epoch, self.version)
+
     # -- the receiving thread --------------------------------------------------------------------
     def _run(self) -> None:
         announce = self._announces
         while not self._stop.is_set():
+            try:
+                if self._dropped.is_set():
+                    self._readmit()
+            except Exception as exc:  # tried again after a back-off
+                self.log.error("destination %d: joining again failed: %s", self.rank, exc)
             try:
                 announce.wait(1, timeout=0.2)
             except TimeoutError:
@@ -279,6 +363,13 @@ class Destination(Participant):
                 self._refuse(rank, version, REFUSED_NOT_NEWER if version <= self._version else REFUSED_BUSY)
         return None
 
+    def _dropped_during(self) -> str | None:
+        """While landing: the coordinator dropped this destination (the sources reported it failed and
+        write to a plan without it), so the version can no longer complete here."""
+        if self._dropped.is_set() or self._superseded is not None:
+            return "the coordinator dropped this destination from the plan (reported failed)"
+        return None
+
     def _grant_record(self, version: int, shadow: int, status: int) -> int:
         """Fills the next outbox ring slot with a grant record; returns the slot."""
         slot = GRANT_OUT + self._grant_next % GRANT_RING
@@ -338,7 +429,7 @@ class Destination(Participant):
                 complete = True
                 break
             except TimeoutError:
-                reason = self._unanswered_during(target)
+                reason = self._unanswered_during(target) or self._dropped_during()
                 if reason is not None:
                     break
         if not complete and acks:
@@ -396,7 +487,7 @@ class Destination(Participant):
 
         def superseded() -> str | None:
             arm_if_granted()
-            return self._unanswered_during(target)
+            return self._unanswered_during(target) or self._dropped_during()
 
         complete, reason = relay.wait(deadline, self._stop, superseded, WAIT_SLICE_S, arm_if_granted)
         return complete, reason, armed
@@ -484,7 +575,12 @@ class Destination(Participant):
                 self.log.warning("destination %d: ack failed: %s", self.rank, exc)
 
     def close(self) -> None:
-        """Stops the receiving thread and closes the engine."""
+        """Stops the membership watcher and the receiving thread, and closes the engine."""
         self._stop.set()
-        self._thread.join(5)
+        watcher = getattr(self, "_member_watcher", None)
+        if watcher is not None:
+            watcher.stop()
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join(5)
         super().close()

@@ -74,9 +74,11 @@ class Participant:
             return value.to_local()
         return value
 
-    def _join(self, descriptors: dict[str, list[bytes]]) -> None:
+    def _join(self, descriptors: dict[str, list[bytes]], rejoin: bool = False) -> None:
+        """Joins the group (``rejoin``: again, after the coordinator dropped this process) and fetches the
+        first part of a plan newer than the join."""
         self.epoch = self._control.join(self.layout.to_msgpack(), self.engine.address, self._engine_info(),
-                                        descriptors, self._mailbox_region.descriptor, self._timeout)
+                                        descriptors, self._mailbox_region.descriptor, self._timeout, rejoin)
         self._fetch_part(self._timeout)
 
     def _engine_info(self) -> EngineInfo:
