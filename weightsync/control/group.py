@@ -29,6 +29,7 @@ import threading
 from typing import Any
 
 from weightsync.control.coordinator import Coordinator, verifier
+from weightsync.control.rendezvous import ensure_ray
 from weightsync.errors import LayoutError, PlanError, WeightSyncError
 from weightsync.plan.lower import RELAY_CHUNK_BYTES
 from weightsync.plan.ops import LOCAL_ROUND_BYTES, ROUND_BYTES
@@ -171,8 +172,8 @@ class Group:
         if round_bytes < 1 or local_round_bytes < 1:
             raise PlanError(f"group {name!r}: round_bytes ({round_bytes}) and local_round_bytes "
                             f"({local_round_bytes}) must be at least 1")
-        if not ray.is_initialized():
-            ray.init()
+        # Connected already, or to the cluster WEIGHTSYNC_RAY_ADDRESS names, else a Ray of its own.
+        ensure_ray()
         if secret is not None:
             secret = _checked(secret, name, "the secret= argument")
         else:
