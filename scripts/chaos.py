@@ -27,8 +27,8 @@ from tests.faults.chaos import Campaign, Config, netns_unavailable  # noqa: E402
 def table(summary: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     for key in ("seed", "netns", "sources", "destinations", "pushes", "pushes_ok", "pushes_failed",
-                "replacements", "mixed", "mixed_reads", "wrong", "wrong_reads", "hangs",
-                "expectation_failures", "left_behind",
+                "replacements", "readmissions", "mixed", "mixed_reads", "wrong", "wrong_reads", "hangs",
+                "expectation_failures", "left_behind", "final_pushes",
                 "inplace_reads_raced", "inplace_reads_dirty", "seconds"):
         rows.append((key, str(summary[key])))
     for group in ("faults", "versions_checked", "reads", "errors"):

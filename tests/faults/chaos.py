@@ -318,7 +318,8 @@ class ChaosDestination:
 
     def report(self) -> dict[str, Any]:
         return {"reads": self.reads, "versions_checked": len(self.checked), "raced": self.raced,
-                "dirty_skips": self.dirty_skips, "bad": list(self.bad)}
+                "dirty_skips": self.dirty_skips, "bad": list(self.bad),
+                "readmissions": int(getattr(self.dst, "readmissions", 0))}
 
     def stop(self) -> dict[str, Any]:
         self._stop.set()
@@ -382,6 +383,7 @@ class Campaign:
         self.version = 0
         self._order: list[str] = []
         self.left_behind: list[int] = []
+        self.final_pushes = 0  # clean pushes after the faults until every destination held the last one
         self.missing: set[tuple[str, int]] = set()  # ranks whose replacement failed to join
         self.t0 = time.monotonic()
 
@@ -646,7 +648,8 @@ class Campaign:
             self.expect_failures.append(f"push {v}: only sources {pushing} pushed, yet it succeeded")
         if not ok:
             self.pushes_failed += 1
-            self._log(f"push {v}: failed ({[r.get('type') for r in results if not r['ok']]})")
+            self._log(f"push {v}: failed ({[r.get('type') for r in results if not r['ok']]}: "
+                      f"{[r.get('error', '')[:160] for r in results if not r['ok']][:1]})")
             return
         self.pushes_ok += 1
         reached = set(range(len(self.dests)))
@@ -658,7 +661,9 @@ class Campaign:
             if r["failed"]:
                 self.errors["failed_destinations"] += 1
         took = max(r["seconds"] for r in results)
-        self._log(f"push {v}: ok on destinations {sorted(reached)} ({took:.2f} s)")
+        failed = sorted({j for r in results for j in r["failed"]})
+        self._log(f"push {v}: ok on destinations {sorted(reached)} ({took:.2f} s)"
+                  + (f", failed on {failed}" if failed else ""))
         checks = {j: self.dests[j].check_holds.remote(v, 10.0) for j in sorted(reached)}
         for j, ref in checks.items():
             try:
@@ -704,13 +709,22 @@ class Campaign:
                 except Exception as exc:  # the harness itself must not stop the campaign silently
                     self.errors[f"harness:{type(exc).__name__}"] += 1
                     self._log(f"harness error: {traceback.format_exc()}")
-            # A final clean push: every destination (also every replacement) must then hold it.
+            # A final clean push: every destination (also every replacement) must then hold it. First
+            # every destination must be a member again (one dropped while stopped or cut off joins again
+            # once it runs): "every participant up" includes that. A destination that the last fault
+            # push's report dropped learns it only after that report landed (the final push awaits it), so
+            # it gets one more clean push: re-admitted within the next push or two.
             self.fresh |= set(range(len(self.dests)))
-            try:
-                self._push_once("none", count=False)
-            except Exception as exc:  # the summary must still come out
-                self.errors[f"harness:{type(exc).__name__}"] += 1
-                self._log(f"harness error in the final push: {traceback.format_exc()}")
+            for _ in range(2):
+                self._await_members(30.0)
+                self.final_pushes += 1
+                try:
+                    self._push_once("none", count=False)
+                except Exception as exc:  # the summary must still come out
+                    self.errors[f"harness:{type(exc).__name__}"] += 1
+                    self._log(f"harness error in a final push: {traceback.format_exc()}")
+                if not self.fresh:
+                    break
             for j in sorted(self.fresh):
                 # Not brought up to date by a clean push with every source up: dropped from the plan
                 # (reported failed while stopped, say) and never taken back, or its replacement never joined.
@@ -727,6 +741,24 @@ class Campaign:
             return self.summary()
         finally:
             self.teardown()
+
+    def _await_members(self, timeout: float) -> None:
+        """Waits (at most ``timeout`` s) until the coordinator counts every destination as a member."""
+        want = list(range(len(self.dests)))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got = self.group.status()["destinations"]
+            except Exception as exc:  # the final push tells what is wrong
+                self.errors[f"status:{type(exc).__name__}"] += 1
+                return
+            if got == want:
+                return
+            if time.monotonic() > deadline:
+                self._log(f"destinations {sorted(set(want) - set(got))} not members {timeout:.0f} s before "
+                          "the final push")
+                return
+            time.sleep(0.1)
 
     def teardown(self) -> None:
         import ray
@@ -752,8 +784,9 @@ class Campaign:
         bad_reads: Counter[str] = Counter()
         bad_versions: dict[str, set[tuple[str, int]]] = {"mixed": set(), "wrong": set()}
         samples: list[str] = []
-        raced = dirty = 0
+        raced = dirty = readmitted = 0
         for reader, rep in self.reports:
+            readmitted += rep.get("readmissions", 0)
             mode = reader.split("#")[0]
             versions[mode] += rep["versions_checked"]
             reads[mode] += rep["reads"]
@@ -776,12 +809,15 @@ class Campaign:
             "pushes_failed": self.pushes_failed,
             "faults": {k: self.faults[k] for k in FAULT_KINDS if k in self.faults},
             "replacements": self.replacements,
+            # Times a destination dropped from the plan while alive (stopped, cut off) joined again.
+            "readmissions": readmitted,
             "versions_checked": dict(versions), "reads": dict(reads), "inplace_reads_raced": raced,
             "inplace_reads_dirty": dirty,
             # Versions (per reader) seen torn, and how many reads saw them.
             "mixed": len(bad_versions["mixed"]), "wrong": len(bad_versions["wrong"]),
             "mixed_reads": bad_reads["mixed"], "wrong_reads": bad_reads["wrong"], "hangs": self.hangs,
             "expectation_failures": len(self.expect_failures), "left_behind": self.left_behind,
+            "final_pushes": self.final_pushes,
             "errors": dict(self.errors), "seconds": round(time.monotonic() - self.t0, 1),
             "samples": samples, "expectation_samples": self.expect_failures[:8],
         }
