@@ -1,0 +1,109 @@
+"""Tiny models that vLLM builds on CPU, and Hugging Face state dicts of random values for them.
+
+vLLM must be told to run on its CPU platform before it is imported (VLLM_TARGET_DEVICE=cpu); every
+model is built inside its own VllmConfig context (vLLM registers layer names per config, so a second
+instance in the same context would clash), and vLLM's distributed state is set up once per process
+(world of one gloo rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+# Small, but with every layout feature: GQA (4 query heads, 2 KV heads), fused qkv/gate_up, untied
+# lm_head, and a vocabulary that is not a multiple of vLLM's padding (64), so the embedding has padding.
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "vocab_size": 200, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+}
+QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "vocab_size": 200, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "attention_bias": False,
+}
+
+_distributed = False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """vLLM's process groups for a world of one rank (TP 1, PP 1), once per process."""
+    global _distributed
+    if _distributed:
+        return
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo")
+    initialize_model_parallel(1, 1)
+    _distributed = True
+
+
+def build(config: dict[str, Any], dtype: str = "bfloat16") -> tuple[Any, Any]:
+    """``(model, vllm_config)``: the model vLLM builds for ``config`` on CPU, its parameters not yet
+    loaded. Use the model inside ``set_current_vllm_config(vllm_config)``."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    folder = tempfile.mkdtemp(prefix="ws-vllm-model-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    model_config = ModelConfig(model=folder, tokenizer=folder, skip_tokenizer_init=True, dtype=dtype,
+                               max_model_len=64, enforce_eager=True)
+    vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"),
+                             load_config=LoadConfig(load_format="dummy"))
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype):
+        init_distributed()
+        model = initialize_model(vllm_config=vllm_config)
+    return model, vllm_config
+
+
+def hf_state_dict(model: Any, seed: int = 0) -> dict[str, Any]:
+    """A Hugging Face state dict of random (never zero) bf16 values for the model's config, with the
+    standard Hugging Face names of these decoder-only families (written out here, not asked of vLLM,
+    whose loaders are what is under test)."""
+    import torch
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def rnd(*shape: int) -> Any:
+        # uniform in [0.5, 1.5) with a random sign: never zero, full use of bf16's mantissa
+        x = torch.rand(*shape, generator=g) + 0.5
+        sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
+        return (x * sign).to(torch.bfloat16)
+
+    sd = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": rnd(h)}
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = rnd(v, h)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        sd |= {p + "self_attn.q_proj.weight": rnd(nq * hd, h),
+               p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
+               p + "self_attn.v_proj.weight": rnd(nkv * hd, h),
+               p + "self_attn.o_proj.weight": rnd(h, nq * hd),
+               p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+               p + "mlp.down_proj.weight": rnd(h, inter), p + "input_layernorm.weight": rnd(h),
+               p + "post_attention_layernorm.weight": rnd(h)}
+        if cfg.model_type == "qwen3":
+            sd |= {p + "self_attn.q_norm.weight": rnd(hd), p + "self_attn.k_norm.weight": rnd(hd)}
+    return sd

@@ -1,0 +1,116 @@
+"""Layouts derived from vLLM's own loaders carry a push bit for bit: a tiny model vLLM builds on CPU is
+loaded once by vLLM (the reference) and once through weightsync's planner from two FSDP-style halves of
+the same Hugging Face state dict, using only the layout read off the live model. Runs in .venv-vllm."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here: tests/vllm run in .venv-vllm (bash scripts/setup_vllm.sh; "
+                "scripts/test.sh runs them there)", allow_module_level=True)
+
+import torch
+
+from tests.vllm import models
+from weightsync.integrations.vllm.layouts import checkpoint_of, derive_layout
+from weightsync.plan import plan
+from weightsync.runtime.describe import Sharded, describe_tensors
+from weightsync.runtime.reference import execute
+
+
+def fsdp_halves(sd: dict[str, Any]) -> list[dict[str, Sharded]]:
+    """Rank r of 2 holds rows [r*ceil(n/2), ...) of every tensor, as FSDP2's Shard(0) places them."""
+    ranks = []
+    for r in range(2):
+        held = {}
+        for k, v in sd.items():
+            n = v.shape[0]
+            lo, hi = min(n, r * ((n + 1) // 2)), min(n, (r + 1) * ((n + 1) // 2))
+            held[k] = Sharded(v[lo:hi].clone(), tuple(v.shape), (lo,) + (0,) * (v.dim() - 1))
+        ranks.append(held)
+    return ranks
+
+
+def raw(t: Any) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def loaded_pair(config: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(reference model loaded by vLLM, target model, target's vllm_config, the state dict)."""
+    from vllm.config import set_current_vllm_config
+
+    ref, ref_config = models.build(config)
+    sd = models.hf_state_dict(ref)
+    with set_current_vllm_config(ref_config):
+        ref.load_weights(iter(sd.items()))
+    target, target_config = models.build(config)
+    return ref, target, target_config, sd
+
+
+@pytest.mark.parametrize("config", [models.LLAMA, models.QWEN3], ids=["llama", "qwen3"])
+def test_derived_layout_fills_the_model_bit_identically(config: dict[str, Any]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    ref, target, target_config, sd = loaded_pair(config)
+    with set_current_vllm_config(target_config):
+        layout = derive_layout(target, checkpoint_of(sd))
+    assert layout.unloaded == []
+    # Tied embeddings: vLLM's loader skips lm_head.weight, so the layout never asks for it.
+    assert layout.unused == []
+    # Poison the target first, so that every byte compared below was written by the push.
+    for p in target.parameters():
+        p.data.fill_(float("nan"))
+    layout.apply_fills(target)
+    dst = layout.tensors(target)
+    halves = fsdp_halves(sd)
+    p = plan([describe_tensors(h) for h in halves], [describe_tensors(dst)], allow_cast=True)
+    execute(p, [{k: s.local_tensor for k, s in h.items()} for h in halves],
+            [{k: v.local_tensor for k, v in dst.items()}])
+    want, got = dict(ref.named_parameters()), dict(target.named_parameters())
+    assert want.keys() == got.keys()
+    differ = [k for k in want if raw(want[k]) != raw(got[k])]
+    assert differ == []
+
+
+def test_fused_and_padded_parameters_are_described_as_vllm_lays_them_out() -> None:
+    from vllm.config import set_current_vllm_config
+
+    model, config = models.build(models.LLAMA)
+    cfg = models.LLAMA
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    sd = models.hf_state_dict(model)
+    with set_current_vllm_config(config):
+        layout = derive_layout(model, checkpoint_of(sd))
+    params = dict(model.named_parameters())
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    # vLLM's parameter subclass (ModelWeightParameter) is described through its data
+    assert type(params[qkv]).__name__ == "ModelWeightParameter"
+    assert [(n.rsplit(".", 2)[-2], at) for n, _, _, _, at in layout.pieces[qkv]] == \
+        [("q_proj", (0, 0)), ("k_proj", (nq * hd, 0)), ("v_proj", ((nq + nkv) * hd, 0))]
+    gate_up = "model.layers.0.mlp.gate_up_proj.weight"
+    assert [(n.rsplit(".", 2)[-2], at) for n, _, _, _, at in layout.pieces[gate_up]] == \
+        [("gate_proj", (0, 0)), ("up_proj", (inter, 0))]
+    # The vocabulary-parallel embedding pads its rows to a multiple of 64; the loader zeroes the padding
+    padded = params["model.embed_tokens.weight"].shape[0]
+    assert padded > vocab and padded % 64 == 0
+    assert layout.pieces["model.embed_tokens.weight"] == [
+        ("model.embed_tokens.weight", (vocab, h), (0, 0), (vocab, h), (0, 0))]
+    assert [(f.at, f.shape, f.value) for f in layout.fills["model.embed_tokens.weight"]] == [
+        ((vocab, 0), (padded - vocab, h), 0.0)]
+
+
+def test_tied_lm_head_is_reported_unused() -> None:
+    from vllm.config import set_current_vllm_config
+
+    model, config = models.build(models.QWEN3)
+    sd = models.hf_state_dict(model)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()  # a checkpoint that saves it anyway
+    with set_current_vllm_config(config):
+        layout = derive_layout(model, checkpoint_of(sd))
+    assert layout.unused == ["lm_head.weight"]
+    assert "model.layers.0.self_attn.q_norm.weight" in layout.pieces

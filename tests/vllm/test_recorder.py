@@ -1,0 +1,98 @@
+"""The recording of weight loaders (weightsync.integrations.vllm.layouts) on hand-written loaders: what
+boxes can say becomes pieces, what they cannot is a LayoutError naming the parameter. Needs torch only,
+so it runs in the main environment too."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+import torch
+
+from weightsync.errors import LayoutError
+from weightsync.integrations.vllm.layouts import CheckpointTensor, derive_layout
+
+
+class Fused(torch.nn.Module):
+    """A parameter holding [a; b] (rows) and one holding c's columns 2..5 transposed in by a loader."""
+
+    def __init__(self, loader: Callable[[torch.nn.Module, str, Any], None]) -> None:
+        super().__init__()
+        self.ab = torch.nn.Parameter(torch.zeros(10, 4), requires_grad=False)
+        self.pad = torch.nn.Parameter(torch.zeros(3, 8), requires_grad=False)
+        self._loader = loader
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        for name, w in weights:
+            self._loader(self, name, w)
+        return set()
+
+
+CKPT = [CheckpointTensor("a", (4, 4), "float32"), CheckpointTensor("b", (6, 4), "float32"),
+        CheckpointTensor("c", (2, 8), "float32")]
+
+
+def good_loader(m: torch.nn.Module, name: str, w: Any) -> None:
+    if name == "a":
+        m.ab.data.narrow(0, 0, 4).copy_(w)
+    elif name == "b":
+        m.ab[4:].data.copy_(w)
+    else:
+        m.pad[:2].data.copy_(w)
+        m.pad[2:].data.fill_(0)
+
+
+def test_slices_and_padding_become_pieces_and_fills() -> None:
+    before = {k: v.clone() for k, v in Fused(good_loader).state_dict().items()}
+    model = Fused(good_loader)
+    layout = derive_layout(model, CKPT)
+    assert layout.pieces["ab"] == [("a", (4, 4), (0, 0), (4, 4), (0, 0)),
+                                   ("b", (6, 4), (0, 0), (6, 4), (4, 0))]
+    assert layout.pieces["pad"] == [("c", (2, 8), (0, 0), (2, 8), (0, 0))]
+    assert [(f.at, f.shape, f.value) for f in layout.fills["pad"]] == [((2, 0), (1, 8), 0.0)]
+    assert layout.unused == [] and layout.unloaded == []
+    # The live parameters were only read
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_a_shard_of_a_tensor_is_a_box_with_offsets() -> None:
+    def loader(m: torch.nn.Module, name: str, w: Any) -> None:
+        if name == "c":  # a TP rank's column shard, as a row-parallel loader narrows it
+            m.ab[:2].data.copy_(w.narrow(1, 4, 4))
+
+    layout = derive_layout(Fused(loader), CKPT)
+    assert layout.pieces == {"ab": [("c", (2, 8), (0, 4), (2, 4), (0, 0))]}
+    assert layout.unused == ["a", "b"]
+    assert layout.unloaded == ["pad"]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("transpose", ["'ab'", "'c'"]),
+    ("arithmetic", ["'ab'", "mul"]),
+    ("cast via scratch", ["'pad'", "scratch"]),
+    ("broadcast", ["'ab'", "broadcast"]),
+    ("in-place op", ["'ab'", "add_"]),
+])
+def test_what_boxes_cannot_say_is_refused_naming_the_parameter(case: str, words: list[str]) -> None:
+    def loader(m: torch.nn.Module, name: str, w: Any) -> None:
+        if name != "c":
+            return
+        if case == "transpose":
+            m.ab.data[:4, :2].copy_(w.t()[:4])
+        elif case == "arithmetic":
+            m.ab.data[:2, :4].copy_(w[:, :4] * 2)
+        elif case == "cast via scratch":
+            scratch = torch.empty(2, 8, device="meta")
+            scratch.copy_(w)
+            m.pad.data[:2].copy_(scratch)
+        elif case == "broadcast":
+            m.ab.data[:4, :4].copy_(w[:1, :4])
+        else:
+            m.ab.data.add_(1.0)
+
+    with pytest.raises(LayoutError) as err:
+        derive_layout(Fused(loader), CKPT)
+    for word in words:
+        assert word in str(err.value), str(err.value)
