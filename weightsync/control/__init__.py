@@ -3,7 +3,8 @@
 * ``coordinator``: the ``Coordinator`` (a plain class; ``Group.create`` makes it a named actor) that
   collects layouts, lowers the plan into parts (weightsync.plan.lower) and tracks membership;
 * ``group``: the driver's ``Group`` handle and the group's secret;
-* ``watcher``: a source's epoch watcher (a long-poll thread);
+* ``watcher``: long-poll threads: a source's epoch watcher, and a destination's membership watcher (it
+  hears that the coordinator dropped it, and the destination joins again);
 * ``client``: ``ControlClient``, what a participant's runtime calls to join, fetch its part and
   report failures, so that weightsync.runtime never imports Ray.
 """
@@ -11,6 +12,6 @@
 from weightsync.control.client import ControlClient, host_id
 from weightsync.control.coordinator import Coordinator
 from weightsync.control.group import Group
-from weightsync.control.watcher import EpochWatcher
+from weightsync.control.watcher import EpochWatcher, MembershipWatcher
 
-__all__ = ["ControlClient", "Coordinator", "EpochWatcher", "Group", "host_id"]
+__all__ = ["ControlClient", "Coordinator", "EpochWatcher", "Group", "MembershipWatcher", "host_id"]

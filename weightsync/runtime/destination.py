@@ -15,6 +15,13 @@ complete version, chosen here and granted to every writer of the version alike, 
 local copy of the newest complete shadow into the live tensors) never reads a shadow that is being
 written and no two writers of a version can disagree. Inplace destinations receive straight into the
 live tensors.
+
+A destination the sources reported failed (stopped past the push timeout, its link cut) is dropped from
+the plan, and a plan without it sends it nothing. If this process lives on, its membership watcher (a
+long-poll on the coordinator) hears that it was dropped; the receiving thread abandons what it was landing
+and joins again under its rank (refused if another process took the rank: this one then stops and
+``wait`` raises), and the re-plan gives it every byte of the next version. While it is behind, ``version``
+stays the last complete one and ``dirty`` stays until the next complete version.
 """
 
 from __future__ import annotations
