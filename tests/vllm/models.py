@@ -74,17 +74,16 @@ def build(config: dict[str, Any], dtype: str = "bfloat16") -> tuple[Any, Any]:
     return model, vllm_config
 
 
-def hf_state_dict(model: Any, seed: int = 0) -> dict[str, Any]:
-    """A Hugging Face state dict of random (never zero) bf16 values for the model's config, with the
-    standard Hugging Face names of these decoder-only families (written out here, not asked of vLLM,
-    whose loaders are what is under test)."""
+def hf_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """A Hugging Face state dict of random (never zero) bf16 values for ``config``, with the standard
+    Hugging Face names of these decoder-only families (written out here, not asked of vLLM, whose
+    loaders are what is under test)."""
     import torch
 
-    cfg = model.config
     g = torch.Generator().manual_seed(seed)
-    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or h // nq
 
     def rnd(*shape: int) -> Any:
         # uniform in [0.5, 1.5) with a random sign: never zero, full use of bf16's mantissa
@@ -93,9 +92,9 @@ def hf_state_dict(model: Any, seed: int = 0) -> dict[str, Any]:
         return (x * sign).to(torch.bfloat16)
 
     sd = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": rnd(h)}
-    if not cfg.tie_word_embeddings:
+    if not config["tie_word_embeddings"]:
         sd["lm_head.weight"] = rnd(v, h)
-    for i in range(cfg.num_hidden_layers):
+    for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         sd |= {p + "self_attn.q_proj.weight": rnd(nq * hd, h),
                p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
@@ -104,6 +103,6 @@ def hf_state_dict(model: Any, seed: int = 0) -> dict[str, Any]:
                p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
                p + "mlp.down_proj.weight": rnd(h, inter), p + "input_layernorm.weight": rnd(h),
                p + "post_attention_layernorm.weight": rnd(h)}
-        if cfg.model_type == "qwen3":
+        if config["model_type"] == "qwen3":
             sd |= {p + "self_attn.q_norm.weight": rnd(hd), p + "self_attn.k_norm.weight": rnd(hd)}
     return sd

@@ -44,7 +44,7 @@ def loaded_pair(config: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]]:
     from vllm.config import set_current_vllm_config
 
     ref, ref_config = models.build(config)
-    sd = models.hf_state_dict(ref)
+    sd = models.hf_state_dict(config)
     with set_current_vllm_config(ref_config):
         ref.load_weights(iter(sd.items()))
     target, target_config = models.build(config)
@@ -83,7 +83,7 @@ def test_fused_and_padded_parameters_are_described_as_vllm_lays_them_out() -> No
     cfg = models.LLAMA
     hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    sd = models.hf_state_dict(model)
+    sd = models.hf_state_dict(models.LLAMA)
     with set_current_vllm_config(config):
         layout = derive_layout(model, checkpoint_of(sd))
     params = dict(model.named_parameters())
@@ -108,7 +108,7 @@ def test_tied_lm_head_is_reported_unused() -> None:
     from vllm.config import set_current_vllm_config
 
     model, config = models.build(models.QWEN3)
-    sd = models.hf_state_dict(model)
+    sd = models.hf_state_dict(models.QWEN3)
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()  # a checkpoint that saves it anyway
     with set_current_vllm_config(config):
         layout = derive_layout(model, checkpoint_of(sd))

@@ -1,0 +1,148 @@
+"""Ray actors for the backend test: a vLLM worker (the model vLLM builds on CPU, with the weight-transfer
+engine vLLM's factory makes for backend "weightsync") and FSDP-style trainer ranks that push through the
+trainer side of the backend."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+from tests.vllm import models
+
+
+class VllmWorker:
+    """What vLLM's GPU worker does around its weight-transfer engine, on CPU: the engine from the factory,
+    init / start / update / finish inside the worker's VllmConfig, as gpu_worker.py runs them."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        import torch
+        from vllm.config import WeightTransferConfig
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+        from weightsync.integrations.vllm import register
+
+        register()
+        self.config = config
+        self.model, self.vllm_config = models.build(config)
+        for p in self.model.parameters():  # every byte compared later must have been pushed
+            p.data.fill_(float("nan"))
+        self.engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend="weightsync"), self.vllm_config, torch.device("cpu"), self.model)
+
+    def _in_config(self, method: str, *args: Any) -> Any:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            return getattr(self.engine, method)(*args)
+
+    # the VLLMWeightSyncClient surface, as the worker exposes it
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._in_config("init_transfer_engine", self.engine.parse_init_info(init_info))
+
+    def start_weight_update(self) -> None:
+        self._in_config("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._in_config("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._in_config("finish_weight_update")
+
+    def differs_from_vllm_loading(self, seed: int) -> list[str]:
+        """Parameters whose bytes differ from those vLLM's own load_weights gives for the state dict of
+        ``seed`` (loaded into a second instance, in its own VllmConfig)."""
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        ref, ref_config = models.build(self.config)
+        with set_current_vllm_config(ref_config):
+            ref.load_weights(iter(models.hf_state_dict(self.config, seed).items()))
+
+        def raw(t: Any) -> bytes:
+            return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+        want, got = dict(ref.named_parameters()), dict(self.model.named_parameters())
+        assert want.keys() == got.keys()
+        return [k for k in want if raw(want[k]) != raw(got[k])]
+
+
+class ActorClient:
+    """VLLMWeightSyncClient over a VllmWorker actor (what an RL framework's client to vLLM does)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        import ray
+
+        ray.get(self.worker.init_weight_transfer_engine.remote(init_info))
+
+    def start_weight_update(self) -> None:
+        import ray
+
+        ray.get(self.worker.start_weight_update.remote())
+
+    def update_weights(self, update_info: Any) -> None:
+        import ray
+
+        ray.get(self.worker.update_weights.remote(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        import ray
+
+        ray.get(self.worker.finish_weight_update.remote(weight_version))
+
+
+def _halves_source(config: dict[str, Any], rank: int, seed: int) -> Any:
+    from vllm.distributed.weight_transfer.base import ParamMeta, Shard, WeightSource
+
+    class Halves(WeightSource):
+        """FSDP2's layout without FSDP: rank r of 2 owns rows [r*ceil(n/2), ...) of every tensor."""
+
+        def __init__(self) -> None:
+            self.full = models.hf_state_dict(config, seed)
+            self.local = {}
+            for k, v in self.full.items():
+                size = -(-v.shape[0] // 2)
+                self.local[k] = v[rank * size:(rank + 1) * size].clone()
+
+        @cached_property
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(k, v.dtype, tuple(v.shape), owners=(0, 1), placements=(Shard(0),))
+                    for k, v in self.full.items()]
+
+        def iter_local(self) -> Any:
+            yield from self.local.items()
+
+        def load(self, seed: int) -> None:
+            """A training step: new values in place."""
+            for k, v in models.hf_state_dict(config, seed).items():
+                size = -(-v.shape[0] // 2)
+                self.local[k].copy_(v[rank * size:(rank + 1) * size])
+
+    return Halves()
+
+
+class Trainer:
+    """A trainer rank of 2 running the backend's trainer side."""
+
+    def __init__(self, config: dict[str, Any], rank: int, seed: int) -> None:
+        self.rank = rank
+        self.source = _halves_source(config, rank, seed)
+        self.engine: Any = None
+
+    def init(self, group: str, worker: Any) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from weightsync.integrations.vllm import register
+        from weightsync.integrations.vllm.engine import WeightsyncTrainerInitInfo
+
+        register()
+        info = WeightsyncTrainerInitInfo(group=group, rank=self.rank, timeout=120.0)
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=ActorClient(worker),
+                                                                source=self.source)
+
+    def step(self, seed: int, version: int) -> dict[str, Any]:
+        self.source.load(seed)
+        stats = self.engine.send_weights(version)
+        return {"failed": list(stats.failed_destinations), "bytes": stats.bytes}

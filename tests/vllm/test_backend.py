@@ -1,0 +1,37 @@
+"""The "weightsync" backend of vLLM's weight-transfer API end to end, on CPU with Ray: a vLLM worker
+(a tiny Llama vLLM builds, its engine made by vLLM's WeightTransferEngineFactory) and two FSDP-style
+trainer ranks (the trainer side, made by WeightTransferTrainerFactory); after each push the worker's
+parameters are bit-identical to what vLLM's own load_weights gives for the same state dict."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here: tests/vllm run in .venv-vllm (bash scripts/setup_vllm.sh; "
+                "scripts/test.sh runs them there)", allow_module_level=True)
+
+import ray
+
+import weightsync as ws
+from tests.vllm import models
+from tests.vllm.backend_actors import Trainer, VllmWorker
+
+
+def test_two_trainer_ranks_push_into_a_vllm_worker_bit_identically(ray_cluster) -> None:
+    group = ws.Group.create("vllm-backend", num_sources=2, num_destinations=1)
+    worker = ray.remote(num_cpus=0)(VllmWorker).remote(models.LLAMA)
+    trainers = [ray.remote(num_cpus=0)(Trainer).remote(models.LLAMA, r, seed=1) for r in range(2)]
+    try:
+        ray.get([a.__ray_ready__.remote() for a in [worker, *trainers]], timeout=300)
+        ray.get([t.init.remote(group.name, worker) for t in trainers], timeout=300)
+        for version, seed in enumerate([1, 2]):
+            stats = ray.get([t.step.remote(seed, version) for t in trainers], timeout=300)
+            assert all(s["failed"] == [] for s in stats)
+            assert ray.get(worker.differs_from_vllm_loading.remote(seed), timeout=300) == []
+    finally:
+        for a in [worker, *trainers]:
+            ray.kill(a)
+        group.shutdown()

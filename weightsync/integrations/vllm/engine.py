@@ -1,0 +1,342 @@
+"""The ``weightsync`` backend of vLLM's weight-transfer API (vllm/distributed/weight_transfer).
+
+vLLM's four phases map onto weightsync's:
+
+* ``init_transfer_engine`` (once): connect to the group's Ray cluster (an explicit address and
+  namespace for processes Ray did not start: weightsync.control.rendezvous), read this rank's
+  destination layout off the live model's own weight loaders (weightsync.integrations.vllm.layouts)
+  and join the group as a ``weightsync.Destination`` over the model's parameters. The join returns once
+  the plan is made, that is once every trainer rank has joined too.
+* ``start_weight_update``: nothing moves yet; the trainer side calls it before its push so that vLLM
+  treats the update as a session (generation paused by the caller, as for every in-place backend).
+* ``receive_weights`` (``update_weights({"version": v})``): the bytes are written one-sided by the
+  trainers into the live parameters (``inplace``: no second copy of the model on the GPU); this waits
+  until version ``v`` is complete, and refuses a half-written model.
+* ``finish_weight_update``: checks that no update is landing and that the model holds a whole version.
+
+The trainer side, ``WeightsyncTrainerEngine``, is a ``weightsync.Source`` per trainer rank fed by vLLM's
+``WeightSource`` (``iter_local`` shards with their placements, or full tensors), and drives the round
+trip from rank 0 through the ``VLLMWeightSyncClient``: init, then per step start, push (every rank),
+update (wait for the version), finish.
+
+Importing this module imports vLLM: it is loaded by vLLM's factories through
+:func:`weightsync.integrations.vllm.register`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    Shard,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightsync.control.rendezvous import connect
+from weightsync.errors import LayoutError, WeightSyncError
+from weightsync.integrations.vllm import BACKEND
+from weightsync.integrations.vllm.layouts import CheckpointTensor, VllmLayout, derive_layout
+from weightsync.runtime.describe import Sharded
+from weightsync.runtime.destination import Destination
+from weightsync.runtime.source import PushStats, Source
+
+# --------------------------------------------------------------------------------------------------
+# vLLM side
+
+
+@dataclass
+class WeightsyncInitInfo(WeightTransferInitInfo):
+    """What a vLLM worker needs to join: the group, where its Ray cluster is, and the checkpoint's
+    tensors (names, shapes, dtypes: the trainer's metadata) to read the layout off the loaders with.
+
+    ``rank_offset``: added to the worker's rank in its vLLM world (set it per data-parallel replica when
+    several vLLM instances join one group). ``secret``: the group's secret when the worker's environment
+    has no ``WEIGHTSYNC_SECRET``."""
+
+    group: str
+    checkpoint: list[list[Any]]  # [name, shape, dtype name]
+    ray_address: str | None = None
+    ray_namespace: str | None = None
+    rank_offset: int = 0
+    secret: str | None = None
+    timeout: float = 120.0
+    push_timeout: float = 60.0
+
+
+@dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the version the trainers push (strictly increasing)."""
+
+    version: int
+    timeout: float = 60.0
+
+
+def _world_rank() -> int:
+    """This worker's rank among vLLM's workers of its instance (0 without vLLM's distributed state)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+    except Exception:  # vLLM's process groups not set up: a single worker
+        return 0
+
+
+class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+    """vLLM's worker side: a ``weightsync.Destination`` over the live model's parameters."""
+
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.destination: Destination | None = None
+        self.layout: VllmLayout | None = None
+        self._version = -1
+
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        from vllm.config import set_current_vllm_config
+
+        if self.destination is not None:
+            raise WeightSyncError(f"this vLLM worker already joined group {self.destination.group!r}")
+        if getattr(self.vllm_config, "quant_config", None) is not None:
+            # The kernels of a quantized model read a format vLLM makes after loading
+            # (process_weights_after_loading); writes of checkpoint slices would bypass it.
+            raise LayoutError(
+                f"the weightsync backend does not update quantized models yet "
+                f"({type(self.vllm_config.quant_config).__name__}): it writes checkpoint slices into "
+                "the parameters, and this model's kernels read a format made after loading")
+        connect(init_info.ray_address, init_info.ray_namespace, timeout=init_info.timeout)
+        checkpoint = [CheckpointTensor(str(n), tuple(int(x) for x in s), str(d).removeprefix("torch."))
+                      for n, s, d in init_info.checkpoint]
+        with set_current_vllm_config(self.vllm_config):
+            self.layout = derive_layout(self.model, checkpoint)
+        self.layout.apply_fills(self.model)
+        self.destination = Destination(init_info.group, init_info.rank_offset + _world_rank(),
+                                       self.layout.tensors(self.model), mode="inplace",
+                                       timeout=init_info.timeout, push_timeout=init_info.push_timeout,
+                                       secret=init_info.secret)
+        self._version = self.destination.version
+
+    def _dst(self) -> Destination:
+        if self.destination is None:
+            raise WeightSyncError("the weightsync backend was not initialized: call "
+                                  "init_weight_transfer_engine first")
+        return self.destination
+
+    def start_weight_update(self) -> None:
+        dst = self._dst()
+        self._version = dst.version
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        dst = self._dst()
+        if update_info.version <= self._version:
+            raise WeightSyncError(f"version {update_info.version} is not newer than the version this worker "
+                                  f"holds ({self._version})")
+        got = dst.wait(update_info.version, timeout=update_info.timeout)
+        if got != update_info.version:
+            raise WeightSyncError(f"waited for version {update_info.version}, the model holds {got}: a newer "
+                                  "push landed in between")
+        self._version = got
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The writes land in host or device memory by the engine's own lanes, complete when their
+        # immediates are counted: there is no stream of this process's to synchronize.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def finish_weight_update(self) -> None:
+        dst = self._dst()
+        if dst.updating or dst.dirty:
+            raise WeightSyncError(f"group {dst.group!r}: an update is still landing or was abandoned half "
+                                  f"written (version {dst.version}); the model is not a whole version")
+
+    def shutdown(self) -> None:
+        if self.destination is not None:
+            self.destination.close()
+            self.destination = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainer side
+
+
+@dataclass
+class WeightsyncTrainerInitInfo(TrainerInitInfo):
+    """A trainer rank's part of the rendezvous: the group (created beforehand with
+    ``weightsync.Group.create(group, num_sources=trainer ranks, num_destinations=vLLM workers)``) and
+    where its Ray cluster is; the rest is handed to the vLLM workers at init."""
+
+    backend: ClassVar[str] = BACKEND
+
+    group: str = ""
+    ray_address: str | None = None
+    ray_namespace: str | None = None
+    secret: str | None = None
+    timeout: float = 120.0
+    push_timeout: float = 60.0
+    # What the vLLM workers need from their side (WeightsyncInitInfo), passed through unchanged.
+    worker_ray_address: str | None = None
+    worker_ray_namespace: str | None = None
+    worker_rank_offset: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _box_of(meta: ParamMeta, rank: int, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global shape, offsets) of ``rank``'s piece of ``meta`` as its placements lay it out."""
+    shape = tuple(int(x) for x in meta.shape)
+    if meta.owners is None or meta.placements is None:
+        return shape, (0,) * len(shape)
+    mesh = tuple(meta.mesh_shape or (len(meta.owners),))
+    coord, flat = [], meta.owners.index(rank)
+    for n in reversed(mesh):
+        coord.append(flat % n)
+        flat //= n
+    coord.reverse()
+    offsets, extent = [0] * len(shape), list(shape)
+    for axis, p in enumerate(meta.placements):
+        if isinstance(p, Shard):
+            # torch.chunk's split of what the outer axes left: ceil-sized chunks, the last ones short
+            size = math.ceil(extent[p.dim] / mesh[axis]) if extent[p.dim] else 0
+            lo = min(coord[axis] * size, extent[p.dim])
+            offsets[p.dim] += lo
+            extent[p.dim] = min(size, extent[p.dim] - lo)
+    if tuple(local.shape) != tuple(extent):
+        raise LayoutError(f"trainer rank {rank}: its piece of {meta.name!r} has shape {tuple(local.shape)}, "
+                          f"its placements {meta.placements} on mesh {mesh} give {tuple(extent)}")
+    return shape, tuple(offsets)
+
+
+def _local_pieces(source: WeightSource, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.implements_iter_local():
+        return source.iter_local()
+    return source.iter_full()
+
+
+class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitInfo]):
+    """A trainer rank's side: a ``weightsync.Source`` over its pieces of the model, pushed every step."""
+
+    init_info_cls = WeightsyncTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, info: WeightsyncTrainerInitInfo,
+                 is_sender: bool, rank: int) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        self.info = info
+        self.version = -1
+        self.last_stats: PushStats | None = None
+        metas = {m.name: m for m in source.metadata}
+        self._registered: dict[str, torch.Tensor] = {}
+        tensors: dict[str, Sharded] = {}
+        for name, local in _local_pieces(source, rank):
+            local = local.detach()
+            if hasattr(local, "to_local"):  # a DTensor that iter_local gathered or left whole
+                local = local.to_local()
+            meta = metas[name]
+            if source.implements_iter_local():
+                gshape, offsets = _box_of(meta, rank, local)
+            else:
+                gshape, offsets = tuple(int(x) for x in meta.shape), (0,) * local.dim()
+            local = local.contiguous()
+            self._registered[name] = local
+            tensors[name] = Sharded(local, gshape, offsets)
+        self._tensors = tensors
+        self._metas = list(source.metadata)
+        self.src: Source | None = None
+
+    @classmethod
+    def trainer_init(cls, init_info: WeightsyncTrainerInitInfo, *, client: VLLMWeightSyncClient,
+                     source: WeightSource | None = None) -> WeightsyncTrainerEngine:
+        if source is None:
+            raise WeightSyncError("the weightsync trainer engine pushes a WeightSource: pass source=")
+        if not init_info.group:
+            raise WeightSyncError("WeightsyncTrainerInitInfo needs the group's name (group=)")
+        connect(init_info.ray_address, init_info.ray_namespace, timeout=init_info.timeout)
+        engine = cls(client=client, source=source, info=init_info, is_sender=init_info.is_sender,
+                     rank=init_info.rank)
+        failure: list[BaseException] = []
+        helper: threading.Thread | None = None
+        if engine.is_sender:
+            worker_info = {
+                "group": init_info.group,
+                "checkpoint": [[m.name, list(m.shape), str(m.dtype).removeprefix("torch.")]
+                               for m in engine._metas],
+                "ray_address": init_info.worker_ray_address, "ray_namespace": init_info.worker_ray_namespace,
+                "rank_offset": init_info.worker_rank_offset, "secret": init_info.secret,
+                "timeout": init_info.timeout, "push_timeout": init_info.push_timeout, **init_info.extra}
+
+            def init_workers() -> None:
+                try:
+                    client.init_weight_transfer_engine(worker_info)
+                except BaseException as exc:  # re-raised in the caller's thread below
+                    failure.append(exc)
+
+            # The workers' join returns once the plan exists, which needs this rank's join as well:
+            # both run at once.
+            helper = threading.Thread(target=init_workers, name="weightsync-vllm-init", daemon=True)
+            helper.start()
+        try:
+            engine.src = Source(init_info.group, init_info.rank, engine._tensors, timeout=init_info.timeout,
+                                secret=init_info.secret)
+        finally:
+            if helper is not None:
+                helper.join(init_info.timeout)
+        if failure:
+            raise WeightSyncError(f"the vLLM workers failed to join group {init_info.group!r}: "
+                                  f"{failure[0]}") from failure[0]
+        if helper is not None and helper.is_alive():
+            raise WeightSyncError(f"the vLLM workers did not join group {init_info.group!r} within "
+                                  f"{init_info.timeout} s")
+        return engine
+
+    def _refresh(self) -> None:
+        """Copies this round's pieces into the registered tensors where the source hands out new
+        tensors (a cast, a gathered copy); pieces that are the registered memory cost nothing."""
+        assert self.source is not None
+        for name, local in _local_pieces(self.source, self.rank):
+            if hasattr(local, "to_local"):
+                local = local.to_local()
+            held = self._registered[name]
+            if local.data_ptr() != held.data_ptr():
+                held.copy_(local.detach())
+
+    def send_weights(self, version: int | None = None) -> PushStats:
+        """Pushes this rank's pieces as ``version`` (default: one more than the last) and, on the sender,
+        drives the vLLM side's start / update / finish around it. Called on every trainer rank."""
+        if self.src is None:
+            raise WeightSyncError("trainer_init did not finish")
+        version = self.version + 1 if version is None else int(version)
+        self._refresh()
+        if self.is_sender:
+            self.client.start_weight_update()
+        stats = self.src.push(version, self.info.push_timeout)
+        self.version = version
+        self.last_stats = stats
+        if self.is_sender:
+            self.client.update_weights({"version": version, "timeout": self.info.push_timeout})
+            self.client.finish_weight_update()
+        return stats
+
+    def shutdown(self) -> None:
+        if self.src is not None:
+            self.src.close()
+            self.src = None
+
+
+def module_checkpoint(named: Mapping[str, torch.Tensor]) -> list[list[Any]]:
+    """The ``checkpoint`` field of :class:`WeightsyncInitInfo` for a dict of full tensors."""
+    return [[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in named.items()]
+
+
+__all__ = ["WeightsyncInitInfo", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo",
+           "WeightsyncUpdateInfo", "WeightsyncWeightTransferEngine", "module_checkpoint"]
