@@ -25,3 +25,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 .venv/bin/python -m pip install -q -e ".[test,plot]"
 .venv/bin/python -c "import weightsync, weightsync.engine; print('weightsync ready:', weightsync.__file__)"
+# The vLLM backend's environment (.venv-vllm, large: vLLM brings its own torch), on request; CI makes it.
+if [ "${WEIGHTSYNC_VLLM:-0}" = 1 ]; then
+  bash scripts/setup_vllm.sh
+fi
