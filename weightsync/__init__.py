@@ -39,6 +39,7 @@ __all__ = [
     "Placed",
     "Plan",
     "PlanError",
+    "PushHandle",
     "PushStats",
     "Sharded",
     "Source",
@@ -52,6 +53,7 @@ __all__ = [
     "new_secret",
     "plan",
     "push",
+    "push_async",
 ]
 
 _LAZY = {
@@ -63,7 +65,9 @@ _LAZY = {
     "Source": "weightsync.runtime.source",
     "Destination": "weightsync.runtime.destination",
     "PushStats": "weightsync.runtime.source",
+    "PushHandle": "weightsync.runtime.push_handle",
     "push": "weightsync.runtime.source",
+    "push_async": "weightsync.runtime.source",
 }
 
 

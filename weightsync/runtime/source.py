@@ -27,24 +27,34 @@ Failures: a destination whose writes fail or that does not grant or ack within t
 ``PushStats.failed_destinations`` (the push does not raise for it) and reported to the coordinator, which
 re-plans without it; the other destinations still complete. If no destination acks at all, or a source
 is missing (every destination waits for all sources), the push raises ``weightsync.TimeoutError``.
+
+Non-blocking: ``push_async`` (``ws.push_async``) runs the same push in a thread of its own and returns a
+``PushHandle`` (weightsync.runtime.push_handle) at once; ``push`` is ``push_async`` and ``wait`` without the
+thread. One push per source at a time: a push started while another is in flight is refused with
+``WeightSyncError`` (nothing written, its version still free). Each push holds back one write per
+destination (its tail, from a private copy) until it has checked that none of its tensors changed while
+it read them (push_handle's doc); ``wait_pushed`` and ``guard`` are what the trainer calls before
+``optimizer.step()``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import TimeoutError, TransportError, WeightSyncError  # noqa: A004
-from weightsync.plan.lower import Round, source_program
+from weightsync.plan.lower import ChunkGroup, Round, SourceProgram, source_program
 from weightsync.plan.parts import DESTINATION, SOURCE, EngineInfo, SourcePart
 from weightsync.plan.writes import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.participant import Participant, contiguous
+from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, watched_tensors
 from weightsync.runtime.staging import Staging
 from weightsync.wire import (
     ACK,
@@ -73,6 +83,7 @@ GRANT_SLICE_S = 0.02  # between looks at announce transfers that failed (a dead 
 # Once the first destination has answered, how much longer the others get before the writes start
 # without them (they are then served as their grants come in): at least this, or twice the first's time.
 GRANT_GRACE_S = 0.05
+TAIL_ALIGN = 256  # tails' places in the snapshot buffer (alignment the copy engines like)
 
 
 def keeps_posting_order(peer: Any) -> bool:
@@ -105,6 +116,48 @@ class PushStats:
     relayed: list[int] = field(default_factory=list)  # destinations reached through the relay chain
 
 
+@dataclass(frozen=True)
+class _Tail:
+    """The write a push holds back for one destination until it has checked its tensors: where its bytes
+    come from (``chunk`` -1: a direct write reading local tensor ``key`` at ``src_off``; else staged chunk
+    ``chunk`` at ``src_off`` inside it), where they are kept (``snap_off``, ``span`` bytes of the snapshot
+    buffer) and the write itself, as the plan made it (same size and rows: same immediates)."""
+
+    rank: int
+    chunk: int
+    key: str
+    src_off: int
+    snap_off: int
+    span: int
+    dst_index: int
+    dst_off: int
+    nbytes: int  # per row
+    imm: int | None  # the plan's relay immediate, or None: the version's data immediate
+    rows: int | None = None
+    src_pitch: int = 0
+    dst_pitch: int = 0
+
+
+def _byte_view(t: Any) -> Any:
+    """A flat uint8 torch view of a contiguous local tensor (torch or numpy)."""
+    import torch
+
+    if isinstance(t, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _without(r: Round, i: int) -> Round | None:
+    """Round ``r`` less its write ``i`` (None if nothing is left)."""
+    keep = np.ones(len(r.nbytes), dtype=bool)
+    keep[i] = False
+    if not keep.any():
+        return None
+    return Round(r.rank, r.src_index[keep], r.src_off[keep], r.dst_index[keep], r.dst_off[keep],
+                 r.nbytes[keep], None if r.imms is None else r.imms[keep],
+                 tuple(None if g is None else g[keep] for g in r.geometry))  # type: ignore[arg-type]
+
+
 def _settle(rank: int, transfer: Any, deadline: float, failed: dict[int, str]) -> None:
     """Waits for one posted batch to destination ``rank``; a failure marks the destination failed."""
     try:
@@ -119,12 +172,14 @@ class _Grants:
     ``late``: destinations granted after it, served as their grants arrive)."""
 
     def __init__(self, src: Source, version: int, deadline: float, announces: list[tuple[int, Any]],
-                 failed: dict[int, str], post_rounds: Callable[[set[int]], None]) -> None:
+                 failed: dict[int, str], post_rounds: Callable[[set[int]], None],
+                 commit: Callable[[set[int]], None]) -> None:
         self.src = src
         self.version = version
         self.deadline = deadline
         self.failed = failed
         self.post_rounds = post_rounds
+        self.commit = commit  # the tails of destinations whose other writes are all posted
         self.announces = dict(announces)
         self.counter = src.engine.counter(GRANT)
         # Credits of earlier grants: from now on every grant's credit follows its record into the slot.
@@ -205,18 +260,27 @@ class _Grants:
         if self.opened:
             self.post_rounds(self.opened)
 
+    def prepared(self, chunk: int, view: Any) -> None:
+        """Staged chunk ``chunk`` is prepared in ``view`` (its staging slot): keeps the bytes of the tails
+        it holds (weightsync.runtime.staging calls this before it posts the chunk's writes)."""
+        self.src._snapshot_staged_tails(chunk, view)
+
     def allowed(self, rank: int) -> bool:
         """Whether ``rank`` is written from the start (granted when the gate opened)."""
         return self.opened is not None and rank in self.opened
 
     def late(self) -> Iterator[int]:
         """Destinations granted after the gate opened, as their grants arrive (until the deadline): their
-        direct rounds are posted before each is yielded (the caller posts its staged chunks)."""
+        direct rounds are posted before each is yielded (the caller posts its staged chunks), and its
+        tail once the caller asks for the next one. The destinations of the open gate get their tails
+        first: every staged chunk of theirs is prepared by now (a late grant must not hold them up)."""
         self.open()
+        self.commit(self.opened or set())
         while self.pending and time.monotonic() < self.deadline:
             for r in self._step(self.deadline):
                 self.post_rounds({r})
                 yield r
+                self.commit({r})
         self.ungranted |= self.pending
         self.pending = set()
 
@@ -251,6 +315,18 @@ class Source(Participant):
             self._regions[key] = self.engine.register(local, name=key)
         first = next(iter(self._locals.values()))
         self.device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        self._bytes = {key: _byte_view(local) for key, local in self._locals.items()}
+        self._watched = watched_tensors(self.tensors, self._locals)
+        # Pushes: one at a time (``_last_push`` until it is done); a background push's staging kernels run
+        # on a stream of its own, not on the trainer's.
+        self._push_lock = threading.Lock()
+        self._last_push: PushHandle | None = None
+        self._closing = False
+        self._push_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._tails: dict[int, _Tail] = {}
+        self._staged_tails: dict[int, list[_Tail]] = {}
+        self._snap: Any = None
+        self._snap_region: Region | None = None
         if staging_bytes is None:
             if self.device.type == "cuda":
                 staging_bytes = torch.cuda.get_device_properties(self.device).total_memory // 20
@@ -289,7 +365,7 @@ class Source(Participant):
                           self.device.type != "cuda")
 
     def _apply_part(self, part: SourcePart) -> None:
-        program = source_program(part, list(self._regions), self.rank)
+        program = self._hold_tails(source_program(part, list(self._regions), self.rank))
         self._part = part
         self._relay = part.relay
         gatherers = {r: PeerLink(g, self._peer(g.address)) for r, g in part.gatherers.items()}
@@ -309,6 +385,106 @@ class Source(Participant):
                       "destinations %s", self.rank, self.epoch, len(part.writes), staged,
                       len(part.chunks), part.bytes, sorted(self._dests))
 
+    def _hold_tails(self, program: SourceProgram) -> SourceProgram:
+        """Takes one write per destination out of ``program``: the push posts it only after checking that
+        no tensor changed while it read them (weightsync.runtime.push_handle). The smallest direct write
+        (by the bytes it spans), else, for a destination that gets only staged writes from this source,
+        the smallest staged one; its bytes are copied into the snapshot buffer registered here."""
+        import torch
+
+        tails: dict[int, _Tail] = {}
+        at = 0
+
+        def place(span: int) -> int:
+            nonlocal at
+            off, at = at, at + -(-span // TAIL_ALIGN) * TAIL_ALIGN
+            return off
+
+        best: dict[int, tuple[int, int, int]] = {}  # rank -> (span, round, write)
+        for ri, r in enumerate(program.rounds):
+            rows, src_pitch, _ = r.geometry
+            span = r.nbytes.astype(np.int64)
+            if rows is not None:
+                span = (rows.astype(np.int64) - 1) * src_pitch.astype(np.int64) + span
+            i = int(np.argmin(span))
+            if r.rank not in best or int(span[i]) < best[r.rank][0]:
+                best[r.rank] = (int(span[i]), ri, i)
+        rounds: list[Round | None] = list(program.rounds)
+        for rank, (span, ri, i) in sorted(best.items()):
+            r = program.rounds[ri]
+            rows, src_pitch, dst_pitch = r.geometry
+            two_d = rows is not None and int(rows[i]) > 1
+            tails[rank] = _Tail(rank, -1, program.src_keys[int(r.src_index[i])], int(r.src_off[i]),
+                                place(span), span, int(r.dst_index[i]), int(r.dst_off[i]), int(r.nbytes[i]),
+                                None if r.imms is None else int(r.imms[i]),
+                                int(rows[i]) if two_d else None,  # type: ignore[index]
+                                int(src_pitch[i]) if two_d else 0,  # type: ignore[index]
+                                int(dst_pitch[i]) if two_d else 0)  # type: ignore[index]
+            rounds[ri] = _without(r, i)
+        staged_best: dict[int, tuple[int, int, int, int]] = {}  # rank -> (bytes, chunk, entry, write)
+        for c, (_, data) in enumerate(program.chunk_groups):
+            for j, (rank, _src_off, _di, _dst_off, nbytes, _imms) in enumerate(data):
+                if rank in tails or not len(nbytes):
+                    continue
+                i = int(np.argmin(nbytes))
+                if rank not in staged_best or int(nbytes[i]) < staged_best[rank][0]:
+                    staged_best[rank] = (int(nbytes[i]), c, j, i)
+        groups: list[ChunkGroup] = [(g, list(d)) for g, d in program.chunk_groups]
+        staged: dict[int, list[_Tail]] = {}
+        for rank, (nb, c, j, i) in sorted(staged_best.items()):
+            _, src_off, di, dst_off, nbytes, imms = groups[c][1][j]
+            tail = _Tail(rank, c, "", int(src_off[i]), place(nb), nb, int(di[i]), int(dst_off[i]), nb,
+                         None if imms is None else int(imms[i]))
+            tails[rank] = tail
+            staged.setdefault(c, []).append(tail)
+            keep = np.arange(len(nbytes)) != i
+            if keep.any():
+                groups[c][1][j] = (rank, src_off[keep], di[keep], dst_off[keep], nbytes[keep],
+                                   None if imms is None else imms[keep])
+            else:
+                groups[c][1][j] = None  # type: ignore[call-overload]
+        groups = [(g, [e for e in d if e is not None]) for g, d in groups]
+        if self._snap_region is not None:
+            self.engine.deregister(self._snap_region)
+            self._snap_region = None
+        self._snap = torch.empty(max(at, 1), dtype=torch.uint8, device=self.device)
+        self._snap_region = self.engine.register(self._snap, name=f"source {self.rank} push tails")
+        self._tails, self._staged_tails = tails, staged
+        return replace(program, rounds=[r for r in rounds if r is not None], chunk_groups=groups)
+
+    def _snapshot_direct_tails(self) -> None:
+        """Copies the bytes of the direct tails out of the live tensors (at the push's start)."""
+        for t in self._tails.values():
+            if t.chunk < 0:
+                live = self._bytes[t.key][t.src_off:t.src_off + t.span]
+                self._snap[t.snap_off:t.snap_off + t.span].copy_(live)
+
+    def _snapshot_staged_tails(self, chunk: int, view: Any) -> None:
+        for t in self._staged_tails.get(chunk, ()):
+            self._snap[t.snap_off:t.snap_off + t.span].copy_(view[t.src_off:t.src_off + t.span])
+
+    def _post_tails(self, imm: int, relay_bits: int, failed: dict[int, str], granted: Mapping[int, int]
+                    ) -> list[tuple[int, Any]]:
+        """Posts the tails of the destinations granted and not failed (they complete the version)."""
+        out: list[tuple[int, Any]] = []
+        for rank, t in sorted(self._tails.items()):
+            if rank in failed or rank not in granted:
+                continue
+            d = self._dests[rank]
+            geometry: tuple[Any, Any, Any] = (None, None, None)
+            if t.rows is not None:
+                geometry = (np.array([t.rows], np.uint64), np.array([t.src_pitch], np.uint64),
+                            np.array([t.dst_pitch], np.uint64))
+            try:
+                out.append((rank, self.engine.write_batch(
+                    [self._snap_region], d.descs, np.zeros(1, np.uint32), np.array([t.snap_off], np.uint64),
+                    np.array([t.dst_index], np.uint32), np.array([t.dst_off], np.uint64),
+                    np.array([t.nbytes], np.uint64),
+                    np.array([imm if t.imm is None else t.imm | relay_bits], np.uint32), *geometry)))
+            except TransportError as exc:
+                failed[rank] = str(exc)
+        return out
+
     def _plan_epoch(self, timeout: float) -> int:
         """The coordinator's plan epoch as this push must see it.
 
@@ -326,10 +502,39 @@ class Source(Participant):
         return max(epoch, heard)
 
     def close(self) -> None:
-        """Stops the epoch watcher and closes the engine."""
+        """Stops the epoch watcher and closes the engine. A push in flight is cancelled (it fails, and no
+        destination takes its version), unless it has already released its last writes: then it gets up
+        to CLOSE_WAIT_S to finish."""
+        with self._push_lock:
+            self._closing = True
+            h = self._last_push
+        if h is not None and not h.done() and not h.cancel("the source was closed"):
+            h.join(CLOSE_WAIT_S)
         if self._watcher is not None:
             self._watcher.stop()
-        super().close()
+        super().close()  # a cancelled push's waits end here (the engine fails them)
+        if h is not None and not h.join(CLOSE_WAIT_S):
+            self.log.warning("source %d: push of version %d still running %.0f s after close", self.rank,
+                             h.version, CLOSE_WAIT_S)
+
+    # -- pushes in flight --------------------------------------------------------------------------
+    def wait_pushed(self, timeout: float | None = None) -> PushStats | None:
+        """Waits for this source's push (the one in flight, or the last one if nobody waited for it yet)
+        and returns its ``PushStats`` or raises its error, as ``PushHandle.wait``; None if there is none.
+        Call it before ``optimizer.step()``: a push reads the tensors until it ends."""
+        h = self._last_push
+        if h is None or (h.done() and h._observed):
+            return None
+        return h.wait(timeout)
+
+    def guard(self, optimizer: Any, timeout: float | None = None) -> Any:
+        """Makes every ``optimizer.step()`` wait for this source's push first (a step pre-hook calling
+        ``wait_pushed``; the push's error, if any, is raised from the step). Returns the hook's handle
+        (``.remove()`` undoes it)."""
+        def before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+            self.wait_pushed(timeout)
+
+        return optimizer.register_step_pre_hook(before_step)
 
     # -- the push ----------------------------------------------------------------------------------
     def push(self, version: int, timeout: float = 60.0) -> PushStats:
@@ -338,13 +543,64 @@ class Source(Participant):
         Called by every source rank (like a collective). Returns once every destination this source
         writes to has confirmed the complete version, or reports the ones that failed (see the module
         doc)."""
+        return self._start(version, timeout, background=False).wait()
+
+    def push_async(self, version: int, timeout: float = 60.0) -> PushHandle:
+        """Starts ``push(version, timeout)`` in a thread of its own and returns its ``PushHandle`` at once.
+
+        The tensors must not change until the push has ended (``handle.wait()``, ``wait_pushed()`` or
+        ``guard(optimizer)`` before the next ``optimizer.step()``); a push that sees them change fails
+        and no destination takes its version. Refused (``WeightSyncError``, nothing written) while
+        another push of this source is in flight."""
+        return self._start(version, timeout, background=True)
+
+    def _start(self, version: int, timeout: float, background: bool) -> PushHandle:
         if not 0 <= version < 1 << 62:
             raise WeightSyncError(f"version {version} must be a non-negative integer")
-        if version <= self._last_version:
-            raise WeightSyncError(f"group {self.group!r}: source {self.rank}: version {version} is not newer "
-                                  f"than version {self._last_version} it pushed before; versions must "
-                                  "increase (nothing was written)")
-        self._last_version = version
+        with self._push_lock:
+            if self._closing:
+                raise WeightSyncError(f"group {self.group!r}: source {self.rank} is closed")
+            prev = self._last_push
+            if prev is not None and not prev.done():
+                raise WeightSyncError(
+                    f"group {self.group!r}: source {self.rank}: version {version} refused, the push of "
+                    f"version {prev.version} is still in flight (one push per source at a time: wait for "
+                    "it with handle.wait() or src.wait_pushed() first; nothing was written)")
+            if version <= self._last_version:
+                raise WeightSyncError(f"group {self.group!r}: source {self.rank}: version {version} is not "
+                                      f"newer than version {self._last_version} it pushed before; versions "
+                                      "must increase (nothing was written)")
+            self._last_version = version
+            h = PushHandle(self, version, timeout, background)
+            if background and self.device.type == "cuda":
+                import torch
+
+                # What the caller queued before this call (the optimizer step) must be done before the
+                # engine reads the tensors: the push thread waits for this event, the caller does not.
+                h._ready = torch.cuda.Event()
+                h._ready.record(torch.cuda.current_stream(self.device))
+            self._last_push = h
+        h.start()
+        return h
+
+    def _run_push(self, h: PushHandle) -> PushStats:
+        """The push of ``h``, in its thread: on a GPU with the device (and, in the background, the push's
+        own stream) current, once the caller's last kernels are done."""
+        if self.device.type != "cuda":
+            return self._push_body(h)
+        import torch
+
+        with torch.cuda.device(self.device):
+            if h.background:
+                h._ready.synchronize()
+                with torch.cuda.stream(self._push_stream):
+                    return self._push_body(h)
+            # The engine reads the tensors outside torch's streams: the caller's last update must be done.
+            torch.cuda.current_stream(self.device).synchronize()
+            return self._push_body(h)
+
+    def _push_body(self, h: PushHandle) -> PushStats:
+        version, timeout = h.version, h.timeout
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         phases: dict[str, float] = {}
@@ -354,11 +610,7 @@ class Source(Participant):
         phases["plan"] = time.perf_counter() - t0
 
         t = time.perf_counter()
-        if self.device.type == "cuda":
-            import torch
-
-            # The engine reads the tensors outside torch's streams: the caller's last update must be done.
-            torch.cuda.current_stream(self.device).synchronize()
+        self._snapshot_direct_tails()
         failed: dict[int, str] = {}
         announces = self._announce(version, failed)
         transfers: list[tuple[int, Any]] = []
@@ -368,13 +620,45 @@ class Source(Participant):
         def post_rounds(ranks: set[int]) -> None:
             transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, ranks))
 
-        grants = _Grants(self, version, deadline, announces, failed, post_rounds)
+        tails: list[tuple[int, Any]] = []
+        committed: set[int] = set()
+
+        def commit(ranks: set[int]) -> None:
+            """Once the engine has read the live tensors for every write but the tails into ``ranks``
+            (direct writes: until they complete locally; staged chunks: while they were prepared), checks
+            that the tensors did not change since the push started (so neither did they meanwhile), then
+            posts those tails from the snapshot: they let the destinations complete the version."""
+            ranks = ranks - committed
+            if not ranks:
+                return
+            for rank, tr in transfers:
+                if rank in ranks:
+                    _settle(rank, tr, deadline, failed)
+            h.check_cancelled()
+            changed = h.changed()
+            if changed:
+                took = f"destinations {sorted(committed)} took it before" if committed else \
+                    "no destination takes this version"
+                raise WeightSyncError(
+                    f"group {self.group!r}: push of version {version} from source {self.rank} failed: "
+                    f"tensors {changed[:5]}{' ...' if len(changed) > 5 else ''} changed while the push read "
+                    "them (an optimizer step during the push? wait for it first: handle.wait(), "
+                    f"src.wait_pushed() or src.guard(optimizer)); {took}")
+            if self.device.type == "cuda":
+                import torch
+
+                torch.cuda.current_stream(self.device).synchronize()  # the tails' snapshot copies
+            h.commit()
+            committed.update(ranks)
+            tails.extend(self._post_tails(imm, relay_bits, failed, ranks & set(grants.granted)))
+
+        grants = _Grants(self, version, deadline, announces, failed, post_rounds, commit)
         # The staged pipeline prepares its first chunks while the grants travel; its first post opens the
         # gate (the direct rounds go first), and it serves destinations granted late.
         staged = self._staging.run(version, deadline, self._dests, failed, self.one_writer_at_a_time, grants)
         for _ in grants.late():  # without staged chunks: the gate and the late ones' direct rounds
             pass
-        for rank, tr in transfers:
+        for rank, tr in transfers + tails:
             _settle(rank, tr, deadline, failed)
         for rank, tr in announces:
             try:
@@ -397,6 +681,11 @@ class Source(Participant):
         for r in waiting - acked:
             failed[r] = (f"no grant of version {version} within {timeout} s" if r in grants.ungranted else
                          f"no confirmation of version {version} within {timeout} s")
+        if self._closing and self.engine.closed:
+            # Failures seen now may be the closing engine's doing: none is reported against a destination.
+            raise WeightSyncError(f"group {self.group!r}: push of version {version} from source {self.rank}: "
+                                  f"the source was closed before every destination confirmed it "
+                                  f"(confirmed: {sorted(acked)})")
 
         seconds = time.perf_counter() - t0
         written = [r for r in self._dests if r not in failed and r not in grants.refused]
@@ -512,3 +801,10 @@ def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
     """Writes the current contents of ``src``'s tensors to every destination as ``version``
     (``src.push``). Called by every source rank (like a collective)."""
     return src.push(version, timeout)
+
+
+def push_async(src: Source, version: int, timeout: float = 60.0) -> PushHandle:
+    """Starts the push of ``version`` and returns its ``PushHandle`` at once (``src.push_async``):
+    ``handle.wait()`` gives the ``PushStats`` of ``push``. Every source rank calls it, like ``push``; the
+    tensors must not change until the push has ended (``src.guard(optimizer)`` enforces it)."""
+    return src.push_async(version, timeout)

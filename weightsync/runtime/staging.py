@@ -311,6 +311,7 @@ class _ChunkRun:
             self.out["prepare"] += time.perf_counter() - t
         trs: list[tuple[int | None, Any]] = []
         base = p.slot * st.lowered.chunk_bytes
+        self.gate.prepared(p.chunk, st.pool[base:base + p.nbytes])  # the writes the push holds back
         gathers, data = st.chunk_groups[p.chunk]
         for g, src_off, dst_off, nbytes in (gathers if p.first else []):
             if g == st.rank:  # a tile's missing rows held by another region of this rank

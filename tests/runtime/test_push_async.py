@@ -1,0 +1,377 @@
+"""Non-blocking pushes (``ws.push_async``) on CPU with Ray over TCP loopback.
+
+Overlap is made deterministic by stopping a destination's process (SIGSTOP): while it is stopped it can
+neither grant nor count a version, so a push that has returned to its caller cannot have completed; it
+completes once the process continues. Every version is random (``randn``, never zeros; destinations start
+as NaN) and checked bit for bit on every destination.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import weightsync as ws
+
+SHAPES = {"emb": (96, 64), "w": (64, 48), "col": (32, 40), "norm": (48,)}
+
+
+def values(name: str, version: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 1000 + version)
+    return torch.randn(SHAPES[name], generator=g)
+
+
+def _rows(name: str, rank: int, world: int) -> slice:
+    if len(SHAPES[name]) == 1:
+        return slice(None)  # replicated on every trainer
+    n = SHAPES[name][0] // world
+    return slice(rank * n, (rank + 1) * n)
+
+
+class AsyncTrainer:
+    """A trainer rank holding dim-0 shards (1-D tensors replicated) as Parameters, with an SGD optimizer
+    whose steps wait for the push in flight (``src.guard``)."""
+
+    def __init__(self, group: str, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.params: dict[str, torch.nn.Parameter] = {}
+        tensors: dict[str, Any] = {}
+        for name, shape in SHAPES.items():
+            p = torch.nn.Parameter(values(name, 0)[_rows(name, rank, world)].clone())
+            self.params[name] = p
+            offsets = (_rows(name, rank, world).start, 0)
+            tensors[name] = p if len(shape) == 1 else ws.Sharded(p, shape, offsets)
+        self.src = ws.Source(group, rank=rank, tensors=tensors, timeout=60)
+        self.optimizer = torch.optim.SGD(list(self.params.values()), lr=0.5)
+        self.src.guard(self.optimizer)
+        self.handle: Any = None
+
+    def set_version(self, version: int) -> None:
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(values(name, version)[_rows(name, self.rank, self.world)])
+
+    def push_async(self, version: int, timeout: float = 30.0) -> float:
+        t0 = time.perf_counter()
+        self.handle = ws.push_async(self.src, version, timeout=timeout)
+        return time.perf_counter() - t0
+
+    def push(self, version: int, timeout: float = 30.0) -> dict[str, Any]:
+        return ws.push(self.src, version, timeout=timeout).__dict__
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        return self.handle.wait(timeout).__dict__
+
+    def change_weights(self) -> None:
+        """An in-place update that does not wait for the push (what the guard prevents)."""
+        with torch.no_grad():
+            self.params["w"].mul_(2.0)
+
+    def step(self) -> float:
+        """One optimizer step (the guard waits for the push first); returns the seconds it took."""
+        for p in self.params.values():
+            p.grad = torch.ones_like(p)
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        return time.perf_counter() - t0
+
+    def shards(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach().clone() for k, p in self.params.items()}
+
+    def close(self) -> float:
+        t0 = time.perf_counter()
+        self.src.close()
+        return time.perf_counter() - t0
+
+
+class AsyncRollout:
+    """A full replica (NaN until the first version), ``inplace`` or ``staged``, of ``dtype``."""
+
+    def __init__(self, group: str, rank: int, mode: str, dtype: torch.dtype = torch.float32) -> None:
+        self.tensors = {k: torch.full(s, float("nan"), dtype=dtype) for k, s in SHAPES.items()}
+        self.dst = ws.Destination(group, rank=rank, tensors=dict(self.tensors), mode=mode, timeout=60,
+                                  push_timeout=30)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def version(self) -> int:
+        return self.dst.version
+
+    def wait(self, version: int, timeout: float = 30.0) -> int:
+        return self.dst.wait(version, timeout)
+
+    def torn(self) -> bool:
+        return self.dst.updating or self.dst.dirty
+
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+        self.dst.apply()
+        return self.dst.live_version, {k: v.clone() for k, v in self.tensors.items()}
+
+
+class Team:
+    def __init__(self, name: str, trainers: int, modes: list[str], dtype: torch.dtype = torch.float32,
+                 **group_options: Any) -> None:
+        self.group = ws.Group.create(name, num_sources=trainers, num_destinations=len(modes), **group_options)
+        self.rollouts = [ray.remote(num_cpus=0)(AsyncRollout).remote(name, j, m, dtype)
+                         for j, m in enumerate(modes)]
+        self.trainers = [ray.remote(num_cpus=0)(AsyncTrainer).remote(name, i, trainers)
+                         for i in range(trainers)]
+        ray.get([a.__ray_ready__.remote() for a in self.trainers + self.rollouts], timeout=120)
+        self.pids = ray.get([r.pid.remote() for r in self.rollouts], timeout=30)
+        self.dtype = dtype
+
+    def set_version(self, version: int) -> None:
+        ray.get([t.set_version.remote(version) for t in self.trainers], timeout=30)
+
+    def push_async(self, version: int, timeout: float = 30.0) -> list[float]:
+        return ray.get([t.push_async.remote(version, timeout) for t in self.trainers], timeout=30)
+
+    def wait(self) -> list[dict[str, Any]]:
+        return ray.get([t.wait.remote() for t in self.trainers], timeout=90)
+
+    @contextmanager
+    def stopped(self, j: int) -> Iterator[None]:
+        """Rollout ``j``'s process stopped (it cannot grant, count or ack) for the block."""
+        os.kill(self.pids[j], signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.pids[j], signal.SIGCONT)
+
+    def check(self, version: int, rollouts: list[int] | None = None,
+              want: dict[str, torch.Tensor] | None = None) -> None:
+        """Every rollout (or those named) holds ``version`` (``want``, else its random values) bit for bit."""
+        which = range(len(self.rollouts)) if rollouts is None else rollouts
+        refs = [self.rollouts[j] for j in which]
+        assert ray.get([r.wait.remote(version) for r in refs], timeout=60) == [version] * len(refs)
+        want = want or {k: values(k, version) for k in SHAPES}
+        snaps = ray.get([r.snapshot.remote() for r in refs], timeout=60)
+        for j, (live, got) in zip(which, snaps, strict=True):
+            assert live == version, f"rollout {j}: live version {live}, expected {version}"
+            for k, w in want.items():
+                w = w.to(self.dtype)
+                assert torch.equal(got[k].view(torch.uint8), w.view(torch.uint8)), \
+                    f"rollout {j}: {k} differs at version {version}"
+
+    def versions(self) -> list[int]:
+        return ray.get([r.version.remote() for r in self.rollouts], timeout=30)
+
+    def full(self) -> dict[str, torch.Tensor]:
+        """The trainers' current tensors as full tensors (rows from each rank)."""
+        shards = ray.get([t.shards.remote() for t in self.trainers], timeout=30)
+        world = len(self.trainers)
+        return {k: shards[0][k] if len(s) == 1 else torch.cat([shards[i][k] for i in range(world)])
+                for k, s in SHAPES.items()}
+
+    def stop(self) -> None:
+        for a in self.trainers + self.rollouts:
+            ray.kill(a)
+        self.group.shutdown()
+
+
+def _cause(info: pytest.ExceptionInfo) -> BaseException:
+    return info.value.cause if isinstance(info.value, ray.exceptions.RayTaskError) else info.value
+
+
+@pytest.fixture(scope="module")
+def team(ray_cluster) -> Iterator[Team]:
+    """2 trainers (row shards) -> a staged and an inplace full replica."""
+    t = Team("push-async", 2, ["staged", "inplace"])
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+def test_push_returns_before_destinations_have_the_version_and_lands_exactly(team: Team) -> None:
+    for version in (1, 2, 3):
+        team.set_version(version)
+        with team.stopped(0):
+            calls = team.push_async(version)
+            # Rollout 0 cannot grant or count while stopped: no push can have completed.
+            time.sleep(0.3)
+            assert ray.get([t.done.remote() for t in team.trainers], timeout=30) == [False, False]
+            # The trainers' actors are free meanwhile (forward/backward would run here).
+            assert ray.get([t.shards.remote() for t in team.trainers], timeout=30)
+        assert max(calls) < 1.0, calls
+        for s in team.wait():
+            assert s["version"] == version and s["failed_destinations"] == [], s
+        team.check(version)
+
+
+def test_second_push_while_one_is_in_flight_is_refused(team: Team) -> None:
+    t0 = team.trainers[0]
+    team.set_version(4)
+    with team.stopped(0):
+        team.push_async(4)
+        for call in (t0.push_async.remote(5), t0.push.remote(5)):
+            with pytest.raises(ray.exceptions.RayTaskError) as info:
+                ray.get(call, timeout=30)
+            err = _cause(info)
+            assert type(err) is ws.WeightSyncError and "still in flight" in str(err), err
+    assert all(s["failed_destinations"] == [] for s in team.wait())
+    team.check(4)
+    team.set_version(5)  # the refused version was not used up
+    team.push_async(5)
+    team.wait()
+    team.check(5)
+
+
+def test_tensors_changed_under_a_push_fail_it_and_no_destination_flips(team: Team) -> None:
+    team.set_version(6)
+    team.push_async(6)
+    team.wait()
+    team.set_version(7)
+    with team.stopped(0):
+        team.push_async(7, timeout=6.0)
+        ray.get(team.trainers[0].change_weights.remote(), timeout=30)  # during the push: not allowed
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(team.trainers[0].wait.remote(), timeout=60)
+    err = _cause(info)
+    assert isinstance(err, ws.WeightSyncError) and "changed while the push read them" in str(err), err
+    assert "'w'" in str(err)
+    # Trainer 1 wrote all of its share, tails included; trainer 0 held its tails back: no destination
+    # can complete version 7, and trainer 1 times out waiting for acks.
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(team.trainers[1].wait.remote(), timeout=60)
+    assert isinstance(_cause(info), ws.TimeoutError), _cause(info)
+    assert team.versions() == [6, 6]
+    team.check(6, rollouts=[0])  # staged: version 7 went to the shadow, never made live
+    # Inplace: bytes of version 7 may be in the live tensors, and the destination says so (it is still
+    # landing 7 until a newer announce or its push timeout, then dirty until a complete version).
+    assert ray.get(team.rollouts[1].torn.remote(), timeout=30) is True
+    # The next version lands whole on both (they abandon 7 at its announce).
+    team.set_version(8)
+    team.push_async(8)
+    assert all(s["failed_destinations"] == [] for s in team.wait())
+    team.check(8)
+    assert ray.get(team.rollouts[1].torn.remote(), timeout=30) is False
+
+
+def test_guard_makes_the_optimizer_step_wait_for_the_push(team: Team) -> None:
+    team.set_version(9)
+    with team.stopped(0):
+        team.push_async(9)
+        steps = [t.step.remote() for t in team.trainers]
+        time.sleep(0.5)
+        ready, _ = ray.wait(steps, num_returns=len(steps), timeout=0)
+        assert not ready  # both steps wait in the guard while the push cannot complete
+    waited = ray.get(steps, timeout=60)
+    assert min(waited) > 0.3, waited
+    assert all(s["failed_destinations"] == [] for s in team.wait())  # the result is still there
+    team.check(9)  # the weights from before the step, whole
+    stepped = team.full()
+    assert not torch.equal(stepped["w"], values("w", 9))
+    team.push_async(10)
+    team.wait()
+    team.check(10, want=stepped)
+
+
+def test_wait_timeout_then_killed_destination_then_no_destination(ray_cluster) -> None:
+    t = Team("push-async-fail", 1, ["inplace", "staged"])
+    try:
+        tr = t.trainers[0]
+        t.set_version(1)
+        with t.stopped(1):
+            t.push_async(1)
+            with pytest.raises(ray.exceptions.RayTaskError) as info:
+                ray.get(tr.wait.remote(0.2), timeout=30)  # the push goes on
+            assert isinstance(_cause(info), ws.TimeoutError), _cause(info)
+        assert t.wait()[0]["failed_destinations"] == []
+        t.check(1)
+
+        # A destination killed while the push waits for it: failed_destinations, the other one whole.
+        t.set_version(2)
+        with t.stopped(1):
+            t.push_async(2, timeout=8.0)
+            ray.kill(t.rollouts[1])
+        s = t.wait()[0]
+        assert s["failed_destinations"] == [1], s
+        t.check(2, rollouts=[0])
+
+        # No destination answers within the timeout: ws.TimeoutError on wait(), nothing flips.
+        t.set_version(3)
+        start = time.monotonic()
+        with t.stopped(0):
+            t.push_async(3, timeout=2.0)
+            with pytest.raises(ray.exceptions.RayTaskError) as info:
+                ray.get(tr.wait.remote(), timeout=60)
+        assert isinstance(_cause(info), ws.TimeoutError), _cause(info)
+        assert time.monotonic() - start < 30
+        t.set_version(4)
+        t.push_async(4)
+        assert t.wait()[0]["failed_destinations"] == []
+        t.check(4, rollouts=[0])
+    finally:
+        t.stop()
+
+
+def test_close_with_a_push_in_flight_cancels_it(ray_cluster) -> None:
+    t = Team("push-async-close", 1, ["staged"])
+    try:
+        tr = t.trainers[0]
+        t.set_version(1)
+        t.push_async(1)
+        t.wait()
+        t.set_version(2)
+        with t.stopped(0):
+            t.push_async(2)
+            closed_in = ray.get(tr.close.remote(), timeout=60)
+            assert closed_in < 5.0, closed_in
+            with pytest.raises(ray.exceptions.RayTaskError) as info:
+                ray.get(tr.wait.remote(), timeout=30)
+            err = _cause(info)
+            assert type(err) is ws.WeightSyncError and "cancelled" in str(err), err
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(tr.push_async.remote(3), timeout=30)
+        assert "closed" in str(_cause(info))
+        time.sleep(0.5)
+        assert t.versions() == [1]
+        t.check(1)
+    finally:
+        t.stop()
+
+
+def test_cast_destination_staged_writes_hold_their_tail(ray_cluster) -> None:
+    """bf16 destinations of fp32 trainers: every write is staged (cast on the sender), so the held-back
+    write is a staged one, copied out of its staging chunk."""
+    t = Team("push-async-cast", 2, ["staged", "inplace"], dtype=torch.bfloat16, allow_cast=True)
+    try:
+        for version in (1, 2):
+            t.set_version(version)
+            with t.stopped(1):
+                t.push_async(version)
+                time.sleep(0.2)
+                assert ray.get([tr.done.remote() for tr in t.trainers], timeout=30) == [False, False]
+            assert all(s["failed_destinations"] == [] and s["chunks"] > 0 for s in t.wait())
+            t.check(version)
+        t.set_version(3)
+        with t.stopped(1):
+            t.push_async(3, timeout=6.0)
+            ray.get(t.trainers[1].change_weights.remote(), timeout=30)
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(t.trainers[1].wait.remote(), timeout=60)
+        assert "changed while the push read them" in str(_cause(info))
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(t.trainers[0].wait.remote(), timeout=60)
+        assert t.versions() == [2, 2]
+        t.check(2, rollouts=[0])
+        t.set_version(4)
+        t.push_async(4)
+        assert all(s["failed_destinations"] == [] for s in t.wait())
+        t.check(4)
+    finally:
+        t.stop()

@@ -1,0 +1,166 @@
+"""A push in flight: what ``ws.push_async`` returns, and the watch over the tensors it reads.
+
+A trainer's weights do not change between one ``optimizer.step()`` and the next, so a push started right
+after a step can move its bytes while the next forward and backward run. The contract: the trainer waits
+for the push (``handle.wait()``, ``src.wait_pushed()``, or the optimizer hook ``src.guard(optimizer)``)
+before it changes the weights again. Until then the push reads them: the direct writes, and the
+sender-side preparation of staged chunks (packs, casts, FP8 quantization, gathers of tile rows).
+
+A push that finds its tensors changed under it fails and no destination takes that version. Each watched
+tensor's torch version counter (``Tensor._version``: every in-place op bumps it, the optimizer's
+included; for a DTensor its own counter, not its local shard's) is read when the push starts and again
+once the engine has finished reading the live tensors. Until that second look, the push holds back one
+write per destination (its *tail*, served from a private copy taken while the push starts or as its
+staged chunk is prepared, so the live tensors are not read again after the look): a destination flips a
+version only when it has every immediate of it, so without the tail it never does, and it abandons the
+version at the next push's announce. Changes that bypass the counter (writes through ``tensor.data``,
+numpy views, another process) are not seen.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from weightsync.errors import TimeoutError, WeightSyncError  # noqa: A004
+
+if TYPE_CHECKING:
+    from weightsync.runtime.source import PushStats, Source
+
+# wait() without a timeout: the push's own timeout plus this. A push ends by its deadline; after it come
+# only bounded steps (reporting failures to the coordinator), so the slack is never the binding limit.
+WAIT_SLACK_S = 30.0
+# Source.close(): how long it lets a push that already told destinations the version is complete finish
+# (its acks), and how long it waits for a cancelled push's thread to return once the engine is closed.
+CLOSE_WAIT_S = 10.0
+
+
+def watched_tensors(tensors: dict[str, Any], locals_: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The torch tensors whose version counters say whether ``key``'s bytes changed: the object the
+    user gave (a tensor, Parameter or DTensor: a DTensor's in-place ops bump its own counter, not the
+    local shard's) and the local tensor registered with the engine, where that is another tensor.
+    Tensors without a counter (inference-mode tensors, numpy arrays) are left out."""
+    import torch
+
+    out: list[tuple[str, Any]] = []
+    for key, value in tensors.items():
+        local = locals_[key]
+        inner = getattr(value, "local_tensor", None)  # Sharded, Fused, Placed: the user's tensor
+        for t in (value if inner is None else inner, local):
+            if not isinstance(t, torch.Tensor) or any(t is seen for k, seen in out if k == key):
+                continue
+            try:
+                t._version  # noqa: B018 - raises for inference tensors, which keep no counter
+            except RuntimeError:
+                continue
+            out.append((key, t))
+    return out
+
+
+class PushHandle:
+    """One push of a source, started by ``ws.push_async`` (or by ``ws.push``, which waits for it).
+
+    ``done()`` says whether it has ended; ``wait(timeout)`` returns its ``PushStats`` or raises what the
+    push raised (the same errors as ``ws.push``: ``ws.TimeoutError`` when no destination confirmed,
+    ``ws.WeightSyncError`` for a refused version, a changed tensor or a cancelled push; destinations
+    that failed are in ``PushStats.failed_destinations``). Waiting again gives the same answer.
+    """
+
+    def __init__(self, src: Source, version: int, timeout: float, background: bool) -> None:
+        self.version = version
+        self.timeout = timeout
+        self.background = background
+        self.started = time.monotonic()
+        self._src = src
+        self._watched = [(key, t, t._version) for key, t in src._watched]
+        self._ready: Any = None  # the caller's stream event (CUDA, background): what the push waits for
+        self._finished = threading.Event()
+        self._stats: PushStats | None = None
+        self._error: BaseException | None = None
+        self._observed = False  # wait() has returned or raised once
+        self._lock = threading.Lock()
+        self._cancelled: str | None = None
+        self._committed = False
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return (f"PushHandle(group={self._src.group!r}, source={self._src.rank}, version={self.version}, "
+                f"{state})")
+
+    # -- what the trainer calls ---------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the push has ended (completed, failed or cancelled): ``wait`` would not block."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> PushStats:
+        """Blocks until the push has ended and returns its ``PushStats``, or raises its error.
+
+        ``timeout`` None: the push's own timeout (counted from its start) plus a slack. If it has not
+        ended by then, raises ``ws.TimeoutError``; the push goes on and can be waited for again."""
+        if timeout is None:
+            limit = self.timeout + WAIT_SLACK_S - (time.monotonic() - self.started)
+        else:
+            limit = timeout
+        if not self._finished.wait(max(limit, 0.0)):
+            raise TimeoutError(f"group {self._src.group!r}: push of version {self.version} from source "
+                               f"{self._src.rank} still in flight after waiting {max(limit, 0.0):.3g} s "
+                               "(it goes on: wait again)")
+        self._observed = True
+        if self._error is not None:
+            raise self._error
+        assert self._stats is not None
+        return self._stats
+
+    # -- what the push and Source.close call ----------------------------------------------------------
+    def changed(self) -> list[str]:
+        """Keys of the watched tensors whose version counter moved since the push started."""
+        return sorted({key for key, t, v in self._watched if t._version != v})
+
+    def check_cancelled(self) -> None:
+        if self._cancelled is not None:
+            raise WeightSyncError(self._cancelled)
+
+    def commit(self) -> None:
+        """Called by the push right before it posts the tails (from then on destinations may complete
+        the version): raises if the push was cancelled first."""
+        with self._lock:
+            self.check_cancelled()
+            self._committed = True
+
+    def cancel(self, why: str) -> bool:
+        """Cancels the push unless it has committed; True if it is cancelled (no destination will be
+        told the version is complete)."""
+        with self._lock:
+            if self._committed:
+                return False
+            self._cancelled = (f"group {self._src.group!r}: push of version {self.version} from source "
+                               f"{self._src.rank} cancelled: {why} (no destination takes this version)")
+            return True
+
+    def run(self) -> None:
+        """Runs the push (in the caller's thread, or in the push's own thread) and records its end."""
+        try:
+            self._stats = self._src._run_push(self)
+        except BaseException as exc:  # kept for wait(), which raises it in the trainer's thread
+            if self._cancelled is not None and str(exc) != self._cancelled:
+                cancelled = WeightSyncError(self._cancelled)
+                cancelled.__cause__ = exc
+                exc = cancelled
+            self._error = exc
+        finally:
+            self._finished.set()
+
+    def start(self) -> None:
+        if not self.background:
+            self.run()
+            return
+        self._thread = threading.Thread(
+            target=self.run, daemon=True,
+            name=f"weightsync-{self._src.group}-push{self._src.rank}-v{self.version}")
+        self._thread.start()
+
+    def join(self, timeout: float) -> bool:
+        """Waits for the push to end without observing its result; True if it has."""
+        return self._finished.wait(max(timeout, 0.0))
