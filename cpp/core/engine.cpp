@@ -855,6 +855,17 @@ void Engine::piece_failed(Piece* p, const std::string& why) {
   delete p;
 }
 
+void Engine::abandon(Piece* p, const std::string& why) {
+  p->transfer->piece_failed(p->transfer->what() + " failed: " + why);
+  if (p->group) group_member_done(p, false);
+  p->stale = true;
+}
+
+void Engine::release_abandoned(Piece* p) {
+  if (p->stage_slot >= 0) release_slot(p);
+  delete p;
+}
+
 void Engine::reroute(Piece* p, int failed_nic, const std::string& why) {
   Peer& peer = *p->dst->peer;
   {

@@ -188,7 +188,7 @@ struct Piece {
   void* stage_ptr = nullptr;
   int nic = -1;
   uint64_t signals = 0;  // cuda lane: immediates to deliver over a fabric NIC once the copy is done
-  bool stale = false;  // superseded by a retry on another NIC; its completion is ignored
+  bool stale = false;  // given up (engine closed, outcome unknown, an unanswered probe): completion ignored
   uint64_t seq = 0;     // its place in its peer's queue on the worker it is queued on (posting order)
   int conn_errors = 0;  // times its connection was dropped under it (a peer that keeps refusing it)
   bool tagged = false;  // into a landing region: a tagged message, not an RMA write
@@ -259,6 +259,8 @@ class LaneWorker {
   bool sibling_progressed(const Peer& peer, std::chrono::steady_clock::time_point now) const;
   void handle(const Completion& c);
   void fail_path(Peer* peer, const std::string& why);
+  // The writes still draining on a failed path past its deadline: their transfers fail (no retry).
+  void abandon_draining(uint64_t peer_id, PeerQueue& q);
   void check_stalls();
   void shutdown_pieces();
   void landing_received(const Completion& c);
@@ -291,13 +293,16 @@ class LaneWorker {
     std::chrono::steady_clock::time_point retry_at{};       // no post before this (back-off)
     int eagain_streak = 0;
     int conn_errors = 0;  // connections dropped since the last success: while > 0, one write at a time
+    // The path failed with writes in flight: they drain (each completes, or comes back as an error and
+    // is posted again elsewhere) until this deadline; whatever is still out then is abandoned.
+    std::chrono::steady_clock::time_point drain_deadline{};
     bool ready = false;   // listed in ready_
   };
   std::unordered_map<uint64_t, PeerQueue> queues_;  // by peer id
   std::deque<uint64_t> ready_;                       // peers with queued pieces, served round robin
   uint64_t next_seq_ = 1;
   std::unordered_set<Piece*> outstanding_;
-  std::vector<Piece*> stale_;  // superseded pieces the provider may still complete
+  std::vector<Piece*> stale_;  // given-up pieces the provider may still complete
   uint64_t outstanding_bytes_ = 0;
   std::chrono::steady_clock::time_point last_stall_check_{};
 
@@ -442,6 +447,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Routes a piece whose path (nic, peer) failed to another NIC, or fails it when none is left.
   void reroute(Piece* p, int failed_nic, const std::string& why);
   void piece_failed(Piece* p, const std::string& why);
+  // A piece whose outcome cannot be learnt (still in the provider on a failed path that could not be
+  // aborted): its transfer fails now, without a retry (a retry could be counted twice, and the original
+  // could land after it); the piece itself stays with the worker until the provider releases it.
+  void abandon(Piece* p, const std::string& why);
+  // The provider released an abandoned piece: its staging slot (if any) is free again, the piece goes.
+  void release_abandoned(Piece* p);
   // `owner` goes with the last deregistration command, so the memory outlives its registrations.
   void release_region(uint64_t id, std::vector<MemRegistration> regs, int landing = -1,
                       std::shared_ptr<void> owner = {});

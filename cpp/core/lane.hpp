@@ -147,6 +147,23 @@ class Lane {
   // (returned; may equal the old one). Writes still posted on the old connection come back as error
   // completions; the next post connects again. Lanes without connections return `peer` unchanged.
   virtual uint64_t reset_path(uint64_t peer) { return peer; }
+  // What the lane's transport says about a path with writes outstanding: kAlive when its connection
+  // holds data for the peer and had some acknowledged within `window_s` (a slow but working link),
+  // kDead when it holds data and nothing was acknowledged that long, kUnknown where the lane cannot tell
+  // (no connections, none found, or nothing queued in it: then the wait is the peer's, not the link's).
+  enum class PathState { kUnknown, kAlive, kDead };
+  virtual PathState path_state(uint64_t peer, double window_s) {
+    (void)peer, (void)window_s;
+    return PathState::kUnknown;
+  }
+  // Aborts the path's connection so that nothing still queued on it can reach the peer later (the
+  // kernel drops what it has not sent and resets the connection instead of a graceful close, which
+  // would go on sending); the writes still posted on it then come back as error completions. false
+  // where the lane cannot (no connections, or none found): its writes may still land later.
+  virtual bool abort_path(uint64_t peer) {
+    (void)peer;
+    return false;
+  }
   // Makes a peer's exported memory (MemRegistration::blob) writable from here; returns its address
   // (lanes with LaneCaps::maps_remote).
   virtual uint64_t import_remote(const std::string& blob) { (void)blob; return 0; }

@@ -355,10 +355,10 @@ void LaneWorker::handle(const Completion& c) {
     return;
   }
   if (p->stale) {
-    // A piece we already gave up on and retried elsewhere: the retry owns the transfer now.
+    // A piece we already gave up on (its transfer failed): the provider is done with it at last.
     auto it = std::find(stale_.begin(), stale_.end(), p);
     if (it != stale_.end()) stale_.erase(it);
-    delete p;
+    engine_->release_abandoned(p);
     return;
   }
   outstanding_.erase(p);
@@ -459,41 +459,50 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
     f.next_probe = Clock::now() + std::chrono::duration_cast<Clock::duration>(f.backoff);
     if (!f.peer) failed_.erase(peer->id);  // no handle on it (cannot happen: it had pieces here)
   }
-  // Everything queued or in flight to this peer on this NIC moves to the peer's other NICs. A piece in
-  // flight cannot be taken back from the provider (no cancel for RMA, and on tcp;ofi_rxm removing the
-  // address does not complete the ops still on its connection): the retry is a copy, and the original
-  // is superseded (its completion ignored, its source kept alive until then). If the original still
-  // lands, its bytes are the same, but they may land late and its immediate is counted too: the
-  // exactly-once window of issue 15 case 7, which only counting by piece id closes.
-  std::vector<Piece*> moved;
-  for (Piece* p : outstanding_) {
-    if (p->dst->peer.get() == peer) moved.push_back(p);
-  }
-  for (Piece* p : moved) {
-    outstanding_.erase(p);
-    outstanding_bytes_ -= p->len;
-    Piece* retry = new Piece(*p);
-    retry->stale = false;
-    p->stale = true;
-    p->stage_slot = -1;  // the retry owns the staging slot
-    p->group.reset();    // ... and the piece's place in its group
-    stale_.push_back(p);
-    rerouted_++;
-    engine_->reroute(retry, index_, why);
-  }
   PeerQueue& q = queues_[peer->id];
   q.peer = peer;
+  if (q.outstanding > 0) {
+    // Writes in flight on the path are not copied elsewhere: RMA has no cancel, and a copy posted while
+    // the original is still in the provider gets its immediate counted twice and lets the original's
+    // bytes land after it, even after later writes to the same place (issue 15 case 7). They drain
+    // instead: each one completes (it landed: done, counted once) or comes back as an error (out of the
+    // provider, and with the connection aborted, out of the kernel too: posted again elsewhere, the same
+    // piece). Aborting the connection drops what the kernel still holds for it and makes the provider
+    // fail the writes at once; where the lane cannot abort, the writes get longer to resolve, and one
+    // that does not is abandoned (its transfer fails, no retry).
+    const bool aborted = lane_->abort_path(peer->paths[index_]);
+    q.drain_deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                          aborted ? stall_timeout_ : 2 * stall_timeout_);
+  }
+  // Writes queued here but never posted move to the peer's other NICs.
   std::deque<Piece*> queued;
   queued.swap(q.pending);
-  q.outstanding = 0;
   q.blocked_since = Clock::time_point{};
   q.conn_errors = 0;
   for (Piece* p : queued) {
     rerouted_++;
     engine_->reroute(p, index_, why);
   }
-  in_flight_ = outstanding_.size();
   forget_if_idle(peer->id);
+}
+
+void LaneWorker::abandon_draining(uint64_t peer_id, PeerQueue& q) {
+  std::vector<Piece*> left;
+  for (Piece* p : outstanding_) {
+    if (p->dst->peer->id == peer_id) left.push_back(p);
+  }
+  const std::string why = "in flight on NIC " + lane_->nic_name() + " when its path to " + q.peer->label +
+                          " failed, and its outcome still unknown " + std::to_string(stall_timeout_.count()) +
+                          " s later (not retried: it may still land, and be counted, after a copy)";
+  for (Piece* p : left) {
+    outstanding_.erase(p);
+    outstanding_bytes_ -= p->len;
+    engine_->abandon(p, why);
+    stale_.push_back(p);
+  }
+  in_flight_ = outstanding_.size();
+  q.outstanding = 0;
+  q.drain_deadline = Clock::time_point{};
 }
 
 bool LaneWorker::sibling_progressed(const Peer& peer, Clock::time_point now) const {
@@ -511,13 +520,30 @@ void LaneWorker::check_stalls() {
   const auto now = Clock::now();
   std::vector<std::pair<Peer*, std::string>> failing;
   for (auto& [peer_id, q] : queues_) {
-    if (q.peer == nullptr || q.peer->path_failed[index_].load()) continue;
+    if (q.peer == nullptr) continue;
+    if (q.peer->path_failed[index_].load()) {
+      if (q.outstanding > 0 && q.drain_deadline != Clock::time_point{} && now > q.drain_deadline) {
+        abandon_draining(peer_id, q);
+      }
+      continue;
+    }
     const bool stalled = q.outstanding > 0 && now - q.progress > stall_timeout_;
     const bool blocked = !q.pending.empty() && q.blocked_since != Clock::time_point{} &&
                          now - q.blocked_since > stall_timeout_;
     if (!stalled && !blocked) continue;
     const std::string secs = std::to_string(stall_timeout_.count());
-    if (blocked && q.outstanding == 0) {
+    const Lane::PathState state =
+        stalled ? lane_->path_state(q.peer->paths[index_], stall_timeout_.count()) : Lane::PathState::kUnknown;
+    if (state == Lane::PathState::kAlive) {
+      // Its connection still has data acknowledged, or the peer's buffer is full: a slow link or a peer
+      // that is not draining, not a dead one. Nothing is failed or moved; a write there is never copied.
+      continue;
+    }
+    if (state == Lane::PathState::kDead) {
+      // Data waiting on the connection and nothing acknowledged for the stall timeout: the link.
+      failing.emplace_back(q.peer, "NIC " + lane_->nic_name() + ": nothing acknowledged for " + secs +
+                                       " s with data waiting (link down?)");
+    } else if (blocked && q.outstanding == 0) {
       // Nothing of ours in flight to it, and the provider has refused every write for that long: it
       // cannot connect (the peer is gone, or the link is down).
       failing.emplace_back(q.peer, "NIC " + lane_->nic_name() + " accepted no write to it for " + secs +

@@ -1,8 +1,16 @@
 #include "fabric/fabric_lane.hpp"
 
+#include <dirent.h>
+#include <netinet/in.h>
+#include <linux/tcp.h>  // the kernel's tcp_info (glibc's lacks tcpi_snd_wnd)
 #include <rdma/fi_errno.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -295,6 +303,7 @@ uint64_t FabricLane::reset_path(uint64_t peer) {
   auto it = peer_addresses_.find(peer);
   if (it == peer_addresses_.end()) return peer;
   const std::string address = it->second;
+  reset_peer_side(address);
   // Removing the address closes rxm's connection to it (ops still on it complete with errors); the
   // address inserted again connects afresh on the next post.
   fi_addr_t old = peer;
@@ -304,6 +313,147 @@ uint64_t FabricLane::reset_path(uint64_t peer) {
     return insert_peer(address);
   } catch (const TransportError&) {
     return old;  // not reachable any more: posting to it fails, and the path with it
+  }
+}
+
+namespace {
+
+// An endpoint address of tcp;ofi_rxm (fi_getname: the listening sockaddr) or of a kernel socket.
+bool same_ip(const sockaddr_storage& a, const sockaddr_storage& b) {
+  if (a.ss_family != b.ss_family) return false;
+  if (a.ss_family == AF_INET) {
+    return reinterpret_cast<const sockaddr_in&>(a).sin_addr.s_addr ==
+           reinterpret_cast<const sockaddr_in&>(b).sin_addr.s_addr;
+  }
+  if (a.ss_family == AF_INET6) {
+    return std::memcmp(&reinterpret_cast<const sockaddr_in6&>(a).sin6_addr,
+                       &reinterpret_cast<const sockaddr_in6&>(b).sin6_addr, sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
+uint16_t port_of(const sockaddr_storage& a) {
+  if (a.ss_family == AF_INET) return reinterpret_cast<const sockaddr_in&>(a).sin_port;
+  if (a.ss_family == AF_INET6) return reinterpret_cast<const sockaddr_in6&>(a).sin6_port;
+  return 0;
+}
+
+bool same_endpoint(const sockaddr_storage& a, const sockaddr_storage& b) {
+  return same_ip(a, b) && port_of(a) == port_of(b);
+}
+
+bool as_sockaddr(const std::string& raw, sockaddr_storage* out) {
+  if (raw.size() < sizeof(sa_family_t) || raw.size() > sizeof(sockaddr_storage)) return false;
+  std::memset(out, 0, sizeof(*out));
+  std::memcpy(out, raw.data(), raw.size());
+  return out->ss_family == AF_INET || out->ss_family == AF_INET6;
+}
+
+}  // namespace
+
+std::vector<int> FabricLane::path_sockets(uint64_t peer) const {
+  std::vector<int> out;
+  if (provider_.find("tcp") == std::string::npos) return out;
+  auto it = peer_addresses_.find(peer);
+  sockaddr_storage self{}, remote{};
+  if (it == peer_addresses_.end() || !as_sockaddr(address_, &self) || !as_sockaddr(it->second, &remote)) {
+    return out;
+  }
+  // Our connection to the peer is (our NIC's address, any port) -> (its listening address) when we
+  // connected, or (our listening address) <- (its NIC's address, any port) when it did. (Another engine
+  // of this process on the same NIC connecting to the same peer would match the first form too.)
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return out;
+  const int dir_fd = dirfd(dir);
+  while (dirent* e = readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0' || fd == dir_fd) continue;
+    sockaddr_storage local{}, other{};
+    socklen_t len = sizeof(local);
+    if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &len) != 0) continue;
+    len = sizeof(other);
+    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&other), &len) != 0) continue;
+    const bool we_connected = same_ip(local, self) && same_endpoint(other, remote);
+    const bool it_connected = same_endpoint(local, self) && same_ip(other, remote);
+    if (we_connected || it_connected) out.push_back(static_cast<int>(fd));
+  }
+  closedir(dir);
+  return out;
+}
+
+Lane::PathState FabricLane::path_state(uint64_t peer, double window_s) {
+  constexpr uint8_t kEstablished = 1;  // TCP_ESTABLISHED
+  const auto window_ms = static_cast<uint32_t>(window_s * 1000.0);
+  bool dead = false;
+  for (int fd : path_sockets(peer)) {
+    tcp_info info{};
+    socklen_t len = sizeof(info);
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0 || info.tcpi_state != kEstablished) continue;
+    // Bytes the kernel holds for the peer, sent or not (a link that went down shows them unsent, in
+    // the probe timer, not as packets in flight). None: the connection has nothing to say about it.
+    int queued = 0;
+    if (ioctl(fd, SIOCOUTQ, &queued) != 0 || queued <= 0) continue;
+    const bool has_window = len >= offsetof(tcp_info, tcpi_snd_wnd) + sizeof(info.tcpi_snd_wnd);
+    // The peer's receive buffer is full: it is alive and does not read (paused, slow): back-pressure.
+    if (has_window && info.tcpi_snd_wnd == 0) return PathState::kAlive;
+    if (info.tcpi_last_ack_recv < window_ms) return PathState::kAlive;  // acknowledged lately: slow, not dead
+    dead = true;
+  }
+  return dead ? PathState::kDead : PathState::kUnknown;
+}
+
+bool FabricLane::abort_path(uint64_t peer) {
+  bool aborted = false;
+  auto addr = peer_addresses_.find(peer);
+  for (int fd : path_sockets(peer)) {
+    sockaddr_storage local{}, remote{};
+    socklen_t len = sizeof(local);
+    const bool named = getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+                       (len = sizeof(remote), getpeername(fd, reinterpret_cast<sockaddr*>(&remote), &len) == 0);
+    // An abortive close: with a zero linger a close resets the connection and drops the send queue
+    // (a graceful close would go on delivering it, possibly after a retry of the same bytes and after
+    // later writes), and disconnecting (connect with AF_UNSPEC) does that now, under the provider,
+    // whose next use of the socket fails and fails the ops still posted on it.
+    linger lg{1, 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    sockaddr unspec{};
+    unspec.sa_family = AF_UNSPEC;
+    if (connect(fd, &unspec, sizeof(unspec)) != 0) continue;
+    // The disconnected socket only fails the provider's sends; shut down, its reads see the end of the
+    // stream too, and the provider closes the connection (a later post connects afresh).
+    shutdown(fd, SHUT_RDWR);
+    aborted = true;
+    if (named && addr != peer_addresses_.end()) aborted_[addr->second].push_back({local, remote});
+  }
+  return aborted;
+}
+
+void FabricLane::reset_peer_side(const std::string& address) {
+  auto it = aborted_.find(address);
+  if (it == aborted_.end()) return;
+  // The reset sent when a connection was aborted is lost if the link was down then, and the peer's
+  // provider keeps its side open and refuses our new connection as a duplicate. A SYN from the old
+  // connection's own address and port makes the peer's kernel answer on the old connection (a
+  // challenge ACK), which ours, with no socket there any more, answers with a reset that the peer
+  // accepts: its provider sees the connection end and takes the new one. Harmless where the old
+  // connection is already gone (a handshake we never complete).
+  for (const auto& [local, remote] : it->second) {
+    const int fd = socket(local.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    const socklen_t len = local.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    if (bind(fd, reinterpret_cast<const sockaddr*>(&local), len) == 0) {
+      connect(fd, reinterpret_cast<const sockaddr*>(&remote), len);  // sends the SYN (EINPROGRESS)
+    }
+    linger lg{1, 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    close(fd);
+  }
+  if (++knocks_[address] >= kMaxKnocks) {
+    aborted_.erase(it);
+    knocks_.erase(address);
   }
 }
 

@@ -10,6 +10,8 @@
 #include <rdma/fi_rma.h>
 #include <rdma/fi_tagged.h>
 
+#include <sys/socket.h>
+
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -48,6 +50,8 @@ class FabricLane final : public Lane {
   void deregister(const MemRegistration& reg) override;
   uint64_t insert_peer(const std::string& address) override;
   uint64_t reset_path(uint64_t peer) override;
+  PathState path_state(uint64_t peer, double window_s) override;
+  bool abort_path(uint64_t peer) override;
 
   int post_write(const WriteRequest& req) override;
   size_t poll(std::vector<Completion>& out, size_t max) override;
@@ -65,6 +69,19 @@ class FabricLane final : public Lane {
   void post_rx_buffers();
   void close_all();
   void check(int rc, const char* what) const;
+  // tcp;ofi_rxm: the kernel sockets of the connection(s) between our endpoint and `peer`'s. The
+  // provider keeps them private, so they are found among the process's descriptors by their addresses
+  // (ours and the peer's listening address; either side may have connected). Empty elsewhere.
+  std::vector<int> path_sockets(uint64_t peer) const;
+  // Makes the peer drop its side of connections we aborted to `address` (see abort_path), before a
+  // new connection is made to it.
+  void reset_peer_side(const std::string& address);
+  // Connections aborted per peer address: (our address and port, the peer's), and how many times
+  // reset_peer_side has knocked for them (it stops after kMaxKnocks: a peer that stayed away that long
+  // has timed its side out or is gone).
+  std::unordered_map<std::string, std::vector<std::pair<sockaddr_storage, sockaddr_storage>>> aborted_;
+  std::unordered_map<std::string, int> knocks_;
+  static constexpr int kMaxKnocks = 16;
 
   std::string provider_;
   std::string domain_;

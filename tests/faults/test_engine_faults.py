@@ -226,13 +226,12 @@ def test_dropping_a_transfer_after_timeout_keeps_its_source_alive(procs, engines
 
 @pytest.mark.timeout(90)
 @needs_netns
-@_case(7, "a piece retried after a path failure is a copy while the original still completes: counted twice")
 def test_retried_piece_is_counted_once_and_never_lands_late(procs) -> None:
     """NIC 1 is slow (16 Mbit/s), NIC 0 fast; the stall timeout (1 s) is shorter than NIC 1 needs for its
-    4 MiB piece, so the engine takes NIC 1 for failed and re-posts the piece on NIC 0, while the original
-    is still being sent. What must hold whatever the engine retries: version 1's counter reaches its
-    target only once every byte of version 1 landed, it receives exactly imm_count immediates, and once
-    version 2 completed no byte of version 1 lands over it."""
+    4 MiB piece. The engine used to take NIC 1 for failed and re-post the piece on NIC 0 while the
+    original was still being sent. What must hold whatever the engine retries: version 1's counter
+    reaches its target only once every byte of version 1 landed, it receives exactly imm_count
+    immediates, and once version 2 completed no byte of version 1 lands over it."""
     hosts = TwoHosts(rates_mbit=[400, 16], prefix="wsf", latency_ms=400).create()
     try:
         kwargs = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
@@ -263,6 +262,63 @@ def test_retried_piece_is_counted_once_and_never_lands_late(procs) -> None:
             failures.append(f"version 1 delivered {total} immediates, imm_count is {n1}")
         if rx.call("digest", region=d_id, off=0, size=size) != want_v2:
             failures.append("bytes of version 1 landed after version 2 had completed")
+        assert not failures, f"{failures}; failed_paths {tx.call('failed_paths', peer=peer)}"
+    finally:
+        for p in procs:
+            p.close()
+        procs.clear()
+        hosts.remove()
+
+
+@pytest.mark.timeout(90)
+@needs_netns
+def test_piece_cut_off_mid_write_is_retried_once_and_never_lands_late(procs) -> None:
+    """NIC 1 (slow) goes down while its 4 MiB piece of version 1 is partly sent: the path fails and the
+    piece is retried on NIC 0. The original must not be counted too, and what the kernel still held
+    for it must not be sent once the link is back (a gracefully closed socket goes on sending): after
+    version 2 completed and NIC 1 came back up, the destination holds version 2 and version 1's counter
+    got exactly imm_count immediates. NIC 1 is restored afterwards (the peer drops its half-open side)."""
+    hosts = TwoHosts(rates_mbit=[400, 16], prefix="wsf", latency_ms=400).create()
+    try:
+        kwargs = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
+        tx = _start(procs, netns=hosts.a, **kwargs)
+        rx = _start(procs, netns=hosts.b, **kwargs)
+        size = 8 * MiB
+        v1, _ = tx.call("alloc", size=size, seed=73)
+        v2, _ = tx.call("alloc", size=size, seed=74)
+        d_id, d_desc = rx.call("alloc", size=size)
+        peer = tx.call("connect", address=rx.address)
+        want_v1 = digest(random_bytes(size, 73))
+        want_v2 = digest(random_bytes(size, 74))
+
+        t, n1 = tx.call("write", region=v1, peer=peer, descriptor=d_desc, size=size, imm=1)
+        time.sleep(0.5)  # NIC 1 has sent about a quarter of its piece
+        hosts.set_link(1, up=False)
+        tx.call("wait", transfer=t, timeout=30)
+        rx.call("counter_wait", imm=1, n=n1, timeout=30)
+        v1_at_target = rx.call("digest", region=d_id, off=0, size=size)
+        assert tx.call("failed_paths", peer=peer) == [False, True]
+
+        t, n2 = tx.call("write", region=v2, peer=peer, descriptor=d_desc, size=size, imm=2)
+        tx.call("wait", transfer=t, timeout=30)
+        rx.call("counter_wait", imm=2, n=n2, timeout=30)
+        hosts.set_link(1, up=True)
+        time.sleep(4.0)  # whatever the old connection still held would have landed by now
+
+        failures = []
+        if v1_at_target != want_v1:
+            failures.append("version 1's counter reached its target before all its bytes landed")
+        if (total := rx.call("counter_total", imm=1)) != n1:
+            failures.append(f"version 1 delivered {total} immediates, imm_count is {n1}")
+        if rx.call("digest", region=d_id, off=0, size=size) != want_v2:
+            failures.append("bytes of version 1 landed after version 2 had completed")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and tx.call("failed_paths", peer=peer) != [False, False]:
+            t, _ = tx.call("write", region=v2, peer=peer, descriptor=d_desc, size=size, imm=3)
+            tx.call("wait", transfer=t, timeout=30)
+            time.sleep(0.5)
+        if tx.call("failed_paths", peer=peer) != [False, False]:
+            failures.append("NIC 1 not restored 20 s after link-up")
         assert not failures, f"{failures}; failed_paths {tx.call('failed_paths', peer=peer)}"
     finally:
         for p in procs:

@@ -30,10 +30,15 @@ The count depends only on ``n``, ``rows`` and the sending engine's configuration
 are up), so the planner can compute expected counts ahead of time: ``weightsync.engine.imm_counts``
 (vectorised; ``nics=len(engine.nics)``, ``engine.stripe_threshold``, ``engine.max_piece``) or
 ``TransferEngine.imm_count``. Both are the engine's own rule (cpp/core/pieces.hpp), not a copy of it.
-A piece whose NIC fails is re-posted whole on another NIC and still delivers exactly one immediate,
-unless the failed NIC had already delivered it (a link that dies after the data landed but before the
-acknowledgement): then the destination may count it twice, which is why pushes use a fresh immediate
-per version.
+A piece is never copied while it may still land: when its NIC's path fails, a piece in flight there
+either completes there (it landed, counted once) or comes back as an error once the engine has aborted
+its connection (tcp;ofi_rxm: a reset, so the kernel drops what it still held instead of sending it
+later), and only then is it re-posted whole on another NIC; one whose outcome stays unknown fails its
+write instead of being retried. A slow NIC whose connection still gets acknowledgements is not failed.
+So a retried piece is counted once and its first attempt does not land after the write completed. The
+one window left: a link that dies within a round trip after the piece's last byte landed, before the
+acknowledgement came back, makes the retry count a second immediate; pushes use a fresh immediate per
+version, so such a count can never complete another version.
 """
 
 from __future__ import annotations
