@@ -1,12 +1,14 @@
 """The driver: starts Ray, the weightsync group, trainers and rollouts, and runs the async PPO loop.
 
-Step s (s = 1, 2, ...): the trainers run PPO on a batch and push the result as version s. While they
-train, the rollouts keep generating with the newest version they hold and the driver already collects
-the batch for step s + 1, keeping only samples of version >= s - max_staleness (the trainers will start
-step s + 1 from version s). After the push, every rollout checks the weights it applied for version s
-against full tensors the trainers gathered over their own process group; ``weights_match`` is true only
-if every rollout matched bit for bit after every push. The next push waits for that check, so no rollout
-skips a version.
+Step s (s = 1, 2, ...): the trainers run PPO on a batch and start the push of the result as version s
+(``ws.push_async``); the push moves its bytes while step s + 1's forward and backward run, and the
+trainers wait for it only before step s + 1's first optimizer step (``wait`` in the progress lines: how
+long they actually waited). While they train, the rollouts keep generating with the newest version they
+hold and the driver already collects the batch for step s + 1, keeping only samples of version
+>= s - max_staleness (the trainers will start step s + 1 from version s). Every rollout checks the weights
+it applied for version s against full tensors the trainers gathered over their own process group (while
+step s + 1 trains); ``weights_match`` is true only if every rollout matched bit for bit after every push.
+The next push starts only after that check, so no rollout skips a version.
 """
 
 from __future__ import annotations
@@ -124,6 +126,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mismatches = _verify(ray, rollouts, 0, init[0]["reference"])
         checks = len(rollouts)
         pushes = 1
+        # The push whose check the next step line reports: version, result per trainer, its check.
+        last_push: tuple[int, list[dict[str, Any]], list[str]] = (0, [i["push"] for i in init], mismatches)
+        checking: list[Any] | None = None  # the rollouts' check of the push in flight
 
         # Batch requests run ahead of training by `depth` steps; the samples for step s' must come from
         # version >= s' - 1 - max_staleness (step s' trains from version s' - 1). With max_staleness 0 the
@@ -145,27 +150,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
             t_step = time.perf_counter()
             futures = [t.step.remote(step, batch) for t in trainers]
-            # While the trainers train and push, the rollouts generate the next batches.
+            # While the trainers train (and the last push lands), the rollouts generate the next batches.
             request_through(step + depth)
             results = ray.get(futures, timeout=300)
+            if checking is not None:  # the push of step - 1 ended before this step's optimizer steps
+                bad = _verify_result(ray, checking, step - 1)
+                checks += len(rollouts)
+                mismatches += bad
+                last_push = (step - 1, [r["push"] for r in results], bad)
+            # Start the push of this step's weights; the next step trains while it lands.
+            started = ray.get([t.push.remote(step) for t in trainers], timeout=300)
             pushes += 1
-            bad = _verify(ray, rollouts, step, results[0]["reference"])
-            checks += len(rollouts)
-            mismatches += bad
-            push_s = max(r["push"]["seconds"] for r in results)
-            push_bytes = sum(r["push"]["bytes"] for r in results)
+            checking = _verify_start(ray, rollouts, step, started[0]["reference"])
+            version, push, bad = last_push
+            push_s = max(p["seconds"] for p in push)
+            push_bytes = sum(p["bytes"] for p in push)
+            wait_s = max(r["wait_s"] for r in results)
             staleness = (step - 1) - batch["versions"]  # trainers trained from version step - 1
             rec = {"step": step, "reward": batch["rewards"].mean().item(),
                    "staleness_mean": staleness.float().mean().item(), "staleness_max": int(staleness.max()),
-                   "push_s": push_s, "push_bytes": push_bytes, "push_gbps": push_bytes / push_s / 1e9,
+                   "push_version": version, "push_s": push_s, "push_bytes": push_bytes,
+                   "push_gbps": push_bytes / push_s / 1e9, "wait_s": wait_s,
                    "train_s": max(r["train_s"] for r in results), "step_s": time.perf_counter() - t_step,
                    "clip_frac": results[0]["clip_frac"], "match": not bad}
             history.append(rec)
             say(f"step {step:4d}  reward {rec['reward']:.3f}  staleness {rec['staleness_mean']:.2f} (max "
-                f"{rec['staleness_max']})  push {push_s * 1e3:6.1f} ms {rec['push_gbps']:.3f} GB/s  "
+                f"{rec['staleness_max']})  push v{version} {push_s * 1e3:6.1f} ms "
+                f"{rec['push_gbps']:.3f} GB/s, trainer waited {wait_s * 1e3:6.2f} ms  "
                 f"train {rec['train_s']:.2f} s  clip {rec['clip_frac']:.2f}  "
-                f"weights {'ok' if not bad else bad}")
+                f"v{version} weights {'ok' if not bad else bad}")
 
+        if checking is not None:  # the last push: wait for it and check it
+            final = ray.get([t.finish.remote() for t in trainers], timeout=300)
+            bad = _verify_result(ray, checking, args.steps)
+            checks += len(rollouts)
+            mismatches += bad
+            push_s = max(f["push"]["seconds"] for f in final)
+            say(f"last push v{args.steps} {push_s * 1e3:.1f} ms, trainer waited "
+                f"{max(f['wait_s'] for f in final) * 1e3:.2f} ms  v{args.steps} weights "
+                f"{'ok' if not bad else bad}")
         infos = ray.get([r.close.remote() for r in rollouts])
         ray.get([t.close.remote() for t in trainers])
         window = max(1, min(args.window, len(history) // 2))
@@ -178,6 +201,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "chance_reward": round(chance, 4),
             "pushes": pushes,
             "push_s_median": round(statistics.median(h["push_s"] for h in history), 5),
+            # How long the trainers waited for a push before their next optimizer step (the push itself
+            # overlaps the next step's forward and backward).
+            "wait_s_median": round(statistics.median(h["wait_s"] for h in history), 5),
+            "wait_s_max": round(max(h["wait_s"] for h in history), 5),
             "push_gbps_median": round(statistics.median(h["push_gbps"] for h in history), 4),
             "push_bytes": history[0]["push_bytes"] if history else 0,
             "weights_match": not mismatches and checks == pushes * len(rollouts),
@@ -229,8 +256,17 @@ def _gpu_placement(ray: Any, args: argparse.Namespace) -> Any:
 
 
 def _verify(ray: Any, rollouts: list[Any], version: int, reference: dict[str, torch.Tensor]) -> list[str]:
+    return _verify_result(ray, _verify_start(ray, rollouts, version, reference), version)
+
+
+def _verify_start(ray: Any, rollouts: list[Any], version: int,
+                  reference: dict[str, torch.Tensor]) -> list[Any]:
     ref = ray.put(reference)  # one copy in the object store for every rollout
-    results = ray.get([r.verify.remote(version, ref) for r in rollouts], timeout=120)
+    return [r.verify.remote(version, ref) for r in rollouts]
+
+
+def _verify_result(ray: Any, refs: list[Any], version: int) -> list[str]:
+    results = ray.get(refs, timeout=120)
     return [f"rollout {j} version {version}: {m}" for j, bad in enumerate(results) for m in bad]
 
 
@@ -247,8 +283,10 @@ def plot(history: list[dict[str, Any]], chance: float, path: str) -> None:
     ax1.set_ylabel("reward")
     ax1.set_ylim(0, 1)
     ax1.legend(loc="upper left")
-    ax2.plot(steps, [h["push_s"] * 1e3 for h in history], color="tab:orange")
-    ax2.set_ylabel("weightsync push (ms)")
+    ax2.plot(steps, [h["push_s"] * 1e3 for h in history], color="tab:orange", label="push (previous version)")
+    ax2.plot(steps, [h["wait_s"] * 1e3 for h in history], color="tab:green", label="trainer's wait for it")
+    ax2.set_ylabel("ms")
+    ax2.legend(loc="upper right")
     ax2.set_xlabel("step (one push each)")
     fig.suptitle("examples.rl_loop: async PPO, weights pushed by weightsync every step")
     fig.tight_layout()
