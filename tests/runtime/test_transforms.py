@@ -24,9 +24,9 @@ FP8 = torch.float8_e4m3fn
 
 
 def reference_fp8(full: torch.Tensor, bm: int = 128, bn: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tile by tile: scale = amax / 448 (1.0 for an all-zero tile), value = x / scale saturated to
-    +-448 and cast to float8_e4m3fn. On the CPU whatever the input's device (CUDA divides by a host
-    scalar through its reciprocal)."""
+    """Tile by tile: scale = max(amax, 1e-4) / 448, value = x * (1 / scale) saturated to +-448 and cast
+    to float8_e4m3fn (vLLM's per_block_cast_to_fp8 rule). On the CPU whatever the input's device (CUDA
+    divides by a host scalar through its reciprocal)."""
     full = full.cpu()
     rows, cols = full.shape
     q = torch.empty(rows, cols, dtype=FP8)
@@ -34,10 +34,11 @@ def reference_fp8(full: torch.Tensor, bm: int = 128, bn: int = 128) -> tuple[tor
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
             tile = full[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].to(torch.float32)
-            amax = float(tile.abs().max())
-            scale = torch.tensor(amax, dtype=torch.float32) / 448.0 if amax > 0 else torch.tensor(1.0)
+            amax = torch.clamp(tile.abs().max(), min=1e-4)
+            scale = amax / 448.0
             s[i, j] = scale
-            q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = torch.clamp(tile / scale, -448.0, 448.0).to(FP8)
+            q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = torch.clamp(tile * (1.0 / scale), -448.0,
+                                                                      448.0).to(FP8)
     return q, s
 
 
@@ -54,7 +55,7 @@ def test_quantizer_matches_reference_on_odd_shapes() -> None:
         q, s = quantize_fp8_blocks(x)
         rq, rs = reference_fp8(x)
         assert same_bits(q, rq) and same_bits(s, rs), shape
-        assert float(s[0, 0]) == 1.0
+        assert float(s[0, 0]) == float(torch.tensor(1e-4, dtype=torch.float32) / 448.0)  # all-zero tile
         xb = x.to(torch.bfloat16)
         q, s = quantize_fp8_blocks(xb)
         rq, rs = reference_fp8(xb)

@@ -5,15 +5,21 @@ own. The FP8 format is the one Hugging Face FP8 checkpoints (DeepSeek-V3, Kimi-K
 
 * the last two dimensions are cut into ``block`` tiles (128 x 128); a tile at the lower or right edge
   is smaller when the extent is not a multiple of the block;
-* ``scale = amax / 448`` per tile, in float32, where ``amax`` is the largest ``|x|`` of the tile
-  after conversion to float32 and 448 is the largest finite ``float8_e4m3fn``;
-* a tile whose values are all zero gets ``scale = 1.0`` (any scale quantizes zeros to zero; 1.0
-  keeps ``weight * scale`` finite and matches what a reader expects of an empty tile);
-* the stored value is ``x / scale`` in float32, saturated to [-448, 448] and converted with torch's
-  ``float8_e4m3fn`` cast (round to nearest even). ``|x / scale|`` exceeds 448 by at most a few float32
-  ulps, where the cast rounds to 448 on every device, so saturation needs no separate pass;
+* ``amax`` is the largest ``|x|`` of a tile after conversion to float32, raised to at least ``1e-4``
+  (so an all-zero tile gets a tiny finite scale, not a division by zero);
+* ``scale = amax / 448`` in float32 (448: the largest finite ``float8_e4m3fn``), optionally rounded up
+  to a power of two (UE8M0 scales: ``2 ** ceil(log2(scale))``, what DeepGEMM's kernels on Blackwell
+  read);
+* the stored value is ``x * (1 / scale)`` in float32 (the reciprocal is taken once per tile, then
+  multiplied), converted with torch's ``float8_e4m3fn`` cast (round to nearest even). The product
+  exceeds 448 by at most a few float32 ulps, which the cast rounds to 448, so no clamp pass is needed;
 * scales are stored as ``weight_scale_inv`` (the name says "inverse" because readers multiply by it
   to dequantize), one float32 per tile.
+
+These are the rules of vLLM's own block quantizer (``per_block_cast_to_fp8`` in
+vllm/utils/deep_gemm.py, which RL frameworks use to quantize for vLLM too), so a push gives the bytes a
+vLLM user would get from quantizing the same weights themselves (tests/vllm/test_fp8.py checks it bit
+for bit against vLLM's function on CPU).
 
 Leading dimensions (stacked experts) are a batch: every 2-D slice has its own tiles.
 """
@@ -30,6 +36,8 @@ if TYPE_CHECKING:
     from weightsync.plan.writes import Writes
 
 FP8_MAX = 448.0
+# The smallest tile amax a scale is made from (an all-zero tile's): vLLM's per_block_cast_to_fp8 rule.
+AMAX_MIN = 1e-4
 
 
 def fp8_dtype() -> Any:
@@ -38,11 +46,12 @@ def fp8_dtype() -> Any:
     return torch.float8_e4m3fn
 
 
-def quantize_fp8_blocks(x: Any, block: tuple[int, int] = (128, 128)) -> tuple[Any, Any]:
+def quantize_fp8_blocks(x: Any, block: tuple[int, int] = (128, 128), *,
+                        ue8m0: bool = False) -> tuple[Any, Any]:
     """FP8 e4m3 values and float32 tile scales of ``x`` (at least 2-D), on ``x``'s device.
 
     Returns ``(q, scale)``: ``q`` has ``x``'s shape in ``float8_e4m3fn``; ``scale`` has shape
-    ``(*lead, ceil(rows / bm), ceil(cols / bn))``.
+    ``(*lead, ceil(rows / bm), ceil(cols / bn))``. ``ue8m0``: scales rounded up to powers of two.
     """
     import torch
 
@@ -53,8 +62,8 @@ def quantize_fp8_blocks(x: Any, block: tuple[int, int] = (128, 128)) -> tuple[An
     tr, tc = -(-rows // bm), -(-cols // bn)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.to(torch.float32)
-    # No float32 copy of the input: |x| and its maximum are exact in the input dtype, and the division
-    # of a 16-bit tensor by a float32 tensor computes in float32, exactly as on converted values.
+    # No float32 copy of the input: |x| and its maximum are exact in the input dtype, and the product of
+    # a 16-bit tensor with a float32 tensor computes in float32, exactly as on converted values.
     x3 = x.reshape(-1, rows, cols)
     n = x3.shape[0]
     # Zero padding leaves every tile's amax unchanged (|x| >= 0) and makes the tiles a plain reshape.
@@ -63,13 +72,16 @@ def quantize_fp8_blocks(x: Any, block: tuple[int, int] = (128, 128)) -> tuple[An
         x3 = torch.nn.functional.pad(x3, (0, pc, 0, pr))
     tiles = x3.reshape(n, tr, bm, tc, bn)
     # max |x| per tile in one pass over the input (exact: no arithmetic but the absolute value)
-    amax = torch.linalg.vector_norm(tiles, ord=float("inf"), dim=(2, 4)).to(torch.float32)
+    amax = torch.linalg.vector_norm(tiles, ord=float("inf"), dim=(2, 4)).to(torch.float32).clamp(min=AMAX_MIN)
     # Divide by a tensor, not a Python number: CUDA turns division by a host scalar into a multiplication
     # by its (inexact) reciprocal, which would make the scales differ from the CPU's in the last bit.
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
-    # |x / scale| <= 448 up to a few float32 ulps, which the cast rounds to 448 (its NaN branch starts at
-    # 480), so no clamp pass is needed: the result equals the clamped one on every device.
-    q = torch.div(tiles, scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    if ue8m0:
+        scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
+    inverse = torch.ones_like(scale) / scale
+    # |x * inverse| <= 448 up to a few float32 ulps, which the cast rounds to 448 (its NaN branch starts
+    # at 480), so no clamp pass is needed: the result equals the clamped one on every device.
+    q = torch.mul(tiles, inverse[:, :, None, :, None]).to(torch.float8_e4m3fn)
     q = q.reshape(n, tr * bm, tc * bn)
     if pr or pc:
         q = q[:, :rows, :cols]
@@ -275,4 +287,4 @@ class Preparer:
                 raise PlanError(f"unknown staging copy kind {kind}")
 
 
-__all__ = ["FP8_MAX", "Preparer", "cast", "fp8_dtype", "quantize_fp8_blocks", "torch_dtype"]
+__all__ = ["AMAX_MIN", "FP8_MAX", "Preparer", "cast", "fp8_dtype", "quantize_fp8_blocks", "torch_dtype"]
