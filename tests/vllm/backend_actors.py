@@ -65,6 +65,25 @@ class VllmWorker:
         assert want.keys() == got.keys()
         return [k for k in want if raw(want[k]) != raw(got[k])]
 
+    def last_verification(self) -> Any:
+        return self.engine.last_verification
+
+    def verify_with_swapped_heads(self, checksums: dict[str, int]) -> str:
+        """Swaps two rows of layer 0's k_proj part of qkv_proj (what a wrong head mapping does) and
+        returns the verification's error."""
+        from weightsync.errors import WeightSyncError
+
+        qkv = dict(self.model.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].data
+        q_rows = self.config["num_attention_heads"] * self.config["head_dim"]
+        qkv[[q_rows, q_rows + 1]] = qkv[[q_rows + 1, q_rows]]
+        try:
+            self.engine.verify(checksums)
+        except WeightSyncError as exc:
+            return str(exc)
+        finally:
+            qkv[[q_rows, q_rows + 1]] = qkv[[q_rows + 1, q_rows]]
+        return ""
+
 
 class ActorClient:
     """VLLMWeightSyncClient over a VllmWorker actor (what an RL framework's client to vLLM does)."""
@@ -126,10 +145,14 @@ def _halves_source(config: dict[str, Any], rank: int, seed: int) -> Any:
 class Trainer:
     """A trainer rank of 2 running the backend's trainer side."""
 
-    def __init__(self, config: dict[str, Any], rank: int, seed: int) -> None:
+    def __init__(self, config: dict[str, Any], rank: int, seed: int, port: int) -> None:
+        import torch.distributed as dist
+
         self.rank = rank
         self.source = _halves_source(config, rank, seed)
         self.engine: Any = None
+        # The trainer's process group (FSDP has one): verification adds the ranks' checksums over it.
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 
     def init(self, group: str, worker: Any) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -138,7 +161,7 @@ class Trainer:
         from weightsync.integrations.vllm.engine import WeightsyncTrainerInitInfo
 
         register()
-        info = WeightsyncTrainerInitInfo(group=group, rank=self.rank, timeout=120.0)
+        info = WeightsyncTrainerInitInfo(group=group, rank=self.rank, timeout=120.0, verify=True)
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=ActorClient(worker),
                                                                 source=self.source)
 
@@ -146,3 +169,6 @@ class Trainer:
         self.source.load(seed)
         stats = self.engine.send_weights(version)
         return {"failed": list(stats.failed_destinations), "bytes": stats.bytes}
+
+    def checksums(self) -> dict[str, int]:
+        return self.engine.checksums()

@@ -1,7 +1,8 @@
 """The "weightsync" backend of vLLM's weight-transfer API end to end, on CPU with Ray: a vLLM worker
 (a tiny Llama vLLM builds, its engine made by vLLM's WeightTransferEngineFactory) and two FSDP-style
 trainer ranks (the trainer side, made by WeightTransferTrainerFactory); after each push the worker's
-parameters are bit-identical to what vLLM's own load_weights gives for the same state dict."""
+parameters are bit-identical to what vLLM's own load_weights gives for the same state dict, and the
+verification mode checks every tensor (and catches two swapped rows)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ if importlib.util.find_spec("vllm") is None:
 import ray
 
 import weightsync as ws
+from tests.runtime.group_actors import free_port
 from tests.vllm import models
 from tests.vllm.backend_actors import Trainer, VllmWorker
 
@@ -23,7 +25,8 @@ from tests.vllm.backend_actors import Trainer, VllmWorker
 def test_two_trainer_ranks_push_into_a_vllm_worker_bit_identically(ray_cluster) -> None:
     group = ws.Group.create("vllm-backend", num_sources=2, num_destinations=1)
     worker = ray.remote(num_cpus=0)(VllmWorker).remote(models.LLAMA)
-    trainers = [ray.remote(num_cpus=0)(Trainer).remote(models.LLAMA, r, seed=1) for r in range(2)]
+    port = free_port()
+    trainers = [ray.remote(num_cpus=0)(Trainer).remote(models.LLAMA, r, 1, port) for r in range(2)]
     try:
         ray.get([a.__ray_ready__.remote() for a in [worker, *trainers]], timeout=300)
         ray.get([t.init.remote(group.name, worker) for t in trainers], timeout=300)
@@ -31,6 +34,12 @@ def test_two_trainer_ranks_push_into_a_vllm_worker_bit_identically(ray_cluster) 
             stats = ray.get([t.step.remote(seed, version) for t in trainers], timeout=300)
             assert all(s["failed"] == [] for s in stats)
             assert ray.get(worker.differs_from_vllm_loading.remote(seed), timeout=300) == []
+            checked = ray.get(worker.last_verification.remote())
+            assert checked == {"version": version, "checked": len(models.hf_state_dict(models.LLAMA)),
+                               "skipped": 0}
+        checksums = ray.get([t.checksums.remote() for t in trainers])[0]
+        error = ray.get(worker.verify_with_swapped_heads.remote(checksums))
+        assert "model.layers.0.self_attn.k_proj.weight" in error, error
     finally:
         for a in [worker, *trainers]:
             ray.kill(a)

@@ -14,6 +14,11 @@ vLLM's four phases map onto weightsync's:
   until version ``v`` is complete, and refuses a half-written model.
 * ``finish_weight_update``: checks that no update is landing and that the model holds a whole version.
 
+Verification mode (``WeightsyncTrainerInitInfo(verify=True)``): after each push the trainer ranks' per-
+tensor checksums (weightsync.integrations.vllm.verify, summed over the ranks with torch.distributed) go
+with the update, and the worker compares them with checksums of what landed in its parameters; a
+mismatch raises, naming the tensors.
+
 The trainer side, ``WeightsyncTrainerEngine``, is a ``weightsync.Source`` per trainer rank fed by vLLM's
 ``WeightSource`` (``iter_local`` shards with their placements, or full tensors), and drives the round
 trip from rank 0 through the ``VLLMWeightSyncClient``: init, then per step start, push (every rank),
@@ -48,6 +53,7 @@ from weightsync.control.rendezvous import connect
 from weightsync.errors import LayoutError, WeightSyncError
 from weightsync.integrations.vllm import BACKEND
 from weightsync.integrations.vllm.layouts import CheckpointTensor, VllmLayout, derive_layout
+from weightsync.integrations.vllm.verify import MASK64, add, box_checksum, to_signed
 from weightsync.runtime.describe import Sharded
 from weightsync.runtime.destination import Destination
 from weightsync.runtime.source import PushStats, Source
@@ -77,10 +83,12 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
-    """One update: the version the trainers push (strictly increasing)."""
+    """One update: the version the trainers push (strictly increasing) and, in verification mode, the
+    checksum of every checkpoint tensor as the trainers hold it."""
 
     version: int
     timeout: float = 60.0
+    checksums: dict[str, int] | None = None
 
 
 def _world_rank() -> int:
@@ -104,6 +112,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         super().__init__(config, vllm_config, device, model)
         self.destination: Destination | None = None
         self.layout: VllmLayout | None = None
+        self.checkpoint: dict[str, CheckpointTensor] = {}
+        self.last_verification: dict[str, Any] | None = None
         self._version = -1
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -121,6 +131,7 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         connect(init_info.ray_address, init_info.ray_namespace, timeout=init_info.timeout)
         checkpoint = [CheckpointTensor(str(n), tuple(int(x) for x in s), str(d).removeprefix("torch."))
                       for n, s, d in init_info.checkpoint]
+        self.checkpoint = {ct.name: ct for ct in checkpoint}
         with set_current_vllm_config(self.vllm_config):
             self.layout = derive_layout(self.model, checkpoint)
         self.layout.apply_fills(self.model)
@@ -150,6 +161,44 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
             raise WeightSyncError(f"waited for version {update_info.version}, the model holds {got}: a newer "
                                   "push landed in between")
         self._version = got
+        if update_info.checksums is not None:
+            self.last_verification = self.verify(update_info.checksums)
+
+    def verify(self, checksums: Mapping[str, int]) -> dict[str, Any]:
+        """Compares ``checksums`` (per checkpoint tensor, as the trainers hold it) with what this
+        worker's parameters hold. Tensors this worker holds only in part (tensor parallelism) or in a
+        narrower dtype than the checkpoint's (a lossy cast) are skipped; returns what was checked."""
+        assert self.layout is not None
+        params = dict(self.model.named_parameters())
+        sums: dict[str, int] = {}
+        held: dict[str, int] = {}
+        lossy: set[str] = set()
+        for pname, pieces in self.layout.pieces.items():
+            data = params[pname].data
+            for name, gshape, offsets, shape, at in pieces:
+                k = data.dim() - len(shape)
+                box = tuple(slice(a, a + n) for a, n in zip(at[k:], shape, strict=True))
+                view = data[tuple(at[:k]) + box]
+                want = getattr(torch, self.checkpoint[name].dtype)
+                if view.dtype != want:
+                    if view.element_size() < torch.empty((), dtype=want).element_size():
+                        lossy.add(name)
+                        continue
+                    view = view.to(want)  # a widening cast: back to the checkpoint's values exactly
+                sums[name] = add([sums.get(name, 0), box_checksum(view, gshape, offsets)])
+                held[name] = held.get(name, 0) + math.prod(shape)
+        checked, mismatched = [], []
+        for name, want_sum in checksums.items():
+            ct = self.checkpoint.get(name)
+            if ct is None or name in lossy or held.get(name) != math.prod(ct.shape):
+                continue
+            (checked if sums[name] == int(want_sum) & MASK64 else mismatched).append(name)
+        if mismatched:
+            raise WeightSyncError(f"verification after version {self._version}: {len(mismatched)} tensors "
+                                  f"differ from the trainers' (checksums), e.g. {sorted(mismatched)[:5]}: "
+                                  "the layout put bytes in the wrong place")
+        return {"version": self._version, "checked": len(checked),
+                "skipped": len(checksums) - len(checked)}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The writes land in host or device memory by the engine's own lanes, complete when their
@@ -186,6 +235,7 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
     secret: str | None = None
     timeout: float = 120.0
     push_timeout: float = 60.0
+    verify: bool = False
     # What the vLLM workers need from their side (WeightsyncInitInfo), passed through unchanged.
     worker_ray_address: str | None = None
     worker_ray_namespace: str | None = None
@@ -193,11 +243,14 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _box_of(meta: ParamMeta, rank: int, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global shape, offsets) of ``rank``'s piece of ``meta`` as its placements lay it out."""
+def _box_of(meta: ParamMeta, rank: int, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """(global shape, offsets, whether this rank is the one that counts the piece in checksums) of
+    ``rank``'s piece of ``meta`` as its placements lay it out (of replicas, only the first counts)."""
     shape = tuple(int(x) for x in meta.shape)
-    if meta.owners is None or meta.placements is None:
-        return shape, (0,) * len(shape)
+    if meta.owners is None:
+        return shape, (0,) * len(shape), rank == 0
+    if meta.placements is None:
+        return shape, (0,) * len(shape), rank == meta.owners[0]
     mesh = tuple(meta.mesh_shape or (len(meta.owners),))
     coord, flat = [], meta.owners.index(rank)
     for n in reversed(mesh):
@@ -205,8 +258,11 @@ def _box_of(meta: ParamMeta, rank: int, local: torch.Tensor) -> tuple[tuple[int,
         flat //= n
     coord.reverse()
     offsets, extent = [0] * len(shape), list(shape)
+    first = True
     for axis, p in enumerate(meta.placements):
-        if isinstance(p, Shard):
+        if not isinstance(p, Shard):
+            first = first and coord[axis] == 0
+        else:
             # torch.chunk's split of what the outer axes left: ceil-sized chunks, the last ones short
             size = math.ceil(extent[p.dim] / mesh[axis]) if extent[p.dim] else 0
             lo = min(coord[axis] * size, extent[p.dim])
@@ -215,7 +271,7 @@ def _box_of(meta: ParamMeta, rank: int, local: torch.Tensor) -> tuple[tuple[int,
     if tuple(local.shape) != tuple(extent):
         raise LayoutError(f"trainer rank {rank}: its piece of {meta.name!r} has shape {tuple(local.shape)}, "
                           f"its placements {meta.placements} on mesh {mesh} give {tuple(extent)}")
-    return shape, tuple(offsets)
+    return shape, tuple(offsets), first
 
 
 def _local_pieces(source: WeightSource, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -238,15 +294,18 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         metas = {m.name: m for m in source.metadata}
         self._registered: dict[str, torch.Tensor] = {}
         tensors: dict[str, Sharded] = {}
+        self._counted: list[str] = []  # the pieces this rank adds to the checksums
         for name, local in _local_pieces(source, rank):
             local = local.detach()
             if hasattr(local, "to_local"):  # a DTensor that iter_local gathered or left whole
                 local = local.to_local()
             meta = metas[name]
             if source.implements_iter_local():
-                gshape, offsets = _box_of(meta, rank, local)
+                gshape, offsets, counts = _box_of(meta, rank, local)
             else:
-                gshape, offsets = tuple(int(x) for x in meta.shape), (0,) * local.dim()
+                gshape, offsets, counts = tuple(int(x) for x in meta.shape), (0,) * local.dim(), rank == 0
+            if counts:
+                self._counted.append(name)
             local = local.contiguous()
             self._registered[name] = local
             tensors[name] = Sharded(local, gshape, offsets)
@@ -310,6 +369,22 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             if local.data_ptr() != held.data_ptr():
                 held.copy_(local.detach())
 
+    def checksums(self) -> dict[str, int]:
+        """Per checkpoint tensor, the checksum of the whole tensor as the trainer ranks hold it: this
+        rank's sums of the pieces it counts, added over the ranks with torch.distributed (a collective:
+        every rank calls it) when a process group is initialized; without one this rank's alone."""
+        names = [m.name for m in self._metas]
+        counted = set(self._counted)
+        mine = [box_checksum(self._tensors[n].local_tensor, self._tensors[n].global_shape,
+                             self._tensors[n].offsets) if n in counted else 0 for n in names]
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            total = torch.tensor([to_signed(x) for x in mine], dtype=torch.int64)
+            dist.all_reduce(total)  # integer sums wrap modulo 2**64, like the checksums themselves
+            mine = [int(x) & MASK64 for x in total.tolist()]
+        return dict(zip(names, mine, strict=True))
+
     def send_weights(self, version: int | None = None) -> PushStats:
         """Pushes this rank's pieces as ``version`` (default: one more than the last) and, on the sender,
         drives the vLLM side's start / update / finish around it. Called on every trainer rank."""
@@ -322,8 +397,11 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         stats = self.src.push(version, self.info.push_timeout)
         self.version = version
         self.last_stats = stats
+        update: dict[str, Any] = {"version": version, "timeout": self.info.push_timeout}
+        if self.info.verify:
+            update["checksums"] = self.checksums()
         if self.is_sender:
-            self.client.update_weights({"version": version, "timeout": self.info.push_timeout})
+            self.client.update_weights(update)
             self.client.finish_weight_update()
         return stats
 
