@@ -41,23 +41,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
-    """vLLM's process groups for a world of one rank (TP 1, PP 1), once per process."""
+def init_distributed(tp: int = 1, rank: int = 0, port: int | None = None) -> None:
+    """vLLM's process groups for a world of ``tp`` gloo ranks (tensor parallel, PP 1), once per process;
+    every rank calls it with the same ``port``."""
     global _distributed
     if _distributed:
         return
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo")
-    initialize_model_parallel(1, 1)
+    init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port or _free_port()}")
+    initialize_model_parallel(tp, 1)
     _distributed = True
 
 
-def build(config: dict[str, Any], dtype: str = "bfloat16") -> tuple[Any, Any]:
-    """``(model, vllm_config)``: the model vLLM builds for ``config`` on CPU, its parameters not yet
-    loaded. Use the model inside ``set_current_vllm_config(vllm_config)``."""
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+def build(config: dict[str, Any], dtype: str = "bfloat16", tp: int = 1, rank: int = 0,
+          port: int | None = None) -> tuple[Any, Any]:
+    """``(model, vllm_config)``: the model vLLM builds for ``config`` on CPU (this process's ``rank`` of
+    ``tp``, whose ranks meet at ``port``), its parameters not yet loaded. Use the model inside
+    ``set_current_vllm_config(vllm_config)``."""
+    from vllm.config import (
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -67,9 +77,10 @@ def build(config: dict[str, Any], dtype: str = "bfloat16") -> tuple[Any, Any]:
     model_config = ModelConfig(model=folder, tokenizer=folder, skip_tokenizer_init=True, dtype=dtype,
                                max_model_len=64, enforce_eager=True)
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"),
-                             load_config=LoadConfig(load_format="dummy"))
+                             load_config=LoadConfig(load_format="dummy"),
+                             parallel_config=ParallelConfig(tensor_parallel_size=tp))
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype):
-        init_distributed()
+        init_distributed(tp, rank, port)
         model = initialize_model(vllm_config=vllm_config)
     return model, vllm_config
 

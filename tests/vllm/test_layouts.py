@@ -114,3 +114,40 @@ def test_tied_lm_head_is_reported_unused() -> None:
         layout = derive_layout(model, checkpoint_of(sd))
     assert layout.unused == ["lm_head.weight"]
     assert "model.layers.0.self_attn.q_norm.weight" in layout.pieces
+
+
+def test_tensor_parallel_ranks_are_filled_bit_identically() -> None:
+    """vLLM at TP 2 (two gloo ranks, two processes): each rank's layout (column shards of qkv/gate_up,
+    row shards of o_proj/down_proj, its part of the padded vocabulary) fills it bit-identically."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests import ROOT
+    from tests.runtime.group_actors import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.vllm.tp_rank", str(r), "2", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for r in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    cfg = models.LLAMA
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    for rank, got in enumerate(results):
+        assert got["differ"] == [] and got["unloaded"] == [], (rank, got["differ"], got["unloaded"])
+        pieces = got["pieces"]
+        # row-parallel: this rank's half of the input dimension
+        assert pieces["model.layers.0.mlp.down_proj.weight"] == [
+            ["model.layers.0.mlp.down_proj.weight", [0, rank * inter // 2], [h, inter // 2], [0, 0]]]
+        # QKV: 2 of the 4 query heads, 1 of the 2 KV heads
+        assert [p[1:] for p in pieces["model.layers.1.self_attn.qkv_proj.weight"]] == [
+            [[rank * 2 * hd, 0], [2 * hd, h], [0, 0]], [[rank * hd, 0], [hd, h], [2 * hd, 0]],
+            [[rank * hd, 0], [hd, h], [3 * hd, 0]]]
+        # vocabulary-parallel: 256 padded rows, 128 per rank; rank 1 holds the 72 real rows left
+        assert pieces["model.embed_tokens.weight"][0][1:] == [[rank * 128, 0], [128 - 56 * rank, h], [0, 0]]

@@ -1,0 +1,49 @@
+"""One tensor-parallel rank of vLLM on CPU (run as ``python -m tests.vllm.tp_rank RANK TP PORT``): builds
+the tiny Llama at this rank, loads the reference with vLLM's own load_weights, fills a second instance
+through the layout derived from the loaders (planner + reference executor, from two FSDP-style halves)
+and prints a JSON line: the parameters whose bytes differ and the layout's pieces."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.vllm import models
+
+
+def main() -> None:
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    from tests.vllm.test_layouts import fsdp_halves, raw
+    from weightsync.integrations.vllm.layouts import checkpoint_of, derive_layout
+    from weightsync.plan import plan
+    from weightsync.runtime.describe import describe_tensors
+    from weightsync.runtime.reference import execute
+
+    rank, tp, port = (int(x) for x in sys.argv[1:4])
+    sd = models.hf_state_dict(models.LLAMA)
+    ref, ref_config = models.build(models.LLAMA, tp=tp, rank=rank, port=port)
+    with set_current_vllm_config(ref_config):
+        ref.load_weights(iter(sd.items()))
+    target, target_config = models.build(models.LLAMA, tp=tp, rank=rank, port=port)
+    with set_current_vllm_config(target_config):
+        layout = derive_layout(target, checkpoint_of(sd))
+    with torch.no_grad():
+        for p in target.parameters():
+            p.data.fill_(float("nan"))
+    layout.apply_fills(target)
+    dst = layout.tensors(target)
+    halves = fsdp_halves(sd)
+    p = plan([describe_tensors(h) for h in halves], [describe_tensors(dst)], allow_cast=True)
+    execute(p, [{k: s.local_tensor for k, s in h.items()} for h in halves],
+            [{k: v.local_tensor for k, v in dst.items()}])
+    want, got = dict(ref.named_parameters()), dict(target.named_parameters())
+    print(json.dumps({"differ": [k for k in want if raw(want[k]) != raw(got[k])],
+                      "pieces": {k: [[n, list(o), list(s), list(a)] for n, _, o, s, a in v]
+                                 for k, v in layout.pieces.items()},
+                      "unused": layout.unused, "unloaded": layout.unloaded}))
+
+
+if __name__ == "__main__":
+    main()
