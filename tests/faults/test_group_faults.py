@@ -325,6 +325,37 @@ def test_destination_stopped_past_the_push_timeout_is_readmitted(ray_cluster, mo
         run.close()
 
 
+@pytest.mark.timeout(150)
+def test_a_dropped_destination_whose_rank_was_taken_over_stops(ray_cluster) -> None:
+    """Destination 0 is stopped past the push timeout and dropped; a replacement joins under rank 0
+    before it resumes. The old process must not take the rank back: it stops receiving and its ``wait``
+    raises a weightsync error naming the rank, while the replacement gets the next versions."""
+    run = _Run("fault-superseded", 2, [("inplace", 3.0), ("staged", 3.0)], relay=False)
+    old = run.rollouts[0]
+    try:
+        assert _ok(run.push(1, 10.0))
+        stopped = ray.get(old.pid.remote(), timeout=30)
+        run.stop(stopped)
+        results = run.push(2, 2.5)
+        assert all(r["ok"] and r["failed"] == [0] for r in results), results
+        assert _members(run, [1], 10.0) == [1]
+        run.rollouts[0] = _rollout.remote(run.name, 0, "inplace", 3.0)
+        ray.get(run.rollouts[0].__ray_ready__.remote(), timeout=120)
+        assert _members(run, [0, 1], 10.0) == [0, 1]
+        epoch = run.group.status()["epoch"]
+        run.resume(stopped)
+
+        with pytest.raises(ws.WeightSyncError, match="destination rank 0 was taken over"):
+            ray.get(old.wait.remote(3, 15.0), timeout=60)
+        assert run.group.status()["epoch"] == epoch  # it did not join again (no re-plan)
+        assert _ok(run.push(3, 10.0))
+        run.check(0, 3)
+        run.check(1, 3)
+    finally:
+        ray.kill(old)
+        run.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # case 11 (the group part)
 
