@@ -180,6 +180,7 @@ class _Grants:
         self.failed = failed
         self.post_rounds = post_rounds
         self.commit = commit  # the tails of destinations whose other writes are all posted
+        self.stopped = False  # the push failed its check: serve no more late destinations
         self.announces = dict(announces)
         self.counter = src.engine.counter(GRANT)
         # Credits of earlier grants: from now on every grant's credit follows its record into the slot.
@@ -276,7 +277,7 @@ class _Grants:
         first: every staged chunk of theirs is prepared by now (a late grant must not hold them up)."""
         self.open()
         self.commit(self.opened or set())
-        while self.pending and time.monotonic() < self.deadline:
+        while self.pending and not self.stopped and time.monotonic() < self.deadline:
             for r in self._step(self.deadline):
                 self.post_rounds({r})
                 yield r
@@ -622,6 +623,7 @@ class Source(Participant):
 
         tails: list[tuple[int, Any]] = []
         committed: set[int] = set()
+        changed_error: list[WeightSyncError] = []  # raised once every write posted has completed locally
 
         def commit(ranks: set[int]) -> None:
             """Once the engine has read the live tensors for every write but the tails into ``ranks``
@@ -629,7 +631,7 @@ class Source(Participant):
             that the tensors did not change since the push started (so neither did they meanwhile), then
             posts those tails from the snapshot: they let the destinations complete the version."""
             ranks = ranks - committed
-            if not ranks:
+            if not ranks or changed_error:
                 return
             for rank, tr in transfers:
                 if rank in ranks:
@@ -639,11 +641,13 @@ class Source(Participant):
             if changed:
                 took = f"destinations {sorted(committed)} took it before" if committed else \
                     "no destination takes this version"
-                raise WeightSyncError(
+                grants.stopped = True
+                changed_error.append(WeightSyncError(
                     f"group {self.group!r}: push of version {version} from source {self.rank} failed: "
                     f"tensors {changed[:5]}{' ...' if len(changed) > 5 else ''} changed while the push read "
                     "them (an optimizer step during the push? wait for it first: handle.wait(), "
-                    f"src.wait_pushed() or src.guard(optimizer)); {took}")
+                    f"src.wait_pushed() or src.guard(optimizer)); {took}"))
+                return
             if self.device.type == "cuda":
                 import torch
 
@@ -669,6 +673,9 @@ class Source(Participant):
                 # Not sent yet (a stopped peer's socket is full, say): no evidence that it died, like a
                 # missing grant or ack (judged below with the others).
                 pass
+        if changed_error:
+            # Only now: a write of this version still in flight could land after the next version's.
+            raise changed_error[0]
         phases["grant"] = grants.seconds
         phases["write"] = time.perf_counter() - t
         phases["prepare"] = staged["prepare"]
