@@ -259,8 +259,9 @@ class LaneWorker {
   bool sibling_progressed(const Peer& peer, std::chrono::steady_clock::time_point now) const;
   void handle(const Completion& c);
   void fail_path(Peer* peer, const std::string& why);
-  // The writes still draining on a failed path past its deadline: their transfers fail (no retry).
-  void abandon_draining(uint64_t peer_id, PeerQueue& q);
+  // The writes still draining on a failed path (past its deadline, or with no NIC left to retry on):
+  // their transfers fail (no retry); `why` empty: outcome unknown.
+  void abandon_draining(uint64_t peer_id, PeerQueue& q, std::string why = {});
   void check_stalls();
   void shutdown_pieces();
   void landing_received(const Completion& c);

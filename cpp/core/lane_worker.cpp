@@ -471,8 +471,18 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
     // fail the writes at once; where the lane cannot abort, the writes get longer to resolve, and one
     // that does not is abandoned (its transfer fails, no retry).
     const bool aborted = lane_->abort_path(peer->paths[index_]);
-    q.drain_deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                          aborted ? stall_timeout_ : 2 * stall_timeout_);
+    bool elsewhere = false;  // another NIC could take a retry
+    for (size_t j = 0; j < engine_->num_nics(); ++j) {
+      if (static_cast<int>(j) != index_ && !peer->path_failed[j].load()) elsewhere = true;
+    }
+    if (!elsewhere) {
+      // No NIC left to retry on: the writes fail now, as they would once resolved (they stay with the
+      // worker until the provider releases them).
+      abandon_draining(peer->id, q, peer->label + " is unreachable on every NIC (last: " + why + ")");
+    } else {
+      q.drain_deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                            aborted ? stall_timeout_ : 2 * stall_timeout_);
+    }
   }
   // Writes queued here but never posted move to the peer's other NICs.
   std::deque<Piece*> queued;
@@ -486,14 +496,16 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
   forget_if_idle(peer->id);
 }
 
-void LaneWorker::abandon_draining(uint64_t peer_id, PeerQueue& q) {
+void LaneWorker::abandon_draining(uint64_t peer_id, PeerQueue& q, std::string why) {
   std::vector<Piece*> left;
   for (Piece* p : outstanding_) {
     if (p->dst->peer->id == peer_id) left.push_back(p);
   }
-  const std::string why = "in flight on NIC " + lane_->nic_name() + " when its path to " + q.peer->label +
-                          " failed, and its outcome still unknown " + std::to_string(stall_timeout_.count()) +
-                          " s later (not retried: it may still land, and be counted, after a copy)";
+  if (why.empty()) {
+    why = "in flight on NIC " + lane_->nic_name() + " when its path to " + q.peer->label +
+          " failed, and its outcome still unknown " + std::to_string(stall_timeout_.count()) +
+          " s later (not retried: it may still land, and be counted, after a copy)";
+  }
   for (Piece* p : left) {
     outstanding_.erase(p);
     outstanding_bytes_ -= p->len;
