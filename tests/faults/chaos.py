@@ -713,9 +713,12 @@ class Campaign:
             # every destination must be a member again (one dropped while stopped or cut off joins again
             # once it runs): "every participant up" includes that. A destination that the last fault
             # push's report dropped learns it only after that report landed (the final push awaits it), so
-            # it gets one more clean push: re-admitted within the next push or two.
+            # it gets more clean pushes (3 in all, a few seconds apart: right after a long stall the
+            # sources' engine may still be restoring its paths to it, with probes that back off up to 8 s).
             self.fresh |= set(range(len(self.dests)))
-            for _ in range(2):
+            for attempt in range(3):
+                if attempt:
+                    time.sleep(3.0)  # the engine's path probes, not a synchronisation
                 self._await_members(30.0)
                 self.final_pushes += 1
                 try:
