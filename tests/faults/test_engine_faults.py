@@ -56,6 +56,14 @@ def _start(procs: list[EngineProc], netns: str | None = None, **engine_kwargs: o
     return p
 
 
+def _close(procs: list[EngineProc], hosts: TwoHosts) -> None:
+    """Ends the engine processes, then removes the namespaces they ran in."""
+    for p in procs:
+        p.close()
+    procs.clear()
+    hosts.remove()
+
+
 def _engine(engines: list[ws.TransferEngine], **kwargs: object) -> ws.TransferEngine:
     e = ws.TransferEngine(transport="fabric", **kwargs)
     engines.append(e)
@@ -175,10 +183,7 @@ def test_failed_nic_path_is_restored_after_link_up(procs) -> None:
         assert restored, (f"20 s after link-up: failed_paths {tx.call('failed_paths', peer=peer)}, "
                           f"NIC 1 carried {new_bytes} new bytes")
     finally:
-        for p in procs:
-            p.close()
-        procs.clear()
-        hosts.remove()
+        _close(procs, hosts)
 
 
 # --- case 5 ---------------------------------------------------------------------------------------------
@@ -224,6 +229,50 @@ def test_dropping_a_transfer_after_timeout_keeps_its_source_alive(procs, engines
 # --- case 7 ---------------------------------------------------------------------------------------------
 
 
+class _TwoVersions:
+    """A sender and a receiver engine in two network namespaces joined by a fast NIC (400 Mbit/s) and a
+    slow one (16 Mbit/s, 400 ms), with a 1 s stall timeout and 4 MiB pieces, so an 8 MiB write puts one
+    piece on each NIC; two 8 MiB versions of random bytes at the sender and one poisoned region for them
+    at the receiver."""
+
+    size = 8 * MiB
+
+    def __init__(self, procs: list[EngineProc], hosts: TwoHosts, seeds: tuple[int, int]) -> None:
+        kwargs = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
+        self.tx = _start(procs, netns=hosts.a, **kwargs)
+        self.rx = _start(procs, netns=hosts.b, **kwargs)
+        self.v1, _ = self.tx.call("alloc", size=self.size, seed=seeds[0])
+        self.v2, _ = self.tx.call("alloc", size=self.size, seed=seeds[1])
+        self.d_id, self.d_desc = self.rx.call("alloc", size=self.size)
+        self.peer = self.tx.call("connect", address=self.rx.address)
+        self.want_v1 = digest(random_bytes(self.size, seeds[0]))
+        self.want_v2 = digest(random_bytes(self.size, seeds[1]))
+
+    def write(self, region: int, imm: int) -> tuple[int, int]:
+        """Starts a write of a whole version into the receiver's region: (transfer, imm_count)."""
+        return self.tx.call("write", region=region, peer=self.peer, descriptor=self.d_desc, size=self.size,
+                            imm=imm)
+
+    def received(self) -> str:
+        return self.rx.call("digest", region=self.d_id, off=0, size=self.size)
+
+    def failed_paths(self) -> list[bool]:
+        return self.tx.call("failed_paths", peer=self.peer)
+
+    def once_and_never_late(self, v1_at_target: str, n1: int) -> list[str]:
+        """What case 7 requires once version 2 completed and the slow NIC had time to drain: version 1's
+        counter reached its target only with all its bytes in place, it got exactly imm_count
+        immediates, and nothing of it landed over version 2."""
+        failures = []
+        if v1_at_target != self.want_v1:
+            failures.append("version 1's counter reached its target before all its bytes landed")
+        if (total := self.rx.call("counter_total", imm=1)) != n1:
+            failures.append(f"version 1 delivered {total} immediates, imm_count is {n1}")
+        if self.received() != self.want_v2:
+            failures.append("bytes of version 1 landed after version 2 had completed")
+        return failures
+
+
 @pytest.mark.timeout(90)
 @needs_netns
 def test_retried_piece_is_counted_once_and_never_lands_late(procs) -> None:
@@ -234,40 +283,21 @@ def test_retried_piece_is_counted_once_and_never_lands_late(procs) -> None:
     immediates, and once version 2 completed no byte of version 1 lands over it."""
     hosts = TwoHosts(rates_mbit=[400, 16], prefix="wsf", latency_ms=400).create()
     try:
-        kwargs = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
-        tx = _start(procs, netns=hosts.a, **kwargs)
-        rx = _start(procs, netns=hosts.b, **kwargs)
-        size = 8 * MiB  # two pieces of 4 MiB, one per NIC
-        v1, _ = tx.call("alloc", size=size, seed=71)
-        v2, _ = tx.call("alloc", size=size, seed=72)
-        d_id, d_desc = rx.call("alloc", size=size)
-        peer = tx.call("connect", address=rx.address)
-        want_v1 = digest(random_bytes(size, 71))
-        want_v2 = digest(random_bytes(size, 72))
+        pair = _TwoVersions(procs, hosts, (71, 72))
+        t, n1 = pair.write(pair.v1, imm=1)
+        pair.rx.call("counter_wait", imm=1, n=n1, timeout=30)
+        v1_at_target = pair.received()
+        pair.tx.call("wait", transfer=t, timeout=30)
 
-        t, n1 = tx.call("write", region=v1, peer=peer, descriptor=d_desc, size=size, imm=1)
-        rx.call("counter_wait", imm=1, n=n1, timeout=30)
-        v1_at_target = rx.call("digest", region=d_id, off=0, size=size)
-        tx.call("wait", transfer=t, timeout=30)
-
-        t, n2 = tx.call("write", region=v2, peer=peer, descriptor=d_desc, size=size, imm=2)
-        rx.call("counter_wait", imm=2, n=n2, timeout=30)
-        tx.call("wait", transfer=t, timeout=30)
+        t, n2 = pair.write(pair.v2, imm=2)
+        pair.rx.call("counter_wait", imm=2, n=n2, timeout=30)
+        pair.tx.call("wait", transfer=t, timeout=30)
         time.sleep(4.0)  # anything still on the slow NIC has landed by now (4 MiB at 16 Mbit/s: ~2.1 s)
 
-        failures = []
-        if v1_at_target != want_v1:
-            failures.append("version 1's counter reached its target before all its bytes landed")
-        if (total := rx.call("counter_total", imm=1)) != n1:
-            failures.append(f"version 1 delivered {total} immediates, imm_count is {n1}")
-        if rx.call("digest", region=d_id, off=0, size=size) != want_v2:
-            failures.append("bytes of version 1 landed after version 2 had completed")
-        assert not failures, f"{failures}; failed_paths {tx.call('failed_paths', peer=peer)}"
+        failures = pair.once_and_never_late(v1_at_target, n1)
+        assert not failures, f"{failures}; failed_paths {pair.failed_paths()}"
     finally:
-        for p in procs:
-            p.close()
-        procs.clear()
-        hosts.remove()
+        _close(procs, hosts)
 
 
 @pytest.mark.timeout(90)
@@ -280,51 +310,32 @@ def test_piece_cut_off_mid_write_is_retried_once_and_never_lands_late(procs) -> 
     got exactly imm_count immediates. NIC 1 is restored afterwards (the peer drops its half-open side)."""
     hosts = TwoHosts(rates_mbit=[400, 16], prefix="wsf", latency_ms=400).create()
     try:
-        kwargs = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
-        tx = _start(procs, netns=hosts.a, **kwargs)
-        rx = _start(procs, netns=hosts.b, **kwargs)
-        size = 8 * MiB
-        v1, _ = tx.call("alloc", size=size, seed=73)
-        v2, _ = tx.call("alloc", size=size, seed=74)
-        d_id, d_desc = rx.call("alloc", size=size)
-        peer = tx.call("connect", address=rx.address)
-        want_v1 = digest(random_bytes(size, 73))
-        want_v2 = digest(random_bytes(size, 74))
-
-        t, n1 = tx.call("write", region=v1, peer=peer, descriptor=d_desc, size=size, imm=1)
+        pair = _TwoVersions(procs, hosts, (73, 74))
+        t, n1 = pair.write(pair.v1, imm=1)
         time.sleep(0.5)  # NIC 1 has sent about a quarter of its piece
         hosts.set_link(1, up=False)
-        tx.call("wait", transfer=t, timeout=30)
-        rx.call("counter_wait", imm=1, n=n1, timeout=30)
-        v1_at_target = rx.call("digest", region=d_id, off=0, size=size)
-        assert tx.call("failed_paths", peer=peer) == [False, True]
+        pair.tx.call("wait", transfer=t, timeout=30)
+        pair.rx.call("counter_wait", imm=1, n=n1, timeout=30)
+        v1_at_target = pair.received()
+        assert pair.failed_paths() == [False, True]
 
-        t, n2 = tx.call("write", region=v2, peer=peer, descriptor=d_desc, size=size, imm=2)
-        tx.call("wait", transfer=t, timeout=30)
-        rx.call("counter_wait", imm=2, n=n2, timeout=30)
+        t, n2 = pair.write(pair.v2, imm=2)
+        pair.tx.call("wait", transfer=t, timeout=30)
+        pair.rx.call("counter_wait", imm=2, n=n2, timeout=30)
         hosts.set_link(1, up=True)
         time.sleep(4.0)  # whatever the old connection still held would have landed by now
 
-        failures = []
-        if v1_at_target != want_v1:
-            failures.append("version 1's counter reached its target before all its bytes landed")
-        if (total := rx.call("counter_total", imm=1)) != n1:
-            failures.append(f"version 1 delivered {total} immediates, imm_count is {n1}")
-        if rx.call("digest", region=d_id, off=0, size=size) != want_v2:
-            failures.append("bytes of version 1 landed after version 2 had completed")
+        failures = pair.once_and_never_late(v1_at_target, n1)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and tx.call("failed_paths", peer=peer) != [False, False]:
-            t, _ = tx.call("write", region=v2, peer=peer, descriptor=d_desc, size=size, imm=3)
-            tx.call("wait", transfer=t, timeout=30)
+        while time.monotonic() < deadline and pair.failed_paths() != [False, False]:
+            t, _ = pair.write(pair.v2, imm=3)
+            pair.tx.call("wait", transfer=t, timeout=30)
             time.sleep(0.5)
-        if tx.call("failed_paths", peer=peer) != [False, False]:
+        if pair.failed_paths() != [False, False]:
             failures.append("NIC 1 not restored 20 s after link-up")
-        assert not failures, f"{failures}; failed_paths {tx.call('failed_paths', peer=peer)}"
+        assert not failures, f"{failures}; failed_paths {pair.failed_paths()}"
     finally:
-        for p in procs:
-            p.close()
-        procs.clear()
-        hosts.remove()
+        _close(procs, hosts)
 
 
 # --- case 10 --------------------------------------------------------------------------------------------
