@@ -51,6 +51,20 @@ def loaded_pair(config: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]]:
     return ref, target, target_config, sd
 
 
+def fill_through_planner(target: Any, layout: Any, sd: dict[str, Any]) -> None:
+    """Poisons ``target`` (so every byte compared afterwards was written here), applies the layout's fills,
+    and writes the state dict's FSDP halves into it through the planner along the derived layout."""
+    with torch.no_grad():
+        for p in target.parameters():
+            p.data.fill_(float("nan"))
+    layout.apply_fills(target)
+    dst = layout.tensors(target)
+    halves = fsdp_halves(sd)
+    p = plan([describe_tensors(h) for h in halves], [describe_tensors(dst)], allow_cast=True)
+    execute(p, [{k: s.local_tensor for k, s in h.items()} for h in halves],
+            [{k: v.local_tensor for k, v in dst.items()}])
+
+
 @pytest.mark.parametrize("config", [models.LLAMA, models.QWEN3], ids=["llama", "qwen3"])
 def test_derived_layout_fills_the_model_bit_identically(config: dict[str, Any]) -> None:
     from vllm.config import set_current_vllm_config
@@ -61,15 +75,7 @@ def test_derived_layout_fills_the_model_bit_identically(config: dict[str, Any]) 
     assert layout.unloaded == []
     # Tied embeddings: vLLM's loader skips lm_head.weight, so the layout never asks for it.
     assert layout.unused == []
-    # Poison the target first, so that every byte compared below was written by the push.
-    for p in target.parameters():
-        p.data.fill_(float("nan"))
-    layout.apply_fills(target)
-    dst = layout.tensors(target)
-    halves = fsdp_halves(sd)
-    p = plan([describe_tensors(h) for h in halves], [describe_tensors(dst)], allow_cast=True)
-    execute(p, [{k: s.local_tensor for k, s in h.items()} for h in halves],
-            [{k: v.local_tensor for k, v in dst.items()}])
+    fill_through_planner(target, layout, sd)
     want, got = dict(ref.named_parameters()), dict(target.named_parameters())
     assert want.keys() == got.keys()
     differ = [k for k in want if raw(want[k]) != raw(got[k])]

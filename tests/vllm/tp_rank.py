@@ -12,14 +12,10 @@ from tests.vllm import models
 
 
 def main() -> None:
-    import torch
     from vllm.config import set_current_vllm_config
 
-    from tests.vllm.test_layouts import fsdp_halves, raw
+    from tests.vllm.test_layouts import fill_through_planner, raw
     from weightsync.integrations.vllm.layouts import checkpoint_of, derive_layout
-    from weightsync.plan import plan
-    from weightsync.runtime.describe import describe_tensors
-    from weightsync.runtime.reference import execute
 
     rank, tp, port = (int(x) for x in sys.argv[1:4])
     sd = models.hf_state_dict(models.LLAMA)
@@ -29,15 +25,7 @@ def main() -> None:
     target, target_config = models.build(models.LLAMA, tp=tp, rank=rank, port=port)
     with set_current_vllm_config(target_config):
         layout = derive_layout(target, checkpoint_of(sd))
-    with torch.no_grad():
-        for p in target.parameters():
-            p.data.fill_(float("nan"))
-    layout.apply_fills(target)
-    dst = layout.tensors(target)
-    halves = fsdp_halves(sd)
-    p = plan([describe_tensors(h) for h in halves], [describe_tensors(dst)], allow_cast=True)
-    execute(p, [{k: s.local_tensor for k, s in h.items()} for h in halves],
-            [{k: v.local_tensor for k, v in dst.items()}])
+    fill_through_planner(target, layout, sd)
     want, got = dict(ref.named_parameters()), dict(target.named_parameters())
     print(json.dumps({"differ": [k for k in want if raw(want[k]) != raw(got[k])],
                       "pieces": {k: [[n, list(o), list(s), list(a)] for n, _, o, s, a in v]
