@@ -91,3 +91,37 @@ def test_source_dies_no_destination_flips(ray_cluster) -> None:
         for a in trainers + rollouts:
             ray.kill(a)
         group.shutdown()
+
+
+def test_push_when_every_destination_was_dropped_says_it_reached_nobody(ray_cluster) -> None:
+    """Every destination dies and is dropped from the plan: the next push must not return stats as if
+    the version went out (it used to, with ``destinations == []``), but raise a weightsync error saying
+    that the plan has no destination; once a replacement joins, pushes reach it again."""
+    group, trainers, rollouts, _tc, rollout_cls = _start("failures-nobody")
+    try:
+        ray.get([t.push.remote(1) for t in trainers], timeout=60)
+        for r in rollouts:
+            ray.kill(r)
+        # The writes to the dead fail: no destination confirms, and each source reports them dead.
+        for ref in [t.push.remote(2, timeout=8.0) for t in trainers]:
+            with pytest.raises(ray.exceptions.RayTaskError):
+                ray.get(ref, timeout=60)
+        deadline = time.monotonic() + 30
+        while group.status()["destinations"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group.status()["destinations"] == []
+        for ref in [t.push.remote(3, timeout=8.0) for t in trainers]:
+            with pytest.raises(ray.exceptions.RayTaskError) as info:
+                ray.get(ref, timeout=60)
+            assert isinstance(info.value.cause, ws.WeightSyncError), info.value
+            assert "reaches no destination" in str(info.value.cause), info.value
+
+        rollouts = [rollout_cls.remote("failures-nobody", 0, *DESTS[0], "staged")]
+        ray.get(rollouts[0].__ray_ready__.remote(), timeout=120)
+        stats = ray.get([t.push.remote(4, timeout=30.0) for t in trainers], timeout=90)
+        assert all(s["destinations"] == [0] and s["failed_destinations"] == [] for s in stats), stats
+        _check(rollouts, DESTS[:1], 4)
+    finally:
+        for a in trainers + rollouts:
+            ray.kill(a)
+        group.shutdown()

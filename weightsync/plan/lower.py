@@ -189,7 +189,7 @@ def lower_group(sources: Sequence[Member], dests: Sequence[Member], epoch: int,
         parts[(SOURCE, src.rank)] = SourcePart(
             epoch=epoch, writes=w, imms=relay_imms[i], copies=lowered.copies, chunks=lowered.chunks,
             units=lowered.units, chunk_bytes=lowered.chunk_bytes, plan=part, keys=p.keys,
-            destinations=destinations, bytes=int(w["nbytes"][data].sum()),
+            destinations=destinations, bytes=int(w["nbytes"][data].sum()), plan_destinations=len(dests),
             gather_expected=int(gather_expected[i]),
             gatherers={sources[g].rank: _peer(sources[g]) for g in sorted(gatherers[i])},
             providers={sources[g].rank: _peer(sources[g]) for g in sorted(providers[i])},

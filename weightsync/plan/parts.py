@@ -31,7 +31,8 @@ from weightsync.plan.writes import (
 )
 from weightsync.wire import imm_counts
 
-PART_FORMAT = 3  # 1: the untyped dicts before the parts had types; 2: relay parts without predecessor
+PART_FORMAT = 4  # 1: the untyped dicts before the parts had types; 2: relay parts without predecessor;
+# 3: source parts without the plan's destination count
 SOURCE, DESTINATION = "source", "destination"
 
 
@@ -136,8 +137,10 @@ class SourcePart:
     lowered (weightsync.plan.writes); ``imms`` per write the immediate of its relay chunk (0: the
     version's shared data immediate); ``plan`` the plan restricted to this source (the FP8 boxes and
     gathers its staging reads); ``keys`` the plan's local tensor keys (``src_key``/``dst_key`` index
-    them); ``destinations`` by rank; ``relay`` the chain (destination ranks, head first) when this source
-    writes into its head; ``bytes`` its data bytes; ``gather_expected`` the gather immediates it
+    them); ``destinations`` by rank (only those this source writes to or, in a relay chain, waits for);
+    ``plan_destinations`` how many destinations the whole plan has (0: every one was dropped, a push
+    reaches nobody); ``relay`` the chain (destination ranks, head first) when this source writes into
+    its head; ``bytes`` its data bytes; ``gather_expected`` the gather immediates it
     receives; ``gatherers``/``providers`` the sources it sends FP8 tile rows to / receives them from."""
 
     epoch: int
@@ -151,6 +154,7 @@ class SourcePart:
     keys: list[str]
     destinations: Mapping[int, Target]
     bytes: int
+    plan_destinations: int
     gather_expected: int = 0
     gatherers: Mapping[int, PeerInfo] = field(default_factory=dict)
     providers: Mapping[int, PeerInfo] = field(default_factory=dict)
@@ -170,7 +174,7 @@ class SourcePart:
             "units": np.ascontiguousarray(self.units, UNIT_DTYPE).tobytes(),
             "chunk_bytes": self.chunk_bytes, "plan": self.plan.to_msgpack(), "keys": list(self.keys),
             "destinations": [t.to_dict() for t in self.destinations.values()], "bytes": self.bytes,
-            "gather_expected": self.gather_expected,
+            "plan_destinations": self.plan_destinations, "gather_expected": self.gather_expected,
             "gatherers": [g.to_dict() for g in self.gatherers.values()],
             "providers": [p.to_dict() for p in self.providers.values()], "relay": list(self.relay),
         })
@@ -184,7 +188,8 @@ class SourcePart:
             units=_array(d["units"], UNIT_DTYPE), chunk_bytes=int(d["chunk_bytes"]),
             plan=Plan.from_msgpack(d["plan"]), keys=[str(k) for k in d["keys"]],
             destinations={t.rank: t for t in map(Target.from_dict, d["destinations"])},
-            bytes=int(d["bytes"]), gather_expected=int(d["gather_expected"]),
+            bytes=int(d["bytes"]), plan_destinations=int(d["plan_destinations"]),
+            gather_expected=int(d["gather_expected"]),
             gatherers={g.rank: g for g in map(PeerInfo.from_dict, d["gatherers"])},
             providers={p.rank: p for p in map(PeerInfo.from_dict, d["providers"])},
             relay=[int(r) for r in d["relay"]])

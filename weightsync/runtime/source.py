@@ -26,7 +26,8 @@ trainer): nothing is written to it, and the push raises ``WeightSyncError`` sayi
 Failures: a destination whose writes fail or that does not grant or ack within the timeout is reported in
 ``PushStats.failed_destinations`` (the push does not raise for it) and reported to the coordinator, which
 re-plans without it; the other destinations still complete. If no destination acks at all, or a source
-is missing (every destination waits for all sources), the push raises ``weightsync.TimeoutError``.
+is missing (every destination waits for all sources), the push raises ``weightsync.TimeoutError``; if the
+plan has no destination left (all dropped, none joined again), it raises ``WeightSyncError`` at once.
 
 Non-blocking: ``push_async`` (``ws.push_async``) runs the same push in a thread of its own and returns a
 ``PushHandle`` (weightsync.runtime.push_handle) at once; ``push`` is ``push_async`` and ``wait`` without the
@@ -609,6 +610,12 @@ class Source(Participant):
         if self._plan_epoch(timeout) > self.epoch:
             self._fetch_part(max(deadline - time.monotonic(), 0.1))
         phases["plan"] = time.perf_counter() - t0
+        if self._part.plan_destinations == 0:
+            # Every destination was dropped (reported failed) and none has joined again: a push that
+            # returned stats would read as "version delivered" while it reached nobody.
+            raise WeightSyncError(f"group {self.group!r}: push of version {version} from source {self.rank} "
+                                  f"reaches no destination: plan epoch {self.epoch} has none (every one was "
+                                  "dropped as failed and none has joined again); nothing was written")
 
         t = time.perf_counter()
         self._snapshot_direct_tails()
