@@ -12,6 +12,7 @@ tag (bits)     value                                       meaning
 ``0b101``      ``epoch & 0x1F << 24 | version & 0xFF << 16  relay chunk ``chunk`` of ``version`` (forwarded as
                | chunk & 0xFFFF``                            it is)
 ``0b110``      ``epoch & 0x1F << 24 | version``             a gatherer has used its provider's rows
+``0b1110``     ``epoch & 0xF << 24 | version & 0xFFFFFF``   a delta header landed in a destination's inbox
 ``0xFFFFFFFF``                                             an announce landed in a destination's mailbox
 ``0xFFFFFFFE``                                             an ack landed in a source's mailbox
 ``0xFFFFFFFD``                                             a grant landed in a writer's mailbox
@@ -108,6 +109,12 @@ def relay_version_bits(version: int) -> int:
 def gathered_imm(epoch: int, version: int) -> int:
     """A gatherer tells its provider it has used the rows of this version."""
     return 0xC0000000 | ((epoch & 0x1F) << 24) | (version & 0xFFFFFF)
+
+
+def delta_header_imm(epoch: int, version: int) -> int:
+    """A source's delta header of ``version`` landed in a destination's delta inbox
+    (weightsync.runtime.delta): top bits 0b1110, never equal to any other kind (0xEFFFFFFF at most)."""
+    return 0xE0000000 | ((epoch & 0xF) << 24) | (version & 0xFFFFFF)
 
 
 def imm_counts(nbytes: np.ndarray, rows: np.ndarray, nics: int, stripe_threshold: int,
