@@ -32,7 +32,8 @@ std::shared_ptr<Engine> Engine::create(const EngineConfig& cfg, const TestHooks&
   return engine;
 }
 
-Engine::Engine(const EngineConfig& cfg, const TestHooks& hooks) : cfg_(cfg), hooks_(hooks), uid_(random_uid()) {
+Engine::Engine(const EngineConfig& cfg, const TestHooks& hooks)
+    : cfg_(cfg), hooks_(hooks), lost_acks_left_(hooks.lose_imm_acks), uid_(random_uid()) {
   if (cfg_.transport != "fabric") {
     throw TransportError("transport '" + cfg_.transport + "' is not available in this build (have: fabric)");
   }

@@ -75,6 +75,10 @@ struct TestHooks {
   // Host regions are landing regions too (not registered on the NICs; the ring is malloc'd and copied
   // out with memcpy on the NIC's worker).
   bool land_host_regions = false;
+  // The first `lose_imm_acks` writes carrying an immediate that complete at the writer are taken as
+  // failed there (a path error, as when a link dies after the write landed but before its
+  // acknowledgement came back): the write is retried on another NIC although its immediate arrived.
+  uint32_t lose_imm_acks = 0;
 };
 
 // What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) and its
@@ -391,6 +395,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // the clamps applied (max_piece to what every NIC accepts, stripe_threshold to max_piece).
   const EngineConfig& config() const { return cfg_; }
   const TestHooks& test_hooks() const { return hooks_; }
+  // TestHooks::lose_imm_acks: whether this completion of a write carrying an immediate is to be lost.
+  bool take_lost_ack() {
+    if (hooks_.lose_imm_acks == 0) return false;
+    uint32_t left = lost_acks_left_.load();
+    while (left > 0 && !lost_acks_left_.compare_exchange_weak(left, left - 1)) {
+    }
+    return left > 0;
+  }
   // Per lane, NIC lanes first: its type name and what it can do.
   std::vector<std::pair<std::string, LaneCaps>> lane_caps() const;
   // How the fabric NICs make a 2-D write's immediate follow its rows: "delivery" (rows complete at
@@ -529,6 +541,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   EngineConfig cfg_;
   TestHooks hooks_;
+  std::atomic<uint32_t> lost_acks_left_{0};
   std::string uid_;
   std::vector<std::unique_ptr<LaneWorker>> workers_;  // fabric NICs, then the cuda lane if any
   size_t fabric_nics_ = 0;

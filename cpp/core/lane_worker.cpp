@@ -331,7 +331,21 @@ constexpr auto kReconnectDelay = std::chrono::milliseconds(20);  // lets the pro
 
 }  // namespace
 
-void LaneWorker::handle(const Completion& c) {
+void LaneWorker::handle(const Completion& completion) {
+  const Completion* cp = &completion;
+  Completion lost;
+  if (completion.kind == Completion::kLocalDone && caps_.is_nic && completion.context != nullptr) {
+    const Piece* done = static_cast<const Piece*>(completion.context);
+    if (!done->probe && !done->stale && done->has_imm && engine_->take_lost_ack()) {
+      // TestHooks::lose_imm_acks: the write landed, but the writer is told otherwise.
+      lost = completion;
+      lost.kind = Completion::kLocalError;
+      lost.error = ETIMEDOUT;
+      lost.message = "acknowledgement lost (test hook lose_imm_acks)";
+      cp = &lost;
+    }
+  }
+  const Completion& c = *cp;
   if (c.kind == Completion::kRecv) {
     landing_received(c);
     return;

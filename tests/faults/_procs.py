@@ -22,6 +22,8 @@ import time
 from typing import Any
 
 POISON = 0xA5
+# Arguments of TransferEngine._for_tests (test-only switches): an engine given one is made by it.
+_TEST_HOOKS = {"stage_host_sources", "land_host_regions", "lose_imm_acks"}
 _HEAD = struct.Struct("<I")
 
 
@@ -125,9 +127,9 @@ class _Child:
     def engine_(self, **kwargs: Any) -> bytes:
         import weightsync as ws
 
-        if "land_host_regions" in kwargs and hasattr(ws.TransferEngine, "_for_tests"):
+        if _TEST_HOOKS & kwargs.keys() and hasattr(ws.TransferEngine, "_for_tests"):
             # A test-only switch (host regions written through the landing ring, as GPU memory without
-            # FI_HMEM is): engines take it through their test constructor.
+            # FI_HMEM is; acknowledgements lost): engines take it through their test constructor.
             self.engine = ws.TransferEngine._for_tests(transport="fabric", **kwargs)
         else:
             self.engine = ws.TransferEngine(transport="fabric", **kwargs)

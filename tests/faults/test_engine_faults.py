@@ -338,6 +338,43 @@ def test_piece_cut_off_mid_write_is_retried_once_and_never_lands_late(procs) -> 
         _close(procs, hosts)
 
 
+@pytest.mark.timeout(90)
+@needs_netns
+@pytest.mark.parametrize("landing", [False, True], ids=["rma", "landing"])
+@_case(7, "an immediate whose acknowledgement was lost is counted again when its piece is retried")
+def test_piece_whose_ack_is_lost_after_it_landed_is_counted_once(procs, landing: bool) -> None:
+    """The window case 7's drain leaves: a piece lands (and is counted at the receiver), then its NIC's
+    link dies before the acknowledgement reaches the writer, which takes it for failed and retries it on
+    the other NIC. The test hook ``lose_imm_acks`` makes exactly that happen to the first write carrying
+    an immediate. Whatever is retried, the receiver's counter must get exactly imm_count immediates and
+    reach its target only with every byte in place; into a landing region as into an RMA region."""
+    hosts = TwoHosts(rates_mbit=[400, 400], prefix="wsf", latency_ms=200).create()
+    try:
+        kwargs: dict[str, object] = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
+        rx_kwargs = {**kwargs, **LANDING, "stall_timeout": 1.0} if landing else kwargs
+        tx = _start(procs, netns=hosts.a, lose_imm_acks=1, **kwargs)
+        rx = _start(procs, netns=hosts.b, **rx_kwargs)
+        size = 8 * MiB
+        s_id, _ = tx.call("alloc", size=size, seed=81)
+        d_id, d_desc = rx.call("alloc", size=size)
+        peer = tx.call("connect", address=rx.address)
+        t, n = tx.call("write", region=s_id, peer=peer, descriptor=d_desc, size=size, imm=1)
+        rx.call("counter_wait", imm=1, n=n, timeout=30)
+        at_target = rx.call("digest", region=d_id, off=0, size=size)
+        tx.call("wait", transfer=t, timeout=30)
+        time.sleep(2.0)  # a second immediate of the retried piece would have arrived by now
+        failures = []
+        if at_target != digest(random_bytes(size, 81)):
+            failures.append("the counter reached its target before every byte landed")
+        if (total := rx.call("counter_total", imm=1)) != n:
+            failures.append(f"the write delivered {total} immediates, imm_count is {n}")
+        retried = sum(s["rerouted"] for s in tx.call("stats"))
+        assert retried >= 1, "the hook did not make the engine retry anything"
+        assert not failures, f"{failures}; failed_paths {tx.call('failed_paths', peer=peer)}"
+    finally:
+        _close(procs, hosts)
+
+
 # --- case 10 --------------------------------------------------------------------------------------------
 
 LANDING = {"land_host_regions": True, "landing_slots": 4, "landing_slot_bytes": 64 * KiB,

@@ -250,7 +250,8 @@ NB_MODULE(_core, m) {
                             "Test-only switches (cpp/core/engine.hpp); set through TransferEngine._for_tests.")
       .def(nb::init<>())
       .def_rw("stage_host_sources", &ws::TestHooks::stage_host_sources)
-      .def_rw("land_host_regions", &ws::TestHooks::land_host_regions);
+      .def_rw("land_host_regions", &ws::TestHooks::land_host_regions)
+      .def_rw("lose_imm_acks", &ws::TestHooks::lose_imm_acks);
 
   nb::class_<ws::Engine>(m, "Engine")
       .def_static(

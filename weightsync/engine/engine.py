@@ -425,15 +425,18 @@ class TransferEngine:
 
     @classmethod
     def _for_tests(cls, *args: Any, stage_host_sources: bool = False, land_host_regions: bool = False,
-                   **kwargs: Any) -> TransferEngine:
+                   lose_imm_acks: int = 0, **kwargs: Any) -> TransferEngine:
         """An engine with the test-only switches of the C++ ``TestHooks`` (never for production):
         ``stage_host_sources`` keeps host sources off the NICs and stages them like GPU memory without
         FI_HMEM (copied with memcpy); ``land_host_regions`` makes host regions landing regions (the ring
         is plain memory, copied out with memcpy). Both run those GPU paths on machines without a GPU.
-        Other arguments are ``TransferEngine``'s."""
+        ``lose_imm_acks``: the first that many writes carrying an immediate that land are reported to
+        this engine as failed on their NIC (an acknowledgement lost with a link), so they are retried on
+        another NIC. Other arguments are ``TransferEngine``'s."""
         hooks = _ext.TestHooks()
         hooks.stage_host_sources = bool(stage_host_sources)
         hooks.land_host_regions = bool(land_host_regions)
+        hooks.lose_imm_acks = int(lose_imm_acks)
         return cls(*args, _test_hooks=hooks, **kwargs)
 
     # --- identity -----------------------------------------------------------------------------------
