@@ -31,6 +31,15 @@ QWEN3 = {
     "rope_theta": 10000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
     "attention_bias": False,
 }
+# Qwen3-MoE: every layer sparse, 4 routed experts (fused into w13/w2 by FusedMoE), top-2 routing.
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+    "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 200, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "hidden_act": "silu", "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+}
 
 _distributed = False
 
@@ -56,9 +65,10 @@ def init_distributed(tp: int = 1, rank: int = 0, port: int | None = None) -> Non
 
 
 def build(config: dict[str, Any], dtype: str = "bfloat16", tp: int = 1, rank: int = 0,
-          port: int | None = None) -> tuple[Any, Any]:
+          port: int | None = None, ep: bool = False) -> tuple[Any, Any]:
     """``(model, vllm_config)``: the model vLLM builds for ``config`` on CPU (this process's ``rank`` of
-    ``tp``, whose ranks meet at ``port``), its parameters not yet loaded. Use the model inside
+    ``tp``, whose ranks meet at ``port``; with ``ep`` the MoE layers' experts are split over the ranks
+    instead of each expert's matrices), its parameters not yet loaded. Use the model inside
     ``set_current_vllm_config(vllm_config)``."""
     from vllm.config import (
         DeviceConfig,
@@ -78,9 +88,14 @@ def build(config: dict[str, Any], dtype: str = "bfloat16", tp: int = 1, rank: in
                                max_model_len=64, enforce_eager=True)
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"),
                              load_config=LoadConfig(load_format="dummy"),
-                             parallel_config=ParallelConfig(tensor_parallel_size=tp))
-    with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype):
+                             parallel_config=ParallelConfig(tensor_parallel_size=tp,
+                                                            enable_expert_parallel=ep))
+    # Under a config without a model, vLLM's process groups include the expert-parallel one (it leaves
+    # that out under a dense model's config), so that dense and MoE models can be built in one process.
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"),
+                                            parallel_config=ParallelConfig(tensor_parallel_size=tp))):
         init_distributed(tp, rank, port)
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype):
         model = initialize_model(vllm_config=vllm_config)
     return model, vllm_config
 
@@ -111,9 +126,17 @@ def hf_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
                p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
                p + "self_attn.v_proj.weight": rnd(nkv * hd, h),
                p + "self_attn.o_proj.weight": rnd(h, nq * hd),
-               p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
-               p + "mlp.down_proj.weight": rnd(h, inter), p + "input_layernorm.weight": rnd(h),
-               p + "post_attention_layernorm.weight": rnd(h)}
-        if config["model_type"] == "qwen3":
+               p + "input_layernorm.weight": rnd(h), p + "post_attention_layernorm.weight": rnd(h)}
+        if "num_experts" in config:  # Qwen3-MoE: a router and per-expert gate/up/down projections
+            moe = config["moe_intermediate_size"]
+            sd[p + "mlp.gate.weight"] = rnd(config["num_experts"], h)
+            for e in range(config["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                sd |= {q + "gate_proj.weight": rnd(moe, h), q + "up_proj.weight": rnd(moe, h),
+                       q + "down_proj.weight": rnd(h, moe)}
+        else:
+            sd |= {p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                   p + "mlp.down_proj.weight": rnd(h, inter)}
+        if config["model_type"] in ("qwen3", "qwen3_moe"):
             sd |= {p + "self_attn.q_norm.weight": rnd(hd), p + "self_attn.k_norm.weight": rnd(hd)}
     return sd

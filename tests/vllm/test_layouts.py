@@ -65,7 +65,8 @@ def fill_through_planner(target: Any, layout: Any, sd: dict[str, Any]) -> None:
             [{k: v.local_tensor for k, v in dst.items()}])
 
 
-@pytest.mark.parametrize("config", [models.LLAMA, models.QWEN3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("config", [models.LLAMA, models.QWEN3, models.QWEN3_MOE],
+                         ids=["llama", "qwen3", "qwen3-moe"])
 def test_derived_layout_fills_the_model_bit_identically(config: dict[str, Any]) -> None:
     from vllm.config import set_current_vllm_config
 
@@ -122,9 +123,9 @@ def test_tied_lm_head_is_reported_unused() -> None:
     assert "model.layers.0.self_attn.q_norm.weight" in layout.pieces
 
 
-def test_tensor_parallel_ranks_are_filled_bit_identically() -> None:
-    """vLLM at TP 2 (two gloo ranks, two processes): each rank's layout (column shards of qkv/gate_up,
-    row shards of o_proj/down_proj, its part of the padded vocabulary) fills it bit-identically."""
+def run_ranks(config_name: str, ep: bool = False) -> list[dict[str, Any]]:
+    """Runs tests.vllm.tp_rank for both ranks of vLLM at TP 2 (two gloo ranks, two processes) and returns
+    their JSON results."""
     import json
     import os
     import subprocess
@@ -135,7 +136,8 @@ def test_tensor_parallel_ranks_are_filled_bit_identically() -> None:
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.vllm.tp_rank", str(r), "2", str(port)],
+    args = [config_name] + (["ep"] if ep else [])
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.vllm.tp_rank", str(r), "2", str(port), *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
              for r in range(2)]
     results = []
@@ -143,6 +145,13 @@ def test_tensor_parallel_ranks_are_filled_bit_identically() -> None:
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_tensor_parallel_ranks_are_filled_bit_identically() -> None:
+    """vLLM at TP 2: each rank's layout (column shards of qkv/gate_up with its heads, row shards of
+    o_proj/down_proj, its part of the padded vocabulary) fills it bit-identically."""
+    results = run_ranks("LLAMA")
     cfg = models.LLAMA
     h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     for rank, got in enumerate(results):
@@ -157,3 +166,43 @@ def test_tensor_parallel_ranks_are_filled_bit_identically() -> None:
             [[rank * hd, 0], [hd, h], [3 * hd, 0]]]
         # vocabulary-parallel: 256 padded rows, 128 per rank; rank 1 holds the 72 real rows left
         assert pieces["model.embed_tokens.weight"][0][1:] == [[rank * 128, 0], [128 - 56 * rank, h], [0, 0]]
+
+
+EXPERTS = "model.layers.{}.mlp.experts.{}.{}_proj.weight"
+W13, W2 = "model.layers.{}.mlp.experts.routed_experts.w13_weight", \
+    "model.layers.{}.mlp.experts.routed_experts.w2_weight"
+
+
+def test_fused_experts_at_tensor_parallel_2_are_filled_bit_identically() -> None:
+    """Qwen3-MoE at TP 2 (FusedMoE's expert weight loader): every rank holds all experts, each rank the
+    half of every expert's gate/up rows (w13: [gate half; up half]) and of down's columns (w2)."""
+    cfg = models.QWEN3_MOE
+    moe, h, n = cfg["moe_intermediate_size"], cfg["hidden_size"], cfg["num_experts"]
+    half = moe // 2
+    for rank, got in enumerate(run_ranks("QWEN3_MOE")):
+        assert got["differ"] == [] and got["unloaded"] == [] and got["unused"] == [], (rank, got)
+        assert got["shapes"][W13.format(1)] == [n, moe, h] and got["shapes"][W2.format(1)] == [n, h, half]
+        assert got["pieces"][W13.format(1)] == [
+            [EXPERTS.format(1, e, which), [rank * half, 0], [half, h], [e, k * half, 0]]
+            for e in range(n) for k, which in enumerate(("gate", "up"))]
+        assert got["pieces"][W2.format(1)] == [
+            [EXPERTS.format(1, e, "down"), [0, rank * half], [h, half], [e, 0, 0]] for e in range(n)]
+
+
+def test_expert_parallel_ranks_hold_their_experts_whole_bit_identically() -> None:
+    """Qwen3-MoE with expert parallelism over the 2 ranks (vLLM's CPU platform allows it): rank r holds
+    experts 2r and 2r+1 whole; the other rank's experts are reported unused."""
+    cfg = models.QWEN3_MOE
+    moe, h, n = cfg["moe_intermediate_size"], cfg["hidden_size"], cfg["num_experts"]
+    for rank, got in enumerate(run_ranks("QWEN3_MOE", ep=True)):
+        assert got["differ"] == [] and got["unloaded"] == [], (rank, got["differ"], got["unloaded"])
+        mine = [2 * rank, 2 * rank + 1]
+        assert got["shapes"][W13.format(0)] == [2, 2 * moe, h] and got["shapes"][W2.format(0)] == [2, h, moe]
+        assert got["pieces"][W13.format(0)] == [
+            [EXPERTS.format(0, e, which), [0, 0], [moe, h], [e - mine[0], k * moe, 0]]
+            for e in mine for k, which in enumerate(("gate", "up"))]
+        assert got["pieces"][W2.format(0)] == [
+            [EXPERTS.format(0, e, "down"), [0, 0], [h, moe], [e - mine[0], 0, 0]] for e in mine]
+        others = [e for e in range(n) if e not in mine]
+        assert sorted(got["unused"]) == sorted(EXPERTS.format(i, e, w) for i in range(2) for e in others
+                                               for w in ("gate", "up", "down"))
