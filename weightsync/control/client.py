@@ -59,15 +59,26 @@ class ControlClient:
         self._reported: Any = None  # the last report_dead, not yet known to have re-planned
         self._metrics: Any = None
 
-    def _get(self, ref: Any, timeout: float) -> Any:
-        """``ray.get`` of a coordinator call; a coordinator that is gone is a WeightSyncError naming the
-        group, not an error of Ray's internals."""
+    def _get(self, ref: Any, timeout: float, what: str) -> Any:
+        """``ray.get`` of a coordinator call, with weightsync errors only: the coordinator's own error
+        (a refusal, a failed wait) as its weightsync type, not wrapped in Ray's RayTaskError; no answer
+        within ``timeout`` as a weightsync TimeoutError saying ``what`` was asked; a coordinator that is
+        gone as a WeightSyncError naming the group."""
         import ray
 
         try:
             return ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+            if isinstance(cause, WeightSyncError):
+                raise type(cause)(str(cause)) from None
+            raise WeightSyncError(f"group {self.group!r}: {self.role} rank {self.rank}: {what} failed in "
+                                  f"the coordinator: {type(cause).__name__}: {cause}") from None
         except ray.exceptions.RayActorError:
             raise self._gone() from None
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"group {self.group!r}: {self.role} rank {self.rank}: the coordinator did "
+                               f"not answer {what} within {timeout:.3g} s") from None
 
     def _gone(self) -> WeightSyncError:
         return WeightSyncError(f"group {self.group!r}: its coordinator is gone (the group was shut down or "
@@ -79,26 +90,16 @@ class ControlClient:
         """Joins the group; returns the plan epoch before the join (the first part is newer than it).
         ``rejoin``: this process was dropped and asks to be taken back (refused with a WeightSyncError if
         another process holds its rank by then)."""
-        import ray
-
-        try:
-            return self._get(self._coord.join.remote(
-                self._secret, self.role, self.rank, layout, address, host_id(), engine.to_dict(),
-                dict(descriptors), mailbox, rejoin), timeout)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
-            if isinstance(cause, WeightSyncError):
-                raise type(cause)(str(cause)) from None
-            raise
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"group {self.group!r}: {self.role} rank {self.rank}: the coordinator did "
-                               f"not answer its join within {timeout} s") from None
+        return self._get(self._coord.join.remote(
+            self._secret, self.role, self.rank, layout, address, host_id(), engine.to_dict(),
+            dict(descriptors), mailbox, rejoin), timeout, "its join")
 
     def membership(self, address: bytes, timeout: float) -> tuple[str, int]:
         """What this process (its engine ``address``) is to the group now and the plan epoch:
         ("member" | "dropped" | "superseded", epoch) (weightsync.control.watcher)."""
         state, epoch = self._get(self._coord.wait_member.remote(
-            self._secret, self.role, self.rank, address, "", 0.0), timeout)
+            self._secret, self.role, self.rank, address, "", 0.0), timeout,
+            "what this process is to the group")
         return str(state), int(epoch)
 
     def start_member_watcher(self, owner: object, address: bytes,
@@ -113,26 +114,14 @@ class ControlClient:
     def fetch_part(self, after_epoch: int, timeout: float) -> Part:
         """This participant's part of the first plan newer than ``after_epoch``. A failed planning
         comes back as a PlanFailure (its ``error()`` is what to raise)."""
-        import ray
-
-        try:
-            blob = ray.get(self._coord.part.remote(self._secret, self.role, self.rank, after_epoch, timeout),
-                           timeout=timeout + 10)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
-            if isinstance(cause, WeightSyncError):
-                raise type(cause)(str(cause)) from None
-            raise WeightSyncError(str(cause)) from None
-        except ray.exceptions.RayActorError:
-            raise self._gone() from None
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"group {self.group!r}: {self.role} rank {self.rank} got no plan "
-                               f"within {timeout} s") from None
+        # The coordinator itself waits up to ``timeout`` for the plan (and says so): Ray gets a margin.
+        blob = self._get(self._coord.part.remote(self._secret, self.role, self.rank, after_epoch, timeout),
+                         timeout + 10, f"a plan newer than epoch {after_epoch}")
         return unpack_part(blob)
 
     def current_epoch(self, timeout: float) -> int:
         """The coordinator's plan epoch (a round trip: sources use their watcher first)."""
-        return int(self._get(self._coord.current_epoch.remote(self._secret), timeout))
+        return int(self._get(self._coord.current_epoch.remote(self._secret), timeout, "the plan epoch"))
 
     def report_dead(self, role: str, ranks: list[int], epoch: int) -> None:
         """Reports peers that failed during plan ``epoch``; not awaited here (see ``reported_epoch``)."""
@@ -161,12 +150,14 @@ class ControlClient:
     # -- FP8 gathers -------------------------------------------------------------------------------
     def publish_receive(self, epoch: int, descriptor: bytes, timeout: float) -> None:
         """Publishes this source's FP8 receive buffer for plan ``epoch``."""
-        self._get(self._coord.publish_receive.remote(self._secret, self.rank, epoch, descriptor), timeout)
+        self._get(self._coord.publish_receive.remote(self._secret, self.rank, epoch, descriptor), timeout,
+                  f"publishing its receive buffer of plan epoch {epoch}")
 
     def receive_buffers(self, epoch: int, ranks: list[int], deadline: float) -> dict[int, bytes]:
         """The receive-buffer descriptors of source ``ranks`` for plan ``epoch`` (by a monotonic deadline)."""
         left = max(deadline - time.monotonic(), 0.1)
-        return self._get(self._coord.receive_buffers.remote(self._secret, epoch, ranks, left), left + 10)
+        return self._get(self._coord.receive_buffers.remote(self._secret, epoch, ranks, left), left + 10,
+                         f"the receive buffers of source ranks {ranks}")
 
     # -- metrics -----------------------------------------------------------------------------------
     def record_push(self, seconds: float, nbytes: int) -> None:
