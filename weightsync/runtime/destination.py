@@ -37,6 +37,7 @@ from weightsync.control.client import ControlClient
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.plan.parts import DESTINATION, DestinationPart
+from weightsync.runtime.delta import DELTA_KEY, DeltaReceiver
 from weightsync.runtime.links import PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.relay import RelayMember, consumed
@@ -54,6 +55,7 @@ from weightsync.wire import (
     REFUSED_NOT_NEWER,
     SLOT_BYTES,
     data_imm,
+    delta_header_imm,
     grant_slot,
 )
 
@@ -81,7 +83,7 @@ class Destination(Participant):
 
     def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], mode: str = "staged", *,
                  timeout: float = 120.0, push_timeout: float = 60.0, engine: TransferEngine | None = None,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, delta_bytes: int = 0) -> None:
         if mode not in ("inplace", "staged"):
             raise WeightSyncError(f"destination mode must be 'inplace' or 'staged', not {mode!r}")
         super().__init__(group, rank, tensors, timeout, engine, secret)
@@ -107,6 +109,17 @@ class Destination(Participant):
             self._regions += regs
             self._key_regions[key] = regs * (2 if mode == "inplace" else 1)
             descriptors[key] = [r.descriptor for r in regs] * (2 if mode == "inplace" else 1)
+        # Delta pushes (weightsync.runtime.delta): an inbox of ``delta_bytes`` for the sources' encoded
+        # changes; with it every version lands by the sources' headers, and sparse entries are scattered
+        # into place before the version flips.
+        self._delta: DeltaReceiver | None = None
+        if delta_bytes:
+            import torch
+
+            first = next(iter(self._live.values()))
+            device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+            self._delta = DeltaReceiver(self.engine, self._buffers, mode, device, int(delta_bytes), rank)
+            descriptors[DELTA_KEY] = self._delta.descriptor()
         self._sources: dict[int, PeerLink] = {}
         self._expected = 0
         self._relay: RelayMember | None = None  # this member's place in the relay chain, if any
@@ -338,12 +351,17 @@ class Destination(Participant):
                 self._refuse(rank, target, REFUSED_NOT_NEWER)
             return None
         shadow = 1 - self._complete_buffer if self.mode == "staged" else 0
+        held = None
+        if self._delta is not None and self._relay is None:
+            # The grant says which version a delta into this shadow may be taken on (-1: none).
+            held = self._delta.base(self._version, self._dirty, shadow)
+            self._delta.granted(shadow)
         with self._lock:
             # Before the grant: no byte of the version can land before a reader sees ``updating``.
             self._landing = target
             self._landing_shadow = shadow
         self._granted = (self.epoch, target)
-        self._grant(target, shadow, GRANTED, list(self._sources))
+        self._grant(target, shadow, GRANTED, list(self._sources), held)
         return target
 
     def _unanswered_during(self, target: int) -> str | None:
@@ -377,7 +395,7 @@ class Destination(Participant):
             return "the coordinator dropped this destination from the plan (reported failed)"
         return None
 
-    def _grant_record(self, version: int, shadow: int, status: int) -> int:
+    def _grant_record(self, version: int, shadow: int, status: int, held: int | None = None) -> int:
         """Fills the next outbox ring slot with a grant record; returns the slot."""
         slot = GRANT_OUT + self._grant_next % GRANT_RING
         self._grant_next += 1
@@ -386,13 +404,14 @@ class Destination(Participant):
                 t.wait(1.0)
             except (TransportError, TimeoutError):
                 pass
-        self._grant_out[slot] = (version, self._version, self.epoch, shadow, status)
+        self._grant_out[slot] = (version, self._version if held is None else held, self.epoch, shadow, status)
         return slot
 
-    def _grant(self, version: int, shadow: int, status: int, ranks: list[int]) -> None:
+    def _grant(self, version: int, shadow: int, status: int, ranks: list[int],
+               held: int | None = None) -> None:
         """Writes one grant record to sources ``ranks`` (and, for a granted version in a relay chain, to the
         predecessor, which forwards into this member)."""
-        slot = self._grant_record(version, shadow, status)
+        slot = self._grant_record(version, shadow, status, held)
         writes = []
         # (what, link, sender index of the grant slot at the receiver)
         targets = [(f"source {r}", self._sources[r], self.rank) for r in ranks if r in self._sources]
@@ -423,11 +442,16 @@ class Destination(Participant):
         deadline = time.monotonic() + self._push_timeout
         complete = False
         reason: str | None = None
-        acks = self._arm_acks(counter, target) if self._relay is None and self.mode == "inplace" else None
+        delta = self._delta is not None and self._relay is None
+        # Delta inboxes ack from here: the changes are scattered after the last immediate, before the flip.
+        inplace_trigger = self._relay is None and self.mode == "inplace" and not delta
+        acks = self._arm_acks(counter, target) if inplace_trigger else None
         armed = True
         if self._relay is not None:
             complete, reason, armed = self._land_relay(target, buffer, deadline)
-        while self._relay is None and not self._stop.is_set() and time.monotonic() < deadline:
+        elif delta:
+            complete, reason = self._land_delta(target, buffer, counter, deadline)
+        while self._relay is None and not delta and not self._stop.is_set() and time.monotonic() < deadline:
             try:
                 # Short slices: the native wait returns the moment the last immediate arrives, and between
                 # slices a newer plan or version that makes this one dead is noticed at once.
@@ -467,7 +491,9 @@ class Destination(Participant):
                 next_buffer = 0
             self._lock.notify_all()
         if acks is None:
-            self._ack(target, next_buffer)
+            self._ack(target, next_buffer, 0 if self._delta is None else int(self._delta.apply_seconds * 1e6))
+        if delta:
+            self._after_delta(target, buffer)
         else:
             for rank, f in acks:
                 try:
@@ -478,6 +504,47 @@ class Destination(Participant):
             if not armed:
                 self._await_successor(target, deadline)
             self._relay.done(target)  # after the ack: it is on the sources' critical path
+
+    def _count(self, counter: Any, n: int, target: int, deadline: float) -> tuple[bool, str | None]:
+        """Waits for ``n`` immediates on ``counter`` in short slices (a newer plan or version, a drop or
+        closing end it): (complete, why not)."""
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                counter.wait(n, timeout=min(WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
+                return True, None
+            except TimeoutError:
+                reason = self._unanswered_during(target) or self._dropped_during()
+                if reason is not None:
+                    return False, reason
+        return False, None
+
+    def _land_delta(self, target: int, buffer: int, counter: Any, deadline: float) -> tuple[bool, str | None]:
+        """A delta inbox destination: waits for every source's header of ``target``, then for the data
+        immediates they announce, then scatters the sparse entries into ``buffer``."""
+        assert self._delta is not None
+        complete, reason = self._count(self.engine.counter(delta_header_imm(self.epoch, target)),
+                                       len(self._sources), target, deadline)
+        if not complete:
+            return False, reason
+        try:
+            total = self._delta.read_headers(sorted(self._sources), self.epoch, target)
+        except WeightSyncError as exc:
+            return False, str(exc)
+        complete, reason = self._count(counter, total, target, deadline)
+        if complete:
+            self._delta.apply(buffer)
+        return complete, reason
+
+    def _after_delta(self, target: int, buffer: int) -> None:
+        """After the ack: ``buffer`` holds ``target``; a staged destination brings its other shadow to it
+        too (the next version is granted into it, as a delta on ``target``)."""
+        assert self._delta is not None
+        self._delta.completed(target, buffer)
+        try:
+            self._delta.sync_other(target, buffer)
+        except Exception as exc:  # the next version into that shadow is then dense
+            self.log.error("destination %d: bringing the other shadow to version %d failed: %s", self.rank,
+                           target, exc)
 
     def _land_relay(self, target: int, buffer: int, deadline: float) -> tuple[bool, str | None, bool]:
         """Relay: waits for every chunk of ``target``, arming the forwards into the successor as soon as it
@@ -539,6 +606,8 @@ class Destination(Participant):
             if self.mode == "inplace":
                 self._dirty = True
         counter.reset()
+        if self._delta is not None:
+            self.engine.counter(delta_header_imm(self.epoch, target)).reset()
         if self._relay is not None:
             self._relay.abandon(target)
         self.log.warning("destination %d: version %d abandoned: %s", self.rank, target, reason)
@@ -565,9 +634,10 @@ class Destination(Participant):
             return None
         return armed
 
-    def _ack(self, version: int, next_buffer: int) -> None:
+    def _ack(self, version: int, next_buffer: int, apply_us: int = 0) -> None:
         slot = version & 1
-        self._outbox[slot] = (version, next_buffer, 0)
+        # ``reserved``: microseconds this destination spent scattering a delta (PushStats.apply_seconds).
+        self._outbox[slot] = (version, next_buffer, apply_us)
         transfers = []
         for rank, s in self._sources.items():
             try:

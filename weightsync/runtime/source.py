@@ -53,6 +53,7 @@ from weightsync.errors import TimeoutError, TransportError, WeightSyncError  # n
 from weightsync.plan.lower import ChunkGroup, Round, SourceProgram, source_program
 from weightsync.plan.parts import DESTINATION, SOURCE, EngineInfo, SourcePart
 from weightsync.plan.writes import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
+from weightsync.runtime.delta import DeltaSender, DeltaWork
 from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, watched_tensors
@@ -69,6 +70,7 @@ from weightsync.wire import (
     REFUSED_EPOCH,
     SLOT_BYTES,
     data_imm,
+    delta_header_imm,
     gathered_imm,
     grant_slot,
     relay_version_bits,
@@ -115,6 +117,16 @@ class PushStats:
     chunks: int = 0                   # staged chunks written
     gather_bytes: int = 0             # FP8 tile rows this source received from other sources
     relayed: list[int] = field(default_factory=list)  # destinations reached through the relay chain
+    # Delta pushes (Source(delta=True), weightsync.runtime.delta). ``bytes`` stays what the destinations
+    # received (the dense size); ``wire_bytes`` is what crossed the wire for it (encoded changes, entries,
+    # writes sent as planned): equal to ``dense_bytes`` in a dense push.
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    changed_fraction: float = -1.0    # changed words / compared words of the delta destinations (-1: none)
+    encode_seconds: float = 0.0       # compare, encode and reference update on this source
+    apply_seconds: float = 0.0        # the slowest destination's scatter of the changes (its ack says)
+    delta_ref_bytes: int = 0          # the reference this source keeps (what it last pushed)
+    delta_destinations: list[int] = field(default_factory=list)  # destinations sent a delta this push
 
 
 @dataclass(frozen=True)
@@ -159,6 +171,13 @@ def _without(r: Round, i: int) -> Round | None:
                  tuple(None if g is None else g[keep] for g in r.geometry))  # type: ignore[arg-type]
 
 
+def _subset(r: Round, keep: np.ndarray) -> Round:
+    """Round ``r`` with only its writes ``keep`` (a boolean mask)."""
+    return Round(r.rank, r.src_index[keep], r.src_off[keep], r.dst_index[keep], r.dst_off[keep],
+                 r.nbytes[keep], None if r.imms is None else r.imms[keep],
+                 tuple(None if g is None else g[keep] for g in r.geometry))  # type: ignore[arg-type]
+
+
 def _settle(rank: int, transfer: Any, deadline: float, failed: dict[int, str]) -> None:
     """Waits for one posted batch to destination ``rank``; a failure marks the destination failed."""
     try:
@@ -188,6 +207,7 @@ class _Grants:
         self.counter.reset()
         self.pending = {r for r in src._dests if r not in failed}
         self.granted: dict[int, int] = {}  # rank -> shadow
+        self.bases: dict[int, int] = {}  # rank -> the version a delta into its shadow may be taken on
         self.refused: dict[int, str] = {}  # not newer / busy: nothing written, the push raises
         self.stale: set[int] = set()  # another plan epoch: failed for this push, not reported
         self.opened: set[int] | None = None  # destinations written from the start
@@ -214,6 +234,7 @@ class _Grants:
                 elif status == GRANTED:
                     self.pending.discard(r)
                     self.granted[r] = int(g["shadow"])
+                    self.bases[r] = int(g["held"])
                     d = src._dests[r]
                     d.descs = d.descriptors(int(g["shadow"]))
                     newly.append(r)
@@ -264,8 +285,16 @@ class _Grants:
 
     def prepared(self, chunk: int, view: Any) -> None:
         """Staged chunk ``chunk`` is prepared in ``view`` (its staging slot): keeps the bytes of the tails
-        it holds (weightsync.runtime.staging calls this before it posts the chunk's writes)."""
+        it holds (weightsync.runtime.staging calls this before it posts the chunk's writes), and compares
+        it with what the last push sent (delta pushes)."""
         self.src._snapshot_staged_tails(chunk, view)
+        self.src._delta.chunk(chunk, view)
+
+    def staged(self, rank: int, chunk: int, src_off: np.ndarray, di: np.ndarray, dst_off: np.ndarray,
+               nbytes: np.ndarray) -> np.ndarray | None:
+        """Which of staged chunk ``chunk``'s writes into ``rank`` go as planned (None: all of them); the
+        others travel in its delta payload (weightsync.runtime.delta)."""
+        return self.src._delta.staged(rank, chunk, src_off, di, dst_off, nbytes)
 
     def allowed(self, rank: int) -> bool:
         """Whether ``rank`` is written from the start (granted when the gate opened)."""
@@ -305,7 +334,7 @@ class Source(Participant):
     def __init__(self, group: str, rank: int, tensors: Mapping[str, Any], *, timeout: float = 120.0,
                  engine: TransferEngine | None = None, secret: str | None = None,
                  staging_bytes: int | None = None, chunk_bytes: int | None = None,
-                 one_writer_at_a_time: bool = False) -> None:
+                 one_writer_at_a_time: bool = False, delta: bool = False) -> None:
         import torch
 
         super().__init__(group, rank, tensors, timeout, engine, secret)
@@ -353,6 +382,9 @@ class Source(Participant):
         self._staging = Staging(self.engine, self._control, self.rank, self.device, self.staging_limit,
                                 self._locals, self._outbox_region, self.log)
         self._dests: dict[int, DestinationLink] = {}
+        # Delta pushes: the reference of what this source last pushed, and the inboxes of destinations
+        # that take deltas (those get a header per version from every source, delta or not).
+        self._delta = DeltaSender(self.engine, self._locals, self.device, self.rank, bool(delta))
         self._last_version = -1  # the last version this source pushed (versions must increase)
         self._watcher: Any = None
         self._epoch_fallbacks = 0  # pushes that asked the coordinator for the epoch (watcher unhealthy)
@@ -382,6 +414,8 @@ class Source(Participant):
                                                 ordered=keeps_posting_order(peer))
         self._direct_srcs = [self._regions[k] for k in program.src_keys]
         self._rounds: list[Round] = program.rounds
+        self._delta.load(part, self._rounds, program.src_keys, self._tails, self._dests,
+                         {r: b.dkeys for r, b in program.batches.items()}, part.plan.num_sources)
         staged = int((part.writes["staged"] == 1).sum())
         self.log.info("source %d: plan epoch %d, %d writes (%d staged in %d chunks), %d bytes to "
                       "destinations %s", self.rank, self.epoch, len(part.writes), staged,
@@ -617,8 +651,14 @@ class Source(Participant):
                                   f"reaches no destination: plan epoch {self.epoch} has none (every one was "
                                   "dropped as failed and none has joined again); nothing was written")
 
+        if self._delta.enabled and self._relay:
+            raise WeightSyncError(f"group {self.group!r}: source {self.rank}: delta pushes do not run "
+                                  "through a relay chain yet (create the group with relay=False, or the "
+                                  "source without delta); nothing was written")
         t = time.perf_counter()
         self._snapshot_direct_tails()
+        self._delta.start()  # compares the tensors with what the last push sent (reads them now)
+        works: dict[int, DeltaWork] = {}
         failed: dict[int, str] = {}
         announces = self._announce(version, failed)
         transfers: list[tuple[int, Any]] = []
@@ -626,7 +666,13 @@ class Source(Participant):
         relay_bits = relay_version_bits(version)
 
         def post_rounds(ranks: set[int]) -> None:
-            transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, ranks))
+            keeps: dict[int, dict[int, np.ndarray] | None] = {}
+            for r in sorted(ranks & set(self._delta.inboxes)):
+                if r not in failed:  # its changes encoded against the version its grant says it holds
+                    base = grants.bases.get(r, -1)
+                    work = works[r] = self._delta.begin(r, base, self._dests[r].batch.bytes)
+                    keeps[r] = work.keep
+            transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, ranks, keeps))
 
         tails: list[tuple[int, Any]] = []
         committed: set[int] = set()
@@ -662,6 +708,9 @@ class Source(Participant):
             h.commit()
             committed.update(ranks)
             tails.extend(self._post_tails(imm, relay_bits, failed, ranks & set(grants.granted)))
+            # Delta inboxes: the payload (every staged chunk of theirs is encoded by now), then the header
+            # (the destination cannot count without it).
+            tails.extend(self._post_headers(version, imm, failed, [r for r in ranks if r in works], works))
 
         grants = _Grants(self, version, deadline, announces, failed, post_rounds, commit)
         # The staged pipeline prepares its first chunks while the grants travel; its first post opens the
@@ -704,6 +753,10 @@ class Source(Participant):
         seconds = time.perf_counter() - t0
         written = [r for r in self._dests if r not in failed and r not in grants.refused]
         nbytes = sum(self._dests[r].batch.bytes for r in written)
+        self._delta.finish(version, ok=True)
+        delta_sent = [r for r in written if r in works and works[r].delta]
+        compared = sum(works[r].words for r in delta_sent)
+        wire = sum(works[r].wire_bytes if r in works else self._dests[r].batch.bytes for r in written)
         stats = PushStats(version=version, bytes=nbytes, seconds=seconds, gbps=nbytes / seconds / 1e9,
                           writes=sum(d.batch.writes for d in self._dests.values()),
                           destinations=sorted(self._dests), failed_destinations=sorted(failed),
@@ -712,7 +765,13 @@ class Source(Participant):
                           write_seconds=phases["write"], peak_staging_bytes=int(staged["peak"]),
                           staging_limit_bytes=self.staging_limit, chunks=int(staged["chunks"]),
                           gather_bytes=int(self._staging.prep.received["nbytes"].sum()),
-                          relayed=[r for r in self._relay[1:] if r in self._dests])
+                          relayed=[r for r in self._relay[1:] if r in self._dests],
+                          wire_bytes=wire, dense_bytes=nbytes,
+                          changed_fraction=sum(works[r].changed for r in delta_sent) / compared if compared
+                          else -1.0, encode_seconds=self._delta.encode_seconds,
+                          apply_seconds=max([float(self._mailbox[r]["reserved"]) * 1e-6 for r in written
+                                             if r in works] or [0.0]),
+                          delta_ref_bytes=self._delta.ref_bytes, delta_destinations=delta_sent)
         self._control.record_push(stats.seconds, stats.bytes)
         if failed:
             self._report_failures(version, timeout, failed, waiting, acked, grants.stale,
@@ -742,18 +801,49 @@ class Source(Participant):
                 failed[rank] = str(exc)
         return transfers
 
+    def _post_headers(self, version: int, imm: int, failed: dict[int, str], ranks: list[int],
+                      works: dict[int, DeltaWork]) -> list[tuple[int, Any]]:
+        """Writes each delta inbox destination of ``ranks`` its payload (entries, encoded changes) into
+        its share, then its header: the data immediates of this version from this source and where its
+        entries are. Posted with the tails, once the tensors are checked."""
+        out: list[tuple[int, Any]] = []
+        hdr = self._delta.headers.itemsize
+        for rank in sorted(ranks):
+            if rank in failed:
+                continue
+            work = works[rank] = self._delta.finalize(rank)
+            ib, peer = self._delta.inboxes[rank], self._dests[rank].peer
+            self._delta.header(rank, self.epoch, version, work)
+            try:
+                out.append((rank, self.engine.write(ib.region, 0, peer, ib.payload, ib.offset,
+                                                    work.payload_bytes, imm=imm)))
+                out.append((rank, self.engine.write(self._delta.header_region, rank * hdr, peer, ib.header,
+                                                    self.rank * hdr, hdr, imm=delta_header_imm(self.epoch,
+                                                                                                version))))
+            except TransportError as exc:
+                failed[rank] = str(exc)
+        return out
+
     def _post_rounds(self, imm: int, relay_bits: int, deadline: float, failed: dict[int, str],
-                     ranks: set[int]) -> list[tuple[int, Any]]:
+                     ranks: set[int], keeps: Mapping[int, dict[int, np.ndarray] | None] | None = None
+                     ) -> list[tuple[int, Any]]:
         """Posts the direct writes into destinations ``ranks`` round by round with at most
         ROUNDS_IN_FLIGHT posted per kind of lane: the plan's schedule gives each destination as few
         writers at a time as it can, and a source that posted every round at once would undo it (two
         writers into one GPU share its links: both go at half speed). Returns the batches still in
         flight."""
         in_flight: dict[bool, list[tuple[int, Any]]] = {False: [], True: []}  # by lane: keeps order or not
-        for r in self._rounds:
+        for ri, r in enumerate(self._rounds):
             rank = r.rank
             if rank in failed or rank not in ranks:
                 continue
+            keep = (keeps or {}).get(rank)
+            if keep is not None:  # a delta: only the writes it sends as planned
+                mask = keep.get(ri)
+                if mask is None or not mask.any():
+                    continue
+                if not mask.all():
+                    r = _subset(r, mask)
             d = self._dests[rank]
             limit = (ORDERED_ROUNDS_IN_FLIGHT if d.ordered else ROUNDS_IN_FLIGHT) or len(self._rounds)
             queue = in_flight[d.ordered]

@@ -328,6 +328,12 @@ class _ChunkRun:
                 continue
             if not p.late and not self.gate.allowed(rank):
                 continue  # not granted (yet): a late pass serves it once it is
+            keep = self.gate.staged(rank, p.chunk, src_off, di, dst_off, nbytes)
+            if keep is not None and not keep.all():  # a delta push: the rest travel encoded
+                if not keep.any():
+                    continue
+                src_off, di, dst_off, nbytes = src_off[keep], di[keep], dst_off[keep], nbytes[keep]
+                imms = None if imms is None else imms[keep]
             descs = self.dests[rank].descs
             try:
                 zeros = np.zeros(len(src_off), np.uint32)

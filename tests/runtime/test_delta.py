@@ -1,0 +1,455 @@
+"""Delta pushes (issue 18, weightsync/runtime/delta.py) on CPU over TCP loopback.
+
+Two trainer ranks hold shards of a small model (a bf16 embedding by columns, fp32 projections by rows, a
+replicated fp32 norm) and push into three destinations: two vLLM-style TP ranks (fused ``qkv_proj`` and
+``gate_up_proj``, column shards of ``down``: strided source rows, packed into staging) and a full replica
+(the embedding's column shards: strided destination writes).
+Each version changes the previous one in a chosen way (random odd positions, nothing, everything, one
+element, last elements, NaN payloads / -0.0 / denormals, strided blocks), and after every push every
+destination byte must equal what a dense push gives (compared as integers: bitwise). Participants live
+in this process (threads); the coordinator is a Ray actor.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import weightsync as ws
+from weightsync.runtime.delta import (
+    BLOCK,
+    ENC_BITMAP,
+    ENC_DENSE,
+    ENC_EMPTY,
+    ENC_IDX16,
+    choose,
+    decode,
+    encode_into,
+    placed,
+    sparse_sizes,
+    word_dtype,
+    write_word,
+)
+
+SHAPES = {"emb": (520, 136), "q": (16, 8), "k": (8, 8), "v": (8, 8), "gate": (12, 8), "up": (12, 8),
+          "down": (8, 12), "norm": (8,)}
+DTYPES = {"emb": torch.bfloat16}
+INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+# -- the codec alone ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,k,w", [(1, 1, 4), (1000, 3, 2), (BLOCK * 2 + 5, 7000, 2), (70000, 1, 4),
+                                   (17, 17, 1), (BLOCK + 1, 1, 8), (BLOCK * 3, 0, 2)])
+def test_codec_round_trip(n: int, k: int, w: int) -> None:
+    g = torch.Generator().manual_seed(n * 31 + k)
+    local = torch.randperm(n, generator=g)[:k].sort().values
+    if k:
+        local[-1] = n - 1  # the last word of the write is one of them
+        local = local.unique()
+        k = int(local.numel())
+    vals = torch.randint(0, 120, (k,), dtype=torch.int64, generator=g).to(word_dtype(w))
+    for enc, size in sparse_sizes(n, k, w).items():
+        buf = torch.full((size + 64,), 0xAB, dtype=torch.uint8)
+        encode_into(buf[:size], enc, local, vals, n)
+        got_local, got_vals = decode(buf, enc, n, k, w)
+        assert torch.equal(got_local, local), enc
+        assert torch.equal(got_vals, vals), enc
+
+
+def test_choose_break_even() -> None:
+    assert choose(1000, 0, 2) == (ENC_EMPTY, 0)
+    assert choose(1000, 1000, 2)[0] == ENC_DENSE  # everything changed: the write as planned
+    assert choose(1 << 20, 20000, 2)[0] == ENC_IDX16  # ~2%: 16-bit indices
+    assert choose(1 << 20, 150000, 2)[0] == ENC_BITMAP  # ~14%: the bitmap is smaller
+    n, w = 1 << 20, 2
+    for k in range(1, n, 9973):  # sparse exactly while smaller than the write
+        enc, _ = choose(n, k, w)
+        assert (enc == ENC_DENSE) == (min(sparse_sizes(n, k, w).values()) >= n * w)
+
+
+def test_placed_and_word() -> None:
+    local = torch.tensor([0, 2, 3, 5])
+    assert placed(local, 10, 3, 8, 2).tolist() == [10, 12, 18, 20]
+    assert placed(local, 10, 3, 3, 2).tolist() == [10, 12, 13, 15]
+    assert write_word(4, 8, 16, 12) == 4 and write_word(4, 8, 2, 12) == 2 and write_word(2, 3) == 1
+
+
+# -- pushes -------------------------------------------------------------------------------------------
+def initial() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {k: torch.randn(s, generator=g).to(DTYPES.get(k, torch.float32)) for k, s in SHAPES.items()}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(INT[t.dtype])
+
+
+def view(layout: str, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a destination of ``layout`` holds of ``full``."""
+    if layout == "replica":
+        return {k: v.clone() for k, v in full.items()}
+    r = int(layout[-1])
+    q, k, v = full["q"][r * 8:(r + 1) * 8], full["k"][r * 4:(r + 1) * 4], full["v"][r * 4:(r + 1) * 4]
+    gate, up = full["gate"][r * 6:(r + 1) * 6], full["up"][r * 6:(r + 1) * 6]
+    return {"qkv_proj": torch.cat([q, k, v]), "gate_up_proj": torch.cat([gate, up]),
+            "down": full["down"][:, r * 6:(r + 1) * 6].contiguous(),
+            "emb": full["emb"][:, r * 68:(r + 1) * 68].contiguous(), "norm": full["norm"].clone()}
+
+
+def named(layout: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    if layout == "replica":
+        return dict(tensors)
+    r = int(layout[-1])
+    return {"qkv_proj": ws.Fused(tensors["qkv_proj"], 0, [("q", (r * 8, 0), (8, 8)),
+                                                          ("k", (r * 4, 0), (4, 8)),
+                                                          ("v", (r * 4, 0), (4, 8))]),
+            "gate_up_proj": ws.Fused(tensors["gate_up_proj"], 0, [("gate", (r * 6, 0), (6, 8)),
+                                                                  ("up", (r * 6, 0), (6, 8))]),
+            "down": ws.Sharded(tensors["down"], SHAPES["down"], (0, r * 6)),
+            "emb": ws.Sharded(tensors["emb"], SHAPES["emb"], (0, r * 68)), "norm": tensors["norm"]}
+
+
+class Team:
+    """Two sources and len(layouts) destinations of one group, all in this process."""
+
+    def __init__(self, name: str, layouts: list[str], modes: list[str],
+                 delta_bytes: int | list[int] = 1 << 20, delta: bool = True,
+                 push_timeout: float = 20.0) -> None:
+        self.name, self.layouts, self.modes = name, layouts, modes
+        self.group = ws.Group.create(name, num_sources=2, num_destinations=len(layouts))
+        self.full = initial()
+        self.history: dict[int, dict[str, torch.Tensor]] = {}
+        self.locals: list[dict[str, torch.Tensor]] = []
+        for i in range(2):
+            self.locals.append({k: (t.clone() if k == "norm" else t[self._box(k, i)].clone())
+                                for k, t in self.full.items()})
+        self.dtensors: list[dict[str, torch.Tensor]] = []
+        sizes = delta_bytes if isinstance(delta_bytes, list) else [delta_bytes] * len(layouts)
+        with ThreadPoolExecutor(8) as ex:
+            srcs = [ex.submit(self._source, i, delta) for i in range(2)]
+            dsts = []
+            for j, (layout, mode) in enumerate(zip(layouts, modes, strict=True)):
+                poison = {k: torch.full_like(v, float("nan")) for k, v in view(layout, self.full).items()}
+                self.dtensors.append(poison)
+                dsts.append(ex.submit(ws.Destination, name, j, named(layout, poison), mode, timeout=60,
+                                      push_timeout=push_timeout, delta_bytes=sizes[j]))
+            self.srcs = [f.result(timeout=120) for f in srcs]
+            self.dsts = [f.result(timeout=120) for f in dsts]
+        self.version = -1
+        self.mixed: list[str] = []
+        self.reads: dict[int, set[int]] = {}
+        self._stop = threading.Event()
+        self._readers: list[threading.Thread] = []
+
+    @staticmethod
+    def _box(k: str, i: int) -> tuple[slice, slice]:
+        """Source ``i``'s part of ``k``: the embedding by columns, the rest by rows."""
+        if k == "emb":
+            n = SHAPES[k][1] // 2
+            return slice(None), slice(i * n, (i + 1) * n)
+        n = SHAPES[k][0] // 2
+        return slice(i * n, (i + 1) * n), slice(None)
+
+    def _source(self, i: int, delta: bool) -> ws.Source:
+        tensors = {k: (t if k == "norm" else
+                       ws.Sharded(t, SHAPES[k], tuple(s.start or 0 for s in self._box(k, i))))
+                   for k, t in self.locals[i].items()}
+        return ws.Source(self.name, rank=i, tensors=tensors, timeout=60, delta=delta)
+
+    def set(self, full: dict[str, torch.Tensor]) -> None:
+        self.full = {k: v.clone() for k, v in full.items()}
+        for i in range(2):
+            for k, t in self.locals[i].items():
+                t.copy_(full[k] if k == "norm" else full[k][self._box(k, i)])
+
+    def push(self, timeout: float = 30.0) -> list[ws.PushStats]:
+        self.version += 1
+        self.history[self.version] = {k: v.clone() for k, v in self.full.items()}
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(ws.push, s, self.version, timeout) for s in self.srcs]
+            return [f.result(timeout=timeout + 30) for f in futs]
+
+    def check(self, ranks: list[int] | None = None) -> None:
+        for j in ranks if ranks is not None else range(len(self.dsts)):
+            d = self.dsts[j]
+            assert d.wait(self.version, timeout=30) == self.version
+            if self.modes[j] == "staged" and j not in self.reads:
+                d.apply()
+            elif self.modes[j] == "staged":
+                deadline = time.monotonic() + 30
+                while d.live_version < self.version and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            want = view(self.layouts[j], self.full)
+            for k, t in want.items():
+                got = self.dtensors[j][k]
+                assert torch.equal(bits(got), bits(t)), (
+                    f"destination {j} ({self.layouts[j]}, {self.modes[j]}) {k} differs at version "
+                    f"{self.version}")
+
+    def start_reader(self, j: int) -> None:
+        """A staged destination's generation loop: applies the newest version at each safe point and checks
+        every tensor against that version (a mix of two versions is recorded)."""
+        self.reads[j] = set()
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                v = self.dsts[j].apply()
+                if v < 0:
+                    time.sleep(0.001)
+                    continue
+                want = view(self.layouts[j], self.history[v])
+                for k, t in want.items():
+                    if not torch.equal(bits(self.dtensors[j][k]), bits(t)):
+                        self.mixed.append(f"destination {j} {k} differs from version {v}")
+                self.reads[j].add(v)
+
+        th = threading.Thread(target=loop, daemon=True)
+        th.start()
+        self._readers.append(th)
+
+    def close(self) -> None:
+        self._stop.set()
+        for th in self._readers:
+            th.join(10)
+        for p in self.srcs + self.dsts:
+            p.close()
+        self.group.shutdown()
+
+
+@pytest.fixture
+def team_factory(ray_cluster) -> Iterator[Callable[..., Team]]:
+    teams: list[Team] = []
+
+    def make(*args: Any, **kwargs: Any) -> Team:
+        teams.append(Team(*args, **kwargs))
+        return teams[-1]
+
+    yield make
+    for t in teams:
+        t.close()
+
+
+def _f32(x: int) -> float:
+    return float(np.array([x], np.uint32).view(np.float32)[0])
+
+
+def step(full: dict[str, torch.Tensor], case: str, seed: int) -> dict[str, torch.Tensor]:
+    """The next version: ``full`` changed as ``case`` says."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v.clone() for k, v in full.items()}
+    if case == "odd":  # ~3% of each tensor at random odd flat positions, new random values
+        for t in out.values():
+            flat = t.view(-1)
+            n = flat.numel()
+            pos = torch.randperm(n // 2, generator=g)[:max(1, n * 3 // 200)] * 2 + 1
+            flat[pos] = torch.randn(len(pos), generator=g).to(t.dtype)
+        out["q"][0, 0] = 0.0  # +0.0: "special" turns it into -0.0
+        out["emb"][0, 0] = 0.0
+        out["q"][1, 1] = _f32(0x7FC00000)  # a NaN: "special" changes its payload only
+    elif case == "none":
+        pass
+    elif case == "all":
+        for k, t in out.items():
+            out[k] = torch.randn(t.shape, generator=g).to(t.dtype)
+        out["q"][0, 0] = 0.0
+        out["emb"][0, 0] = 0.0
+        out["q"][1, 1] = _f32(0x7FC00000)
+        out["k"][3, 3] = _f32(0x00000001)  # the smallest denormal
+    elif case == "one":
+        out["emb"][300, 77] = out["emb"][300, 77] + 1
+    elif case == "last":
+        for t in out.values():
+            t.view(-1)[-1] = t.view(-1)[-1] * 2 + 1
+    elif case == "special":  # bitwise changes == does not see (or sees wrongly)
+        out["q"][0, 0] = -0.0
+        out["emb"][0, 0] = -0.0
+        out["q"][1, 1] = _f32(0x7FC00001)  # NaN -> another NaN
+        out["k"][3, 3] = _f32(0x00000002)  # denormal -> another denormal
+        out["v"][2, 5] = float("nan")
+    elif case == "strided":  # column blocks: the TP destinations' strided writes, across both sources
+        out["down"][:, 4:9] = torch.randn(8, 5, generator=g)
+        out["emb"][:, 60:75] = torch.randn(520, 15, generator=g).to(torch.bfloat16)
+    else:
+        raise AssertionError(case)
+    return out
+
+
+CASES = ["odd", "none", "all", "one", "last", "special", "strided", "odd"]
+
+
+def test_every_case_bitwise_on_inplace_and_staged_with_a_reader(team_factory) -> None:
+    team = team_factory("delta-cases", ["tp0", "tp1", "replica"], ["inplace", "staged", "staged"])
+    team.start_reader(2)
+    stats = team.push()  # version 0: dense (no reference yet)
+    team.check()
+    assert all(s.delta_destinations == [] and s.wire_bytes >= s.dense_bytes for s in stats)
+    assert all(s.delta_ref_bytes > 0 for s in stats)
+    for v, case in enumerate(CASES, start=1):
+        team.set(step(team.full, case, seed=v))
+        stats = team.push()
+        team.check()
+        for s in stats:
+            assert s.failed_destinations == [], s
+            assert s.delta_destinations == [0, 1, 2], (case, s)
+            wire, dense = s.wire_bytes, s.dense_bytes
+            if case in ("none", "one", "last", "special"):
+                assert wire < dense / 4, (case, wire, dense)
+            if case == "all":
+                assert wire >= dense, (case, wire, dense)  # every write as planned (plus the entries)
+                assert s.changed_fraction > 0.99
+            if case == "none":
+                assert s.changed_fraction == 0.0
+            assert 0.0 <= s.changed_fraction <= 1.0
+    time.sleep(0.2)
+    assert team.mixed == []
+    assert team.reads[2], "the reader applied no version"
+
+
+def test_small_inbox_sends_what_does_not_fit_as_planned(team_factory) -> None:
+    # 2 sources: 8 KiB each, little more than the entries: most changes go as planned writes.
+    team = team_factory("delta-small", ["tp0", "replica"], ["inplace", "staged"],
+                        delta_bytes=[16384, 4 << 20])
+    team.push()
+    for v in range(1, 4):
+        team.set(step(team.full, "odd", seed=100 + v))
+        stats = team.push()
+        team.check()
+        assert all(s.delta_destinations == [0, 1] for s in stats)
+
+
+def test_source_without_delta_into_inboxes_is_dense_and_exact(team_factory) -> None:
+    team = team_factory("delta-off", ["tp1", "replica"], ["staged", "inplace"], delta=False)
+    for v in range(3):
+        if v:
+            team.set(step(team.full, "odd", seed=200 + v))
+        stats = team.push()
+        team.check()
+        assert all(s.delta_destinations == [] and s.wire_bytes >= s.dense_bytes for s in stats)
+
+
+# -- casts and FP8: compared with a destination that takes the same plan dense ---------------------------
+FP8 = torch.float8_e4m3fn
+T_SHAPES = {"w": (300, 260), "c": (64, 48), "n": (48,)}
+
+
+class RefTeam:
+    """Two fp32 sources (rows cut at 150 and 32: FP8 tiles across the cut are gathered) into FP8 ``w`` with
+    its scales, a bf16 cast ``c`` and an fp32 ``n``: an inplace and a staged destination with inboxes, and
+    one without (a dense push, the reference every byte is compared with)."""
+
+    def __init__(self, name: str, relay: bool = False, delta_bytes: int = 1 << 20) -> None:
+        self.name = name
+        self.group = ws.Group.create(name, num_sources=2, num_destinations=3, allow_cast=True, relay=relay)
+        g = torch.Generator().manual_seed(11)
+        self.full = {k: torch.randn(s, generator=g) for k, s in T_SHAPES.items()}
+        self.locals = [{k: t[self._rows(k, i)].clone() for k, t in self.full.items()} for i in range(2)]
+        self.dtensors: list[dict[str, torch.Tensor]] = []
+        with ThreadPoolExecutor(8) as ex:
+            # small chunks: several staged chunks per push, each compared with its own reference
+            srcs = [ex.submit(ws.Source, name, i, self._named(i), timeout=60, delta=True,
+                              staging_bytes=1 << 20, chunk_bytes=64 << 10) for i in range(2)]
+            dsts = []
+            for j, (mode, inbox) in enumerate([("inplace", delta_bytes), ("staged", delta_bytes),
+                                               ("inplace", 0)]):
+                t = {"w": torch.full((300, 260), 0x7F, dtype=torch.uint8).view(FP8),
+                     "w_scale_inv": torch.full((3, 3), float("nan")),
+                     "c": torch.full((64, 48), float("nan"), dtype=torch.bfloat16),
+                     "n": torch.full((48,), float("nan"))}
+                self.dtensors.append(t)
+                dsts.append(ex.submit(ws.Destination, name, j, dict(t), mode, timeout=60, delta_bytes=inbox))
+            self.srcs = [f.result(timeout=120) for f in srcs]
+            self.dsts = [f.result(timeout=120) for f in dsts]
+        self.version = -1
+
+    @staticmethod
+    def _rows(k: str, i: int) -> slice:
+        if k == "n":
+            return slice(None)
+        cut = {"w": 150, "c": 32}[k]
+        return slice(0, cut) if i == 0 else slice(cut, None)
+
+    def _named(self, i: int) -> dict[str, Any]:
+        return {k: (t if k == "n" else ws.Sharded(t, T_SHAPES[k], (self._rows(k, i).start or 0, 0)))
+                for k, t in self.locals[i].items()}
+
+    def set(self, full: dict[str, torch.Tensor]) -> None:
+        self.full = {k: v.clone() for k, v in full.items()}
+        for i in range(2):
+            for k, t in self.locals[i].items():
+                t.copy_(full[k][self._rows(k, i)])
+
+    def push(self) -> list[ws.PushStats]:
+        self.version += 1
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(ws.push, s, self.version, 60.0) for s in self.srcs]
+            return [f.result(timeout=90) for f in futs]
+
+    def check(self) -> None:
+        for d in self.dsts:
+            assert d.wait(self.version, timeout=30) == self.version
+            d.apply()
+        ref = self.dtensors[2]
+        for j in (0, 1):
+            for k, t in self.dtensors[j].items():
+                assert torch.equal(t.view(torch.uint8), ref[k].view(torch.uint8)), \
+                    f"destination {j} {k} differs from the dense push at version {self.version}"
+
+    def close(self) -> None:
+        for p in self.srcs + self.dsts:
+            p.close()
+        self.group.shutdown()
+
+
+def test_cast_and_fp8_destinations_get_deltas_of_what_is_sent(ray_cluster) -> None:
+    team = RefTeam("delta-fp8")
+    try:
+        team.push()
+        team.check()
+        g = torch.Generator().manual_seed(5)
+        for v in range(1, 6):
+            full = {k: t.clone() for k, t in team.full.items()}
+            if v == 2:
+                pass  # nothing changed
+            elif v == 4:
+                full["w"][200, 7] = 1000.0  # one tile's amax: its scale and all its values change
+            else:  # an optimizer-like step: every fp32 value moves a little
+                for t in full.values():
+                    t.add_(torch.randn(t.shape, generator=g) * 1e-3 * t.abs())
+            team.set(full)
+            stats = team.push()
+            team.check()
+            for s in stats:
+                assert s.failed_destinations == []
+                assert s.delta_destinations == [0, 1], s
+                # fp32 moved by ~1e-3 relative: most bf16 and FP8 values stay, few are sent
+                assert s.wire_bytes < s.dense_bytes * 0.8, (v, s.wire_bytes, s.dense_bytes)
+            if v == 2:
+                assert all(s.changed_fraction == 0.0 for s in stats)
+    finally:
+        team.close()
+
+
+def test_delta_through_a_relay_chain_is_refused(ray_cluster) -> None:
+    group = ws.Group.create("delta-relay", num_sources=1, num_destinations=2, relay=True)
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            t = {"w": torch.randn(64, 32)}
+            src = ex.submit(ws.Source, "delta-relay", 0, t, timeout=60, delta=True)
+            dsts = [ex.submit(ws.Destination, "delta-relay", j, {"w": torch.zeros(64, 32)}, "inplace",
+                              timeout=60, delta_bytes=1 << 16) for j in range(2)]
+            s, ds = src.result(timeout=120), [f.result(timeout=120) for f in dsts]
+        try:
+            with pytest.raises(ws.WeightSyncError, match="relay"):
+                ws.push(s, 0, timeout=10)
+        finally:
+            for p in [s, *ds]:
+                p.close()
+    finally:
+        group.shutdown()

@@ -1,0 +1,689 @@
+"""Delta pushes: per planned write, only the elements that differ bitwise from the version the destination
+holds cross the wire, encoded; the destination scatters them into place.
+
+Who decides what
+----------------
+* A destination that can take deltas registers a *delta inbox* (``Destination(..., delta_bytes=N)``): a
+  host array of header slots (one per source rank, :data:`HEADER_RECORD`) and a payload area of ``N``
+  bytes on its device, split evenly between the group's sources. It publishes both descriptors under the
+  pseudo-key :data:`DELTA_KEY` when it joins. Its grant says which version it can take a delta on (the
+  ``held`` field of the grant): inplace, the live version unless an abandoned version left bytes in it;
+  staged, the newest complete version if the shadow it grants holds it too (after every version the
+  other shadow is brought up to it: same entries, off the sources' critical path), else -1.
+* Every source writes each inbox destination, per version, one *header* (its immediate
+  :func:`weightsync.wire.delta_header_imm`) after all its other writes to it, held back like a push's
+  tail until the source has checked its tensors: how many data immediates it delivers this version and
+  where its *entries* lie in the payload area. The destination waits for one header per source, then
+  for the sum of their data immediates, applies the sparse entries, flips the version and acks. An inbox
+  destination always lands this way (dense versions too), so there is no mixed counting.
+* A source created with ``delta=True`` keeps a copy of what it last pushed (its *reference*, one copy of
+  its local tensors on their device, ``PushStats.delta_ref_bytes``) and the version it holds. Its push
+  compares every local tensor with the reference once (integer views: bitwise, so NaN, -0.0 and
+  denormals count as what they are), and for each destination that granted a ``held`` equal to the
+  reference's version sends, per planned direct write, only the changed elements, in the smallest of
+  two encodings (:func:`choose`), or the write itself where that is smaller (the break-even). Every other
+  destination (new, replaced, failed, behind, after a re-plan: the reference's version is reset then)
+  gets the dense push, header included.
+
+Entries
+-------
+A source's payload for one destination starts with one :data:`ENTRY_DTYPE` row per planned write of this
+source into it (key index in the destination's sorted keys, encoding, word size, destination offset,
+rows, bytes per row, destination pitch, changed count, data offset), then the encoded data of the sparse
+ones. Dense entries carry no data: their bytes landed where the plan put them (a staged destination
+copies them into its other shadow). Encodings of ``n`` words of which ``k`` changed, ``w`` bytes a word:
+
+* :data:`ENC_IDX16`: per 65536-word block an int32 count, then each changed word's index within its
+  block as 16 bits, then the ``k`` values: ``4 ceil(n / 65536) + 2k + wk`` bytes;
+* :data:`ENC_BITMAP`: one bit per word, then the values: ``ceil(n / 8) + wk`` bytes (smaller from about
+  6% changed on);
+* :data:`ENC_EMPTY`: nothing changed, no data; :data:`ENC_DENSE`: the write went as planned.
+
+Everything here is torch ops on the tensors' own device (CPU or GPU).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from weightsync.errors import WeightSyncError
+
+DELTA_KEY = "\x00weightsync.delta"  # the descriptor entry of a destination's delta inbox
+ENC_DENSE, ENC_EMPTY, ENC_IDX16, ENC_BITMAP = 0, 1, 2, 3
+ENCODINGS = {ENC_DENSE: "dense", ENC_EMPTY: "empty", ENC_IDX16: "idx16", ENC_BITMAP: "bitmap"}
+BLOCK = 1 << 16  # words per ENC_IDX16 block (indices inside it fit 16 bits)
+ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
+MAX_HEADERS = 1024  # header slots of an inbox: source ranks (weightsync.wire.MAX_SLOTS)
+HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
+                          ("nbytes", "<i8"), ("entries", "<i8"), ("changed", "<i8"), ("words", "<i8")])
+ENTRY_DTYPE = np.dtype([("key", "<i4"), ("enc", "<i4"), ("word", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"),
+                        ("row_bytes", "<i8"), ("pitch", "<i8"), ("count", "<i8"), ("data", "<i8")])
+assert HEADER_RECORD.itemsize == 64 and ENTRY_DTYPE.itemsize == 64
+
+
+def _align(n: int) -> int:
+    return -(-int(n) // ALIGN) * ALIGN
+
+
+def word_dtype(w: int) -> Any:
+    """The integer torch dtype of ``w`` bytes: compares and copies of it are bitwise."""
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w]
+
+
+def words(t: Any, w: int) -> Any:
+    """A contiguous tensor's bytes as a flat tensor of ``w``-byte integers (trailing bytes left out)."""
+    import torch
+
+    b = t.detach().reshape(-1).view(torch.uint8)
+    return b[: b.numel() // w * w].view(word_dtype(w))
+
+
+def write_word(w_max: int, *offsets: int) -> int:
+    """The largest word size up to ``w_max`` (a power of two) dividing every offset, size and pitch of a
+    write: its elements are compared and placed in words of that many bytes."""
+    w = w_max
+    while w > 1 and any(int(o) % w for o in offsets):
+        w //= 2
+    return w
+
+
+# -- the codec -------------------------------------------------------------------------------------------
+def sparse_sizes(n: int, k: int, w: int) -> dict[int, int]:
+    """Bytes of each sparse encoding of ``k`` changed words out of ``n`` words of ``w`` bytes."""
+    return {ENC_IDX16: _align(4 * -(-n // BLOCK)) + _align(2 * k) + w * k,
+            ENC_BITMAP: _align(-(-n // 8)) + w * k}
+
+
+def choose(n: int, k: int, w: int) -> tuple[int, int]:
+    """(encoding, data bytes) of a write of ``n`` words of which ``k`` changed: nothing when none did, the
+    smaller sparse encoding when it is smaller than the write itself, else ENC_DENSE (the write goes as
+    planned, ``n * w`` bytes)."""
+    if k == 0:
+        return ENC_EMPTY, 0
+    enc, size = min(sparse_sizes(n, k, w).items(), key=lambda kv: (kv[1], kv[0]))
+    if size >= n * w:
+        return ENC_DENSE, n * w
+    return enc, size
+
+
+def encode_into(out: Any, enc: int, local: Any, values: Any, n: int) -> None:
+    """Writes the ``enc`` encoding of changed words ``local`` (sorted int64 indices into the write's ``n``
+    words) with ``values`` (their new words) into ``out`` (uint8, exactly ``sparse_sizes(...)[enc]``
+    bytes)."""
+    import torch
+
+    k, w = int(local.numel()), values.element_size()
+    if enc == ENC_IDX16:
+        nb = -(-n // BLOCK)
+        out[: 4 * nb].view(torch.int32).copy_(torch.bincount(local >> 16, minlength=nb))
+        low = local & 0xFFFF
+        o = _align(4 * nb)
+        out[o:o + 2 * k].view(torch.int16).copy_(low - ((low >> 15) << 16))  # as signed 16 bits
+        o += _align(2 * k)
+    elif enc == ENC_BITMAP:
+        nbytes = -(-n // 8)
+        bits = torch.zeros(nbytes * 8, dtype=torch.uint8, device=local.device)
+        bits[local] = 1
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=local.device)
+        out[:nbytes].copy_((bits.view(-1, 8) * weights).sum(1))
+        o = _align(nbytes)
+    else:
+        raise WeightSyncError(f"internal: no sparse encoding {enc}")
+    out[o:o + w * k].view(values.dtype).copy_(values)
+
+
+def decode(buf: Any, enc: int, n: int, k: int, w: int) -> tuple[Any, Any]:
+    """The changed words' indices (int64, sorted) into the write's ``n`` words and their values (``w``-byte
+    integers), from an encoding written by :func:`encode_into` (``buf``: uint8, starting at it)."""
+    import torch
+
+    if enc == ENC_IDX16:
+        nb = -(-n // BLOCK)
+        counts = buf[: 4 * nb].view(torch.int32).to(torch.int64)
+        o = _align(4 * nb)
+        low = buf[o:o + 2 * k].view(torch.int16).to(torch.int64) & 0xFFFF
+        blocks = torch.repeat_interleave(torch.arange(nb, device=buf.device), counts, output_size=k)
+        local = (blocks << 16) | low
+        o += _align(2 * k)
+    elif enc == ENC_BITMAP:
+        nbytes = -(-n // 8)
+        shifts = torch.arange(8, dtype=torch.uint8, device=buf.device)
+        bits = (buf[:nbytes].unsqueeze(1) >> shifts) & 1
+        local = torch.nonzero(bits.reshape(-1)).reshape(-1)
+        o = _align(nbytes)
+    else:
+        raise WeightSyncError(f"internal: no sparse encoding {enc}")
+    return local, buf[o:o + w * k].view(word_dtype(w))
+
+
+def placed(local: Any, base: int, row_words: int, pitch_words: int, rows: int) -> Any:
+    """Word indices, in a tensor's flat word view, of a write's words ``local`` (indices into its
+    ``rows`` rows of ``row_words`` words, ``pitch_words`` apart, the first at word ``base``)."""
+    if rows <= 1 or pitch_words == row_words:
+        return local + base
+    r = local // row_words
+    return base + r * pitch_words + (local - r * row_words)
+
+
+# -- the source's side -----------------------------------------------------------------------------------
+_DIRECT_DTYPE = np.dtype([("round", "<i8"), ("pos", "<i8"), ("key", "<i4"), ("dkey", "<i4"), ("word", "<i8"),
+                          ("src_off", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"), ("row_bytes", "<i8"),
+                          ("src_pitch", "<i8"), ("dst_pitch", "<i8"), ("imms", "<i8")])
+
+
+@dataclass
+class _Inbox:
+    """A destination's delta inbox as a source sees it, and what this source writes into it."""
+
+    rank: int
+    header: bytes  # descriptor of its header slots
+    payload: bytes  # descriptor of its payload area
+    offset: int  # this source's share of the payload area
+    share: int
+    keys: dict[str, int]  # destination key -> index in its sorted keys
+    dkeys: Sequence[str]  # the destination keys this source's writes index (its descriptor table)
+    # Direct writes (of the program's rounds), one row each: round, position in it, source key, geometry
+    direct: np.ndarray = field(default_factory=lambda: np.zeros(0, _DIRECT_DTYPE))
+    fixed: np.ndarray = field(default_factory=lambda: np.zeros(0, ENTRY_DTYPE))  # the tail: as planned
+    fixed_imms: int = 0
+    capacity: int = 0  # entries at most per push (direct, staged, tail)
+    send: Any = None  # the payload as sent (entries, then data), on this source's device
+    region: Any = None
+
+
+@dataclass
+class DeltaWork:
+    """What one push sends one inbox destination: per round index, which of its direct writes go as
+    planned (None: every write, a dense push), and, once final, the payload (entries and sparse data) and
+    header figures."""
+
+    rank: int
+    delta: bool
+    keep: dict[int, np.ndarray] | None
+    dense_bytes: int  # bytes a dense push sends it
+    payload_bytes: int = 0
+    imms: int = 0  # data immediates this source delivers this version (writes as planned, payload)
+    entries: int = 0
+    wire_bytes: int = 0  # bytes this source sends it this version (sparse data, entries, dense writes)
+    changed: int = 0  # changed words in the writes compared
+    words: int = 0  # words in the writes compared
+    # being built: entry rows so far, the next free data byte, immediates and bytes of planned writes
+    rows: list[np.ndarray] = field(default_factory=list)
+    at: int = 0
+    planned_imms: int = 0
+    planned_bytes: int = 0
+
+
+def split_payload(total: int, sources: int) -> int:
+    """Bytes of each source's share of a payload area of ``total`` bytes (ALIGN multiples)."""
+    return total // max(sources, 1) // ALIGN * ALIGN
+
+
+class DeltaSender:
+    """A source's delta state: the reference (what it last pushed: per local key for direct writes, per
+    staging chunk for packed, cast and FP8 writes), its version, and per plan epoch the inboxes of its
+    destinations with their writes."""
+
+    def __init__(self, engine: Any, locals_: Mapping[str, Any], device: Any, rank: int,
+                 enabled: bool) -> None:
+        self.engine = engine
+        self.locals = locals_
+        self.device = device
+        self.rank = rank
+        self.enabled = enabled
+        self.refs: dict[str, Any] | None = None
+        self.chunk_refs: dict[int, Any] = {}  # staging chunk -> its bytes as last pushed
+        self.chunk_words = np.zeros(0, np.int64)
+        self.ref_version = -1  # the version the reference holds (-1: none usable)
+        self.inboxes: dict[int, _Inbox] = {}
+        self.headers = np.zeros(MAX_HEADERS, HEADER_RECORD)  # header outbox, by destination rank
+        self.header_region = engine.register(self.headers, name=f"source {rank} delta headers")
+        self.words = {k: self._key_word(t) for k, t in locals_.items()}
+        self._changed: dict[str, tuple[Any, Any]] = {}  # this push: key -> (changed word indices, values)
+        self._chunk_changed: dict[int, tuple[Any, Any] | None] = {}  # chunk -> same (None: not compared)
+        self._works: dict[int, DeltaWork] = {}
+        self.base = -1  # this push's reference version
+        self.encode_seconds = 0.0
+
+    @staticmethod
+    def _key_word(t: Any) -> int:
+        if not hasattr(t, "element_size"):
+            return 0  # numpy: compared never (sent dense)
+        es = int(t.element_size())
+        return es if es in (1, 2, 4, 8) else 0
+
+    @property
+    def ref_bytes(self) -> int:
+        keys = 0 if self.refs is None else sum(int(r.numel()) * r.element_size() for r in self.refs.values())
+        return keys + sum(int(r.numel()) for r in self.chunk_refs.values())
+
+    def close_regions(self) -> None:
+        for ib in self.inboxes.values():
+            if ib.region is not None:
+                self.engine.deregister(ib.region)
+        self.inboxes = {}
+
+    def load(self, part: Any, rounds: Sequence[Any], src_keys: Sequence[str], tails: Mapping[int, Any],
+             dests: Mapping[int, Any], dpos_keys: Mapping[int, Sequence[str]], sources: int) -> None:
+        """A new plan part: the inboxes of this source's destinations and its writes into each. The
+        staging chunks' references go (the chunks are cut anew); the tensors' stay, and so does their
+        version: a destination that still holds it gets a delta of the direct writes."""
+        import torch
+
+        from weightsync.plan.layout import DTYPE_SIZES
+        from weightsync.plan.writes import C_CAST, C_FP8, C_RAW, C_SCALE, K_DATA
+
+        self.close_regions()
+        self.chunk_refs = {}
+        keys = part.keys
+        # A staging chunk is compared in words of its smallest element (FP8 values: bytes).
+        cw = np.full(len(part.chunks), 8, np.int64)
+        for c in part.copies:
+            kind = int(c["kind"])
+            if kind == C_RAW:
+                w = self.words.get(keys[int(c["key"])], 1) or 1
+            elif kind == C_CAST:
+                w = DTYPE_SIZES[part.plan.dst_dtype[int(c["tensor"])]]
+            elif kind == C_SCALE:
+                w = 4
+            elif kind == C_FP8:
+                w = 1
+            else:
+                continue
+            cw[int(c["chunk"])] = min(cw[int(c["chunk"])], w)
+        self.chunk_words = cw
+        if part.relay:
+            return  # relay chains land by their own counts: no headers
+        w = part.writes
+        staged = w[(w["staged"] == 1) & (w["kind"] == K_DATA)]
+        for rank, d in dests.items():
+            entry = d.target.descriptors.get(DELTA_KEY)
+            if not entry:
+                continue
+            size = struct.unpack("<q", entry[2])[0]
+            share = split_payload(size, sources)
+            dkeys = sorted(k for k in d.target.descriptors if k != DELTA_KEY)
+            kidx = {k: i for i, k in enumerate(dkeys)}
+            ib = _Inbox(rank, entry[0], entry[1], self.rank * share, share, kidx, dpos_keys[rank])
+            t = tails.get(rank)
+            if t is not None:  # the tail: posted as planned, from the snapshot
+                rows = t.rows or 1
+                ib.fixed = np.zeros(1, ENTRY_DTYPE)
+                ib.fixed[0] = (kidx[ib.dkeys[t.dst_index]], ENC_DENSE, 1, t.dst_off, rows, t.nbytes,
+                               t.dst_pitch if rows > 1 else t.nbytes, 0, 0)
+                ib.fixed_imms = self.engine.imm_count(t.nbytes, True, rows)
+            rows_: list[tuple] = []
+            for ri, r in enumerate(rounds):
+                if r.rank != rank:
+                    continue
+                nrows, spitch, dpitch = r.geometry
+                for i in range(len(r.nbytes)):
+                    key = src_keys[int(r.src_index[i])]
+                    nr = int(nrows[i]) if nrows is not None else 1
+                    rb, so, do = int(r.nbytes[i]), int(r.src_off[i]), int(r.dst_off[i])
+                    sp = int(spitch[i]) if nrows is not None and nr > 1 else rb
+                    dp = int(dpitch[i]) if nrows is not None and nr > 1 else rb
+                    kw = self.words[key]
+                    word = write_word(kw, so, do, rb, sp, dp) if kw else 0
+                    if word != kw:
+                        word = 0  # not aligned to the key's elements: always as planned
+                    dkey = kidx[ib.dkeys[int(r.dst_index[i])]]
+                    rows_.append((ri, i, list(self.locals).index(key), dkey, word, so, do, nr, rb, sp, dp,
+                                  self.engine.imm_count(rb, True, nr)))
+            ib.direct = np.array(rows_, _DIRECT_DTYPE) if rows_ else np.zeros(0, _DIRECT_DTYPE)
+            ib.capacity = len(ib.direct) + int((staged["dst_rank"] == d.target.slot).sum()) + len(ib.fixed)
+            need = ib.capacity * ENTRY_DTYPE.itemsize
+            if need > share:
+                raise WeightSyncError(
+                    f"source {self.rank}: destination {rank}'s delta inbox gives each of {sources} sources "
+                    f"{share} bytes, less than the {need} bytes of this source's entries alone (raise the "
+                    "destination's delta_bytes)")
+            ib.send = torch.zeros(share, dtype=torch.uint8, device=self.device)
+            ib.region = self.engine.register(ib.send, name=f"source {self.rank} delta payload to {rank}")
+            self.inboxes[rank] = ib
+
+    # -- one push ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """At the push's start: compares every local tensor with the reference (changed word indices and
+        their values are kept for this push), or takes the first reference."""
+        import torch
+
+        t0 = time.perf_counter()
+        self._changed, self._chunk_changed, self._works = {}, {}, {}
+        self.base = self.ref_version
+        self.ref_version = -1  # until this push has succeeded (its values replace the reference's)
+        self.encode_seconds = 0.0
+        if not self.enabled:
+            return
+        if self.refs is None:
+            self.refs = {k: t.detach().clone() for k, t in self.locals.items() if self.words[k]}
+            self.base = -1
+        elif self.base >= 0:
+            for key, ref in self.refs.items():
+                w = self.words[key]
+                cur, old = words(self.locals[key], w), words(ref, w)
+                idx = torch.nonzero(cur != old).reshape(-1)
+                self._changed[key] = (idx, cur[idx])
+        else:  # the reference is not of a version anyone holds: it becomes this push's values
+            for key, ref in self.refs.items():
+                ref.copy_(self.locals[key].detach())
+        self.encode_seconds = time.perf_counter() - t0
+
+    def chunk(self, c: int, view: Any) -> None:
+        """Staging chunk ``c`` is prepared in ``view`` (first time this push: compared with its reference,
+        or its reference taken)."""
+        import torch
+
+        if not self.enabled or c in self._chunk_changed:
+            return
+        t0 = time.perf_counter()
+        ref = self.chunk_refs.get(c)
+        if ref is None or ref.numel() != view.numel():
+            self.chunk_refs[c] = view.clone()
+            self._chunk_changed[c] = None  # its writes as planned this push
+        elif self.base < 0:
+            ref.copy_(view)
+            self._chunk_changed[c] = None
+        else:
+            w = int(self.chunk_words[c])
+            cur = words(view, w)
+            idx = torch.nonzero(cur != words(ref, w)).reshape(-1)
+            self._chunk_changed[c] = (idx, cur[idx])
+        self.encode_seconds += time.perf_counter() - t0
+
+    def begin(self, rank: int, base: int, dense_bytes: int) -> DeltaWork:
+        """Encodes this push's direct writes for inbox destination ``rank``, which can take a delta on
+        version ``base`` (-1: none), into its send buffer; staged writes follow (``staged``)."""
+        t0 = time.perf_counter()
+        ib = self.inboxes[rank]
+        d = ib.direct
+        delta = self.enabled and base >= 0 and base == self.base
+        work = DeltaWork(rank, delta, None, dense_bytes, at=_align(ib.capacity * ENTRY_DTYPE.itemsize))
+        enc = np.full(len(d), ENC_DENSE, np.int32)
+        counts = np.zeros(len(d), np.int64)
+        data_off = np.zeros(len(d), np.int64)
+        if delta:
+            for i, (local, vals) in self._select(d, list(self.locals)).items():
+                n = int(d["rows"][i]) * int(d["row_bytes"][i]) // int(d["word"][i])
+                e, off = self._encode(ib, work, n, local, vals, int(d["word"][i]))
+                enc[i], counts[i], data_off[i] = e, local.numel(), off
+        rows = np.zeros(len(d), ENTRY_DTYPE)
+        rows["key"] = d["dkey"]
+        rows["enc"] = enc
+        rows["word"] = np.maximum(d["word"], 1)
+        rows["dst_off"] = d["dst_off"]
+        rows["rows"] = d["rows"]
+        rows["row_bytes"] = d["row_bytes"]
+        rows["pitch"] = d["dst_pitch"]
+        rows["count"] = np.where(enc == ENC_DENSE, 0, counts)
+        rows["data"] = data_off
+        work.rows.append(rows)
+        dense = enc == ENC_DENSE
+        work.planned_imms += int(d["imms"][dense].sum())
+        work.planned_bytes += int((d["rows"] * d["row_bytes"])[dense].sum())
+        if delta:
+            work.keep = {}
+            for ri in np.unique(d["round"]).tolist():
+                m = d["round"] == ri
+                mask = np.zeros(int(d["pos"][m].max()) + 1, bool)
+                mask[d["pos"][m]] = dense[m]
+                work.keep[int(ri)] = mask
+        self._works[rank] = work
+        self.encode_seconds += time.perf_counter() - t0
+        return work
+
+    def _encode(self, ib: _Inbox, work: DeltaWork, n: int, local: Any, vals: Any, w: int) -> tuple[int, int]:
+        """Encodes one write's changes into ``ib``'s send buffer if that is smaller than the write and
+        fits; returns (encoding, data offset)."""
+        k = int(local.numel())
+        work.changed += k
+        work.words += n
+        e, size = choose(n, k, w)
+        if e == ENC_DENSE or work.at + size > ib.share:
+            return ENC_DENSE, 0
+        off = work.at
+        if size:
+            encode_into(ib.send[off:off + size], e, local, vals, n)
+        work.at += _align(size)
+        return e, off
+
+    def staged(self, rank: int, c: int, src_off: np.ndarray, di: np.ndarray, dst_off: np.ndarray,
+               nbytes: np.ndarray) -> np.ndarray | None:
+        """Staged chunk ``c``'s writes into inbox destination ``rank`` (1-D, at ``src_off`` in the chunk):
+        records their entries, encodes the changed words of those it sends as a delta, and returns which
+        go as planned (None: ``rank`` has no inbox)."""
+        work = self._works.get(rank)
+        if work is None:
+            return None
+        t0 = time.perf_counter()
+        ib = self.inboxes[rank]
+        n_w = len(nbytes)
+        enc = np.full(n_w, ENC_DENSE, np.int32)
+        counts = np.zeros(n_w, np.int64)
+        data_off = np.zeros(n_w, np.int64)
+        word = np.ones(n_w, np.int64)
+        changed = self._chunk_changed.get(c)
+        if work.delta and changed is not None:
+            import torch
+
+            idx, vals = changed
+            cw = int(self.chunk_words[c])
+            so, nb, do = src_off.astype(np.int64), nbytes.astype(np.int64), dst_off.astype(np.int64)
+            ok = (so % cw == 0) & (nb % cw == 0) & (do % cw == 0)
+            bounds = torch.tensor(np.stack([so // cw, (so + nb) // cw], 1).reshape(-1), device=idx.device)
+            cut = torch.searchsorted(idx, bounds).tolist()
+            for i in np.flatnonzero(ok).tolist():
+                lo, hi = cut[2 * i], cut[2 * i + 1]
+                local = idx[lo:hi] - int(so[i]) // cw
+                e, off = self._encode(ib, work, int(nb[i]) // cw, local, vals[lo:hi], cw)
+                enc[i], counts[i], data_off[i], word[i] = e, hi - lo, off, cw
+        rows = np.zeros(n_w, ENTRY_DTYPE)
+        rows["key"] = [ib.keys[ib.dkeys[int(x)]] for x in di]
+        rows["enc"] = enc
+        rows["word"] = word
+        rows["dst_off"] = dst_off
+        rows["rows"] = 1
+        rows["row_bytes"] = nbytes
+        rows["pitch"] = nbytes
+        rows["count"] = np.where(enc == ENC_DENSE, 0, counts)
+        rows["data"] = data_off
+        work.rows.append(rows)
+        keep = enc == ENC_DENSE
+        work.planned_imms += sum(self.engine.imm_count(int(n)) for n in nbytes[keep].tolist())
+        work.planned_bytes += int(nbytes[keep].astype(np.int64).sum())
+        self.encode_seconds += time.perf_counter() - t0
+        return keep
+
+    def finalize(self, rank: int) -> DeltaWork:
+        """The payload of ``rank`` complete: its entries (the tail's last) written at the head of the
+        send buffer; returns the work with its final figures."""
+        import torch
+
+        work = self._works[rank]
+        ib = self.inboxes[rank]
+        entries = np.concatenate([*work.rows, ib.fixed])
+        if len(entries) > ib.capacity:
+            raise WeightSyncError(f"internal: {len(entries)} delta entries for destination {rank}, room for "
+                                  f"{ib.capacity}")
+        ib.send[: len(entries) * ENTRY_DTYPE.itemsize].copy_(torch.from_numpy(entries.view(np.uint8)))
+        work.entries = len(entries)
+        work.payload_bytes = work.at
+        work.imms = work.planned_imms + ib.fixed_imms + self.engine.imm_count(work.at)
+        work.wire_bytes = work.at + work.planned_bytes + int(ib.fixed["rows"] @ ib.fixed["row_bytes"])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
+        return work
+
+    def _select(self, d: np.ndarray, keys: list[str]) -> dict[int, tuple[Any, Any]]:
+        """Per direct write of ``d`` that is compared: its changed words (indices into its own words, in
+        order) and their values, out of its key's changed words."""
+        import torch
+
+        out: dict[int, tuple[Any, Any]] = {}
+        for ki in np.unique(d["key"]).tolist():
+            key = keys[ki]
+            if key not in self._changed:
+                continue
+            idx, vals = self._changed[key]
+            rows = np.flatnonzero((d["key"] == ki) & (d["word"] > 0))
+            if not len(rows):
+                continue
+            w = d["word"][rows]
+            start = d["src_off"][rows] // w
+            span = ((d["rows"][rows] - 1) * d["src_pitch"][rows] + d["row_bytes"][rows]) // w
+            bounds = torch.tensor(np.stack([start, start + span], 1).reshape(-1), device=idx.device)
+            cut = torch.searchsorted(idx, bounds).tolist()
+            for j, i in enumerate(rows.tolist()):
+                lo, hi = cut[2 * j], cut[2 * j + 1]
+                sub, v = idx[lo:hi] - int(start[j]), vals[lo:hi]
+                nr = int(d["rows"][i])
+                m = int(d["row_bytes"][i]) // int(w[j])
+                p = int(d["src_pitch"][i]) // int(w[j])
+                if nr > 1 and p != m:
+                    r = sub // p
+                    c = sub - r * p
+                    inside = c < m
+                    sub, v = (r * m + c)[inside], v[inside]
+                out[i] = (sub, v)
+        return out
+
+    def header(self, rank: int, epoch: int, version: int, work: DeltaWork) -> None:
+        ib = self.inboxes[rank]
+        self.headers[rank] = (epoch, version, work.imms, ib.offset, work.payload_bytes, work.entries,
+                              work.changed, work.words)
+
+    def finish(self, version: int, ok: bool) -> None:
+        """After the push: the changed values become the reference; usable from the next push on if this
+        one succeeded."""
+        t0 = time.perf_counter()
+        if self.refs is not None:
+            for key, (idx, vals) in self._changed.items():
+                words(self.refs[key], self.words[key])[idx] = vals
+        for c, changed in self._chunk_changed.items():
+            if changed is not None:
+                words(self.chunk_refs[c], int(self.chunk_words[c]))[changed[0]] = changed[1]
+        self._changed, self._chunk_changed = {}, {}
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(self.device).synchronize()
+        self.ref_version = version if ok and self.enabled and self.refs is not None else -1
+        self.encode_seconds += time.perf_counter() - t0
+
+
+# -- the destination's side ------------------------------------------------------------------------------
+class DeltaReceiver:
+    """A destination's delta inbox and what its shadows hold."""
+
+    def __init__(self, engine: Any, buffers: Mapping[str, list[Any]], mode: str, device: Any, nbytes: int,
+                 rank: int) -> None:
+        import torch
+
+        self.engine = engine
+        self.buffers = buffers
+        self.mode = mode
+        self.device = device
+        self.keys = sorted(buffers)
+        self.headers = np.full(MAX_HEADERS, -1, HEADER_RECORD)
+        self.header_region = engine.register(self.headers, name=f"destination {rank} delta headers")
+        self.payload = torch.zeros(max(int(nbytes), ALIGN), dtype=torch.uint8, device=device)
+        self.payload_region = engine.register(self.payload, name=f"destination {rank} delta payload")
+        self.holds = [-1, -1] if mode == "staged" else [-1]  # the version each buffer holds exactly
+        self.apply_seconds = 0.0
+        self._entries: list[tuple[np.ndarray, int]] = []  # this version's entries (and payload offset)
+
+    def descriptor(self) -> list[bytes]:
+        return [self.header_region.descriptor, self.payload_region.descriptor,
+                struct.pack("<q", int(self.payload.numel()))]
+
+    def base(self, version: int, dirty: bool, shadow: int) -> int:
+        """The version a delta into ``shadow`` may be taken on: the one this destination holds, if the
+        buffer written holds exactly it."""
+        if dirty or version < 0 or self.holds[shadow] != version:
+            return -1
+        return version
+
+    def granted(self, shadow: int) -> None:
+        self.holds[shadow] = -1  # bytes of the new version may land in it from now on
+        self._entries = []
+
+    def read_headers(self, sources: Sequence[int], epoch: int, version: int) -> int:
+        """The data immediates the version's headers announce (all of them arrived)."""
+        total = 0
+        self._entries = []
+        for r in sources:
+            h = self.headers[r]
+            if int(h["version"]) != version or int(h["epoch"]) != epoch:
+                raise WeightSyncError(f"delta header of source {r} names version {int(h['version'])} of plan "
+                                      f"epoch {int(h['epoch'])}, not {version} of {epoch}")
+            total += int(h["imms"])
+            n = int(h["entries"])
+            off = int(h["offset"])
+            raw = self.payload[off:off + n * ENTRY_DTYPE.itemsize].cpu().numpy()
+            self._entries.append((raw.view(ENTRY_DTYPE).copy(), off))
+        return total
+
+    def apply(self, shadow: int) -> None:
+        """Scatters this version's sparse entries into buffer ``shadow``."""
+        t0 = time.perf_counter()
+        for entries, off in self._entries:
+            sparse = entries[(entries["enc"] == ENC_IDX16) | (entries["enc"] == ENC_BITMAP)]
+            for e in sparse:
+                self._scatter(e, off, shadow)
+        self._sync_device()
+        self.apply_seconds = time.perf_counter() - t0
+
+    def _scatter(self, e: np.void, off: int, shadow: int) -> None:
+        w = int(e["word"])
+        rows, rb, pitch = int(e["rows"]), int(e["row_bytes"]), int(e["pitch"])
+        n = rows * rb // w
+        at = off + int(e["data"])
+        local, vals = decode(self.payload[at:], int(e["enc"]), n, int(e["count"]), w)
+        target = words(self.buffers[self.keys[int(e["key"])]][shadow], w)
+        target[placed(local, int(e["dst_off"]) // w, rb // w, pitch // w, rows)] = vals
+
+    def completed(self, version: int, shadow: int) -> None:
+        self.holds[shadow] = version
+
+    def sync_other(self, version: int, shadow: int) -> None:
+        """Staged: brings the other shadow to ``version`` (complete in ``shadow``): the dense entries'
+        regions copied, the sparse ones applied again. The next version is granted into it."""
+        if self.mode != "staged":
+            return
+        other = 1 - shadow
+        self.holds[other] = -1
+        for entries, off in self._entries:
+            for e in entries:
+                if int(e["enc"]) == ENC_DENSE:
+                    self._copy_region(e, shadow, other)
+                elif int(e["enc"]) != ENC_EMPTY:
+                    self._scatter(e, off, other)
+        self._sync_device()
+        self.holds[other] = version
+
+    def _copy_region(self, e: np.void, src: int, dst: int) -> None:
+        import torch
+
+        key = self.keys[int(e["key"])]
+        a = self.buffers[key][src].detach().reshape(-1).view(torch.uint8)
+        b = self.buffers[key][dst].detach().reshape(-1).view(torch.uint8)
+        rows, rb, pitch, o = int(e["rows"]), int(e["row_bytes"]), int(e["pitch"]), int(e["dst_off"])
+        if rows <= 1 or pitch == rb:
+            b[o:o + rows * rb].copy_(a[o:o + rows * rb])
+        else:
+            b.as_strided((rows, rb), (pitch, 1), b.storage_offset() + o).copy_(
+                a.as_strided((rows, rb), (pitch, 1), a.storage_offset() + o))
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(self.device).synchronize()
