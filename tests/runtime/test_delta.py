@@ -453,3 +453,40 @@ def test_delta_through_a_relay_chain_is_refused(ray_cluster) -> None:
                 p.close()
     finally:
         group.shutdown()
+
+
+def test_a_destination_that_missed_a_version_gets_it_dense_after_the_replan(team_factory) -> None:
+    """Destination 1's receiving thread is held (its lock) through one push: the sources give up on it,
+    report it, and the coordinator re-plans without it; it joins again (another re-plan). The next push
+    is a delta for the destinations that hold the sources' last version and dense for it."""
+    team = team_factory("delta-missed", ["tp0", "tp1", "replica"], ["inplace", "staged", "inplace"])
+    team.push()
+    team.check()
+    team.set(step(team.full, "odd", seed=1))
+    team.push()
+    team.check()
+    missed = team.dsts[1]
+    before = missed.version
+    with missed._lock:  # holds its grant back: it cannot take the next version
+        team.set(step(team.full, "odd", seed=2))
+        stats = team.push(timeout=3.0)
+        assert all(s.failed_destinations == [1] for s in stats), stats
+        assert all(s.delta_destinations == [0, 2] for s in stats), stats
+    team.check([0, 2])
+    assert missed.version == before
+    deadline = time.monotonic() + 60
+    while missed.readmissions < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert missed.readmissions >= 1
+    for attempt in range(3):  # its first push back may still miss it (paths being re-established)
+        team.set(step(team.full, "odd", seed=10 + attempt))
+        stats = team.push()
+        if all(1 not in s.failed_destinations for s in stats):
+            break
+    team.check()
+    for s in stats:
+        assert 1 not in s.delta_destinations and {0, 2} <= set(s.delta_destinations), s
+    team.set(step(team.full, "last", seed=20))
+    stats = team.push()  # now it holds the sources' version again: a delta for everyone
+    team.check()
+    assert all(s.delta_destinations == [0, 1, 2] for s in stats), stats
