@@ -40,6 +40,18 @@ QWEN3_MOE = {
     "hidden_act": "silu", "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
     "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
 }
+# DeepSeek-V3: MLA (low-rank q and kv projections, fused_qkv_a_proj in vLLM), a dense first layer, then
+# MoE layers with a shared expert, sigmoid routing and its float32 e_score_correction_bias.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+    "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "vocab_size": 200, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_scaling": None, "attention_bias": False,
+}
 
 _distributed = False
 
@@ -108,7 +120,7 @@ def hf_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 
     g = torch.Generator().manual_seed(seed)
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    nq, nkv = config["num_attention_heads"], config.get("num_key_value_heads", 0)
     hd = config.get("head_dim") or h // nq
 
     def rnd(*shape: int) -> Any:
@@ -122,6 +134,9 @@ def hf_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         sd["lm_head.weight"] = rnd(v, h)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if config["model_type"] == "deepseek_v3":
+            sd |= _deepseek_layer(config, i, rnd)
+            continue
         sd |= {p + "self_attn.q_proj.weight": rnd(nq * hd, h),
                p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
                p + "self_attn.v_proj.weight": rnd(nkv * hd, h),
@@ -139,4 +154,34 @@ def hf_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
                    p + "mlp.down_proj.weight": rnd(h, inter)}
         if config["model_type"] in ("qwen3", "qwen3_moe"):
             sd |= {p + "self_attn.q_norm.weight": rnd(hd), p + "self_attn.k_norm.weight": rnd(hd)}
+    return sd
+
+
+def _deepseek_layer(config: dict[str, Any], i: int, rnd: Any) -> dict[str, Any]:
+    """One DeepSeek-V3 decoder layer's Hugging Face tensors: MLA, then a dense MLP (the first
+    ``first_k_dense_replace`` layers) or routed experts, a shared expert and the router with its float32
+    score-correction bias."""
+    h, nh = config["hidden_size"], config["num_attention_heads"]
+    ql, kvl = config["q_lora_rank"], config["kv_lora_rank"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    sd = {a + "q_a_proj.weight": rnd(ql, h), a + "q_a_layernorm.weight": rnd(ql),
+          a + "q_b_proj.weight": rnd(nh * (nope + rope), ql),
+          a + "kv_a_proj_with_mqa.weight": rnd(kvl + rope, h),
+          a + "kv_a_layernorm.weight": rnd(kvl), a + "kv_b_proj.weight": rnd(nh * (nope + v), kvl),
+          a + "o_proj.weight": rnd(h, nh * v),
+          p + "input_layernorm.weight": rnd(h), p + "post_attention_layernorm.weight": rnd(h)}
+
+    def mlp(prefix: str, inter: int) -> dict[str, Any]:
+        return {prefix + "gate_proj.weight": rnd(inter, h), prefix + "up_proj.weight": rnd(inter, h),
+                prefix + "down_proj.weight": rnd(h, inter)}
+
+    if i < config["first_k_dense_replace"]:
+        return sd | mlp(p + "mlp.", config["intermediate_size"])
+    moe, n = config["moe_intermediate_size"], config["n_routed_experts"]
+    sd |= {p + "mlp.gate.weight": rnd(n, h), p + "mlp.gate.e_score_correction_bias": rnd(n).float()}
+    sd |= mlp(p + "mlp.shared_experts.", moe * config["n_shared_experts"])
+    for e in range(n):
+        sd |= mlp(f"{p}mlp.experts.{e}.", moe)
     return sd

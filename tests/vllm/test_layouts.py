@@ -65,8 +65,8 @@ def fill_through_planner(target: Any, layout: Any, sd: dict[str, Any]) -> None:
             [{k: v.local_tensor for k, v in dst.items()}])
 
 
-@pytest.mark.parametrize("config", [models.LLAMA, models.QWEN3, models.QWEN3_MOE],
-                         ids=["llama", "qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("config", [models.LLAMA, models.QWEN3, models.QWEN3_MOE, models.DEEPSEEK_V3],
+                         ids=["llama", "qwen3", "qwen3-moe", "deepseek-v3"])
 def test_derived_layout_fills_the_model_bit_identically(config: dict[str, Any]) -> None:
     from vllm.config import set_current_vllm_config
 
@@ -206,3 +206,13 @@ def test_expert_parallel_ranks_hold_their_experts_whole_bit_identically() -> Non
         others = [e for e in range(n) if e not in mine]
         assert sorted(got["unused"]) == sorted(EXPERTS.format(i, e, w) for i in range(2) for e in others
                                                for w in ("gate", "up", "down"))
+
+
+def test_deepseek_v3_at_tensor_parallel_2_is_filled_bit_identically() -> None:
+    """DeepSeek-V3 (MLA's fused_qkv_a_proj and kv_b_proj, a dense layer, routed and shared experts, the
+    float32 router bias) at TP 2: both ranks bit-identical to vLLM's own loading, every tensor used."""
+    for rank, got in enumerate(run_ranks("DEEPSEEK_V3")):
+        assert got["differ"] == [] and got["unloaded"] == [] and got["unused"] == [], (rank, got["differ"])
+        # the replicated low-rank projection fuses q_a_proj and kv_a_proj_with_mqa whole on each rank
+        fused = got["pieces"]["model.layers.0.self_attn.fused_qkv_a_proj.weight"]
+        assert [p[0].rsplit(".", 2)[-2] for p in fused] == ["q_a_proj", "kv_a_proj_with_mqa"]
