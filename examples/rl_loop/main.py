@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=10, help="steps averaged for reward_first / reward_last")
     p.add_argument("--plot", default="rl_loop.png", help="where to write the plot ('' for none)")
     p.add_argument("--quiet", action="store_true", help="print only the final JSON line")
+    p.add_argument("--delta", action="store_true",
+                   help="delta pushes: each push sends only the values that changed since the last (this "
+                        "loop's learning rate changes most of them: expect little saving)")
     args = p.parse_args(argv)
     if args.prompts % args.rollouts:
         p.error("--prompts must be a multiple of --rollouts")
@@ -109,10 +112,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         groups_per_rollout = args.prompts // args.rollouts
         gen_groups = max(1, groups_per_rollout // 2)
         rollouts = [rollout_cls[j].remote(name, j, cfg, task, args.seed, gen_groups, args.group_size,
-                                          args.mode, args.device) for j in range(args.rollouts)]
+                                          args.mode, args.device, delta=args.delta)
+                    for j in range(args.rollouts)]
         port = _free_port()
         trainers = [trainer_cls[i].remote(name, i, args.trainers, port, cfg, task, args.seed, args.lr,
-                                          args.clip, args.epochs, args.group_size, args.device)
+                                          args.clip, args.epochs, args.group_size, args.device,
+                                          delta=args.delta)
                     for i in range(args.trainers)]
         actors = trainers + rollouts
         ray.get([a.__ray_ready__.remote() for a in actors], timeout=300)
@@ -165,18 +170,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             version, push, bad = last_push
             push_s = max(p["seconds"] for p in push)
             push_bytes = sum(p["bytes"] for p in push)
+            wire_bytes = sum(p["wire_bytes"] for p in push)
+            changed = [p["changed"] for p in push if p["changed"] >= 0]
             wait_s = max(r["wait_s"] for r in results)
             staleness = (step - 1) - batch["versions"]  # trainers trained from version step - 1
             rec = {"step": step, "reward": batch["rewards"].mean().item(),
                    "staleness_mean": staleness.float().mean().item(), "staleness_max": int(staleness.max()),
                    "push_version": version, "push_s": push_s, "push_bytes": push_bytes,
-                   "push_gbps": push_bytes / push_s / 1e9, "wait_s": wait_s,
+                   "push_gbps": push_bytes / push_s / 1e9, "wait_s": wait_s, "wire_bytes": wire_bytes,
+                   "changed_fraction": statistics.fmean(changed) if changed else None,
                    "train_s": max(r["train_s"] for r in results), "step_s": time.perf_counter() - t_step,
                    "clip_frac": results[0]["clip_frac"], "match": not bad}
             history.append(rec)
             say(f"step {step:4d}  reward {rec['reward']:.3f}  staleness {rec['staleness_mean']:.2f} (max "
                 f"{rec['staleness_max']})  push v{version} {push_s * 1e3:6.1f} ms "
-                f"{rec['push_gbps']:.3f} GB/s, trainer waited {wait_s * 1e3:6.2f} ms  "
+                f"{rec['push_gbps']:.3f} GB/s, "
+                + (f"delta {rec['changed_fraction']:.1%} changed, wire {wire_bytes / 1e6:.2f} of "
+                   f"{push_bytes / 1e6:.2f} MB, " if args.delta and rec["changed_fraction"] is not None
+                   else "")
+                + f"trainer waited {wait_s * 1e3:6.2f} ms  "
                 f"train {rec['train_s']:.2f} s  clip {rec['clip_frac']:.2f}  "
                 f"v{version} weights {'ok' if not bad else bad}")
 
@@ -207,6 +219,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "wait_s_max": round(max(h["wait_s"] for h in history), 5),
             "push_gbps_median": round(statistics.median(h["push_gbps"] for h in history), 4),
             "push_bytes": history[0]["push_bytes"] if history else 0,
+            "delta": args.delta,
+            "wire_bytes_median": statistics.median(h["wire_bytes"] for h in history) if history else 0,
             "weights_match": not mismatches and checks == pushes * len(rollouts),
             "weight_checks": checks,
             "staleness_mean": round(statistics.fmean(h["staleness_mean"] for h in history), 3),

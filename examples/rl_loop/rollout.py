@@ -73,7 +73,7 @@ def _spans(rows: list[int]) -> str:
 
 class Rollout:
     def __init__(self, group: str, rank: int, cfg: ModelConfig, task: DigitSumTask, seed: int,
-                 gen_groups: int, group_size: int, mode: str, device: str) -> None:
+                 gen_groups: int, group_size: int, mode: str, device: str, delta: bool = False) -> None:
         torch.set_num_threads(1)
         self.cfg, self.task, self.rank, self.mode = cfg, task, rank, mode
         self.gen_groups, self.group_size = gen_groups, group_size
@@ -86,12 +86,14 @@ class Rollout:
         self.weights = {k: torch.zeros(shape, device=self.device) for k, shape in shapes.items()}
         self.host = self.weights
         try:
-            self.dst = ws.Destination(group, rank=rank, tensors=self._named(self.weights), mode=mode)
+            self.dst = ws.Destination(group, rank=rank, tensors=self._named(self.weights), mode=mode,
+                                      delta_bytes=self._inbox(delta))
         except ws.TransportError:
             if self.device.type == "cpu":
                 raise
             self.host = {k: torch.zeros(shape) for k, shape in shapes.items()}
-            self.dst = ws.Destination(group, rank=rank, tensors=self._named(self.host), mode=mode)
+            self.dst = ws.Destination(group, rank=rank, tensors=self._named(self.host), mode=mode,
+                                      delta_bytes=self._inbox(delta))
         self.live_version = -1
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.previous: dict[str, torch.Tensor] | None = None  # the last reference, to diagnose mismatches
@@ -104,6 +106,11 @@ class Rollout:
         self.error: str | None = None
         self.thread = threading.Thread(target=self._loop, name=f"rollout-{rank}", daemon=True)
         self.thread.start()
+
+    def _inbox(self, delta: bool) -> int:
+        """The delta inbox (``--delta``): as large as the weights, since this loop's learning rate changes
+        most values every step (writes whose changes do not fit, or are not worth encoding, go dense)."""
+        return sum(t.numel() * t.element_size() for t in self.weights.values()) if delta else 0
 
     def _named(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """What this rollout tells weightsync it holds: fused tensors as ``ws.Fused`` of full-row boxes of

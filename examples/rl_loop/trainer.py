@@ -33,7 +33,8 @@ from .task import DigitSumTask
 
 class Trainer:
     def __init__(self, group: str, rank: int, world: int, port: int, cfg: ModelConfig, task: DigitSumTask,
-                 seed: int, lr: float, clip: float, epochs: int, group_size: int, device: str) -> None:
+                 seed: int, lr: float, clip: float, epochs: int, group_size: int, device: str,
+                 delta: bool = False) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -56,7 +57,8 @@ class Trainer:
         self.params: dict[str, Any] = dict(self.policy.named_parameters())
         self.mirrors: dict[str, torch.Tensor] = {}
         try:
-            self.src = ws.Source(group, rank=rank, tensors=self.params)  # the DTensor shards, where they live
+            # the DTensor shards, where they live; delta: each push sends only what changed since the last
+            self.src = ws.Source(group, rank=rank, tensors=self.params, delta=delta)
         except ws.TransportError:
             if self.device.type == "cpu":
                 raise
@@ -64,7 +66,7 @@ class Trainer:
             self.mirrors = {k: p.to_local().detach().to("cpu").pin_memory() for k, p in self.params.items()}
             tensors = {k: ws.Sharded(self.mirrors[k], tuple(p.shape), _shard_offsets(p, rank, world))
                        for k, p in self.params.items()}
-            self.src = ws.Source(group, rank=rank, tensors=tensors)
+            self.src = ws.Source(group, rank=rank, tensors=tensors, delta=delta)
         self.sync_memory = "host mirror" if self.mirrors else self.device.type
         self.src.guard(self.optimizer)  # a safety net: every optimizer.step() waits for the push in flight
         self.handle: ws.PushHandle | None = None  # the push started at the end of the last step
@@ -78,7 +80,7 @@ class Trainer:
             raise RuntimeError(f"trainer {self.rank}: push {stats.version} failed for "
                                f"{stats.failed_destinations}")
         return {"version": stats.version, "seconds": stats.seconds, "bytes": stats.bytes, "gbps": stats.gbps,
-                "writes": stats.writes}
+                "writes": stats.writes, "wire_bytes": stats.wire_bytes, "changed": stats.changed_fraction}
 
     def _wait_push(self) -> tuple[dict[str, Any] | None, float]:
         """Waits for the push in flight (if any): its result and how long the trainer waited for it."""
