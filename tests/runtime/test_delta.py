@@ -490,3 +490,43 @@ def test_a_destination_that_missed_a_version_gets_it_dense_after_the_replan(team
     stats = team.push()  # now it holds the sources' version again: a delta for everyone
     team.check()
     assert all(s.delta_destinations == [0, 1, 2] for s in stats), stats
+
+
+def test_a_push_that_failed_its_check_is_followed_by_a_dense_one(team_factory) -> None:
+    """A non-blocking push whose tensors change under it fails (no destination takes it) after the delta
+    was encoded: the sources' reference is then of no version anyone holds, so the next push is dense,
+    and the one after it a delta again; every byte right throughout."""
+    team = team_factory("delta-changed", ["tp0", "replica"], ["staged", "inplace"])
+    team.push()
+    team.set(step(team.full, "odd", seed=1))
+    team.push()
+    team.check()
+    team.set(step(team.full, "odd", seed=2))
+    team.version += 1
+    held = [d._lock for d in team.dsts]
+    for lock in held:  # no grant yet: the pushes wait, their encodes done
+        lock.acquire()
+    try:
+        handles = [ws.push_async(s, team.version, timeout=5.0) for s in team.srcs]
+        time.sleep(0.3)
+        with torch.no_grad():
+            team.locals[0]["q"].mul_(2.0)  # an optimizer step that did not wait for the push
+    finally:
+        for lock in held:
+            lock.release()
+    errors = []
+    for h in handles:
+        try:
+            h.wait(60)
+        except ws.WeightSyncError as exc:
+            errors.append(str(exc))
+    assert errors and all("changed" in e for e in errors[:1]), errors
+    assert all(d.version == team.version - 1 for d in team.dsts)
+    team.set(step(team.full, "odd", seed=3))
+    stats = team.push()
+    team.check()
+    assert all(s.delta_destinations == [] for s in stats), stats
+    team.set(step(team.full, "one", seed=4))
+    stats = team.push()
+    team.check()
+    assert all(s.delta_destinations == [0, 1] for s in stats), stats
