@@ -341,4 +341,157 @@ def derive_layout(model: Any, checkpoint: Sequence[CheckpointTensor], *,
     return layout
 
 
-__all__ = ["CheckpointTensor", "Fill", "Piece", "VllmLayout", "checkpoint_of", "derive_layout"]
+# --------------------------------------------------------------------------------------------------
+# FP8 block-quantized models
+
+
+SCALE_SUFFIX = "_scale_inv"  # weightsync's planner and Hugging Face FP8 checkpoints name scales alike
+
+
+def fp8_checkpoint(model: Any, checkpoint: Sequence[CheckpointTensor], block: Sequence[int], *,
+                   loader: Any = None) -> list[CheckpointTensor]:
+    """The checkpoint as a block-quantized FP8 Hugging Face checkpoint of ``model`` holds it (DeepSeek-V3
+    style): every tensor the model's loaders put into a ``float8_*`` parameter becomes that dtype, with a
+    float32 ``<name>_scale_inv`` of its tile grid (``block`` = vLLM's ``weight_block_size``, tiles of the
+    last two dimensions) beside it. Tensors already in FP8 (a trainer that holds FP8) are kept.
+
+    Derive the layout from the result: the weights and their scales then land as vLLM's loaders put an
+    FP8 checkpoint's, and weightsync's planner (``fp8_block=block``) makes the FP8 values and scales on
+    the senders from their full-precision tensors. Call it where :func:`derive_layout` is called."""
+    import torch
+
+    bm, bn = (int(x) for x in block)
+    probe = derive_layout(model, checkpoint, loader=loader)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    into_fp8: dict[str, set[bool]] = {}
+    for pname, pieces in probe.pieces.items():
+        fp8 = dtypes[pname].is_floating_point and dtypes[pname].itemsize == 1
+        for name, *_ in pieces:
+            into_fp8.setdefault(name, set()).add(fp8)
+    mixed = sorted(n for n, kinds in into_fp8.items() if len(kinds) > 1)
+    if mixed:
+        raise LayoutError(f"checkpoint tensor {mixed[0]!r} lands in FP8 and in full-precision parameters; "
+                          "one tensor has one dtype in a checkpoint")
+    fp8_param_dtype = next((str(d).removeprefix("torch.") for d in dtypes.values()
+                            if d.is_floating_point and d.itemsize == 1), "float8_e4m3fn")
+    out: list[CheckpointTensor] = []
+    for ct in checkpoint:
+        if into_fp8.get(ct.name) != {True} or getattr(torch, ct.dtype).itemsize == 1:
+            out.append(ct)
+            continue
+        if len(ct.shape) < 2:
+            raise LayoutError(f"checkpoint tensor {ct.name!r} {ct.shape} lands in an FP8 parameter but has "
+                              "fewer than 2 dimensions: block quantization tiles the last two")
+        *lead, rows, cols = ct.shape
+        out.append(CheckpointTensor(ct.name, ct.shape, fp8_param_dtype))
+        out.append(CheckpointTensor(ct.name + SCALE_SUFFIX, (*lead, -(-rows // bm), -(-cols // bn)),
+                                    "float32"))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# What vLLM does to the parameters after loading
+
+
+# Quantization methods whose process_weights_after_loading leaves the parameters the loaders filled as
+# the kernels read them (CPU GEMM prepacking is checked apart, below).
+_KEEPS_CHECKPOINT_FORMAT = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
+# Unquantized fused-MoE backends that run on w13/w2 as loaded; the others shuffle, swap, pad or prepack.
+_MOE_BACKENDS_IN_PLACE = {"TRITON", "BATCHED_TRITON"}
+
+
+def _holds_private_copy(fn: Any) -> bool:
+    """Whether a GEMM closure vLLM's CPU dispatch made holds something of its own (a prepacked weight, a
+    oneDNN handle) rather than reading the layer's parameter at call time."""
+    cells = getattr(fn, "__closure__", None) or ()
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if not isinstance(value, (bool, int, float, str, type(None))):
+            return True
+    return False
+
+
+def _present(module: Any) -> list[str]:
+    """The names of a module's own parameters that exist (a layer without bias registers None)."""
+    return [name for name, p in module._parameters.items() if p is not None]
+
+
+def post_load_conversions(model: Any) -> dict[str, str]:
+    """``{parameter name: why}`` for the parameters of ``model`` whose kernels do not read them as the
+    loaders wrote them, because vLLM converted them after loading (``process_weights_after_loading``):
+
+    * the parameter vLLM recorded when it built the model (its reload metadata) was replaced or changed
+      shape, dtype or strides (repacked, transposed, emptied);
+    * vLLM's CPU GEMM for the layer reads a copy prepacked after loading (oneDNN, sgl, zentorch);
+    * the layer's quantization method converts its weights into a kernel format (FP8, INT4, NVFP4, ...:
+      every method but the unquantized linear and embedding ones), or the unquantized fused-MoE backend
+      shuffles, pads or prepacks the experts;
+    * an attention layer derives kernel tensors from it after loading (MLA's ``W_UK``/``W_UV`` from
+      ``kv_b_proj``).
+
+    Writing checkpoint bytes into such a parameter would not change what the model computes, or worse:
+    only parameters that appear here *and* receive checkpoint bytes matter (intersect with the layout's
+    pieces). Read-only; works on a model with or without its weights processed."""
+    from torch import nn
+
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    found: dict[str, str] = {}
+
+    def flag(module_name: str, pname: str, why: str) -> None:
+        found.setdefault(f"{module_name}.{pname}" if module_name else pname, why)
+
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # a vLLM without reload metadata: the other checks still apply
+        LAYERWISE_INFO = {}
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:
+        def is_deferred_attention_layer(layer: Any) -> bool:
+            return False
+
+    for mname, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module) if isinstance(module, nn.Module) else None
+        if info is not None:
+            for pname, meta in info.restore_metadata[0].items():
+                live = module._parameters.get(pname)
+                if live is None:
+                    flag(mname, pname, "vLLM removed it after loading")
+                elif (tuple(live.shape), live.dtype, tuple(live.stride())) != \
+                        (tuple(meta.shape), meta.dtype, tuple(meta.stride())):
+                    flag(mname, pname, f"vLLM converted it after loading from {tuple(meta.shape)} "
+                                       f"{str(meta.dtype).removeprefix('torch.')} (as loaded) to "
+                                       f"{tuple(live.shape)} {str(live.dtype).removeprefix('torch.')} "
+                                       "(as the kernel reads it)")
+        gemm = getattr(module, "cpu_linear", None)
+        if gemm is not None and _holds_private_copy(gemm) and "weight" in module._parameters:
+            flag(mname, "weight", "vLLM's CPU GEMM reads a copy of it prepacked after loading")
+        method = getattr(module, "quant_method", None)
+        kind = type(method).__name__
+        if method is not None and kind not in _KEEPS_CHECKPOINT_FORMAT:
+            backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
+            if kind == "UnquantizedFusedMoEMethod":
+                if backend not in _MOE_BACKENDS_IN_PLACE:
+                    for pname in _present(module):
+                        flag(mname, pname, f"vLLM's {backend} fused-MoE backend converts the experts "
+                                           "into its kernel format after loading")
+            else:
+                for pname in _present(module):
+                    flag(mname, pname, f"its quantization method {kind} converts it into a kernel "
+                                       "format after loading (process_weights_after_loading)")
+        if is_deferred_attention_layer(module):
+            for p in module.parameters():
+                pname = names.get(id(p))
+                if pname is not None:
+                    found.setdefault(pname, f"the attention layer {mname!r} ({type(module).__name__}) "
+                                            "derives its kernel tensors from it after loading")
+    return found
+
+
+__all__ = ["SCALE_SUFFIX", "CheckpointTensor", "Fill", "Piece", "VllmLayout", "checkpoint_of",
+           "derive_layout", "fp8_checkpoint", "post_load_conversions"]
