@@ -491,15 +491,16 @@ class Destination(Participant):
                 next_buffer = 0
             self._lock.notify_all()
         if acks is None:
-            self._ack(target, next_buffer, 0 if self._delta is None else int(self._delta.apply_seconds * 1e6))
-        if delta:
-            self._after_delta(target, buffer)
+            applied = self._delta.apply_seconds if delta and self._delta is not None else 0.0
+            self._ack(target, next_buffer, int(applied * 1e6))
         else:
             for rank, f in acks:
                 try:
                     f.transfer.wait(10.0)
                 except (TransportError, TimeoutError) as exc:
                     self.log.warning("destination %d: ack to source %d failed: %s", self.rank, rank, exc)
+        if delta:
+            self._after_delta(target, buffer)
         if self._relay is not None:
             if not armed:
                 self._await_successor(target, deadline)
