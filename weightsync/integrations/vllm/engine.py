@@ -52,7 +52,13 @@ from vllm.distributed.weight_transfer.base import (
 from weightsync.control.rendezvous import connect
 from weightsync.errors import LayoutError, WeightSyncError
 from weightsync.integrations.vllm import BACKEND
-from weightsync.integrations.vllm.layouts import CheckpointTensor, VllmLayout, derive_layout
+from weightsync.integrations.vllm.layouts import (
+    CheckpointTensor,
+    VllmLayout,
+    derive_layout,
+    fp8_checkpoint,
+    post_load_conversions,
+)
 from weightsync.integrations.vllm.verify import MASK64, add, box_checksum, to_signed
 from weightsync.runtime.describe import Sharded
 from weightsync.runtime.destination import Destination
@@ -117,29 +123,45 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         self._version = -1
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
-        from vllm.config import set_current_vllm_config
 
         if self.destination is not None:
             raise WeightSyncError(f"this vLLM worker already joined group {self.destination.group!r}")
-        if getattr(self.vllm_config, "quant_config", None) is not None:
-            # The kernels of a quantized model read a format vLLM makes after loading
-            # (process_weights_after_loading); writes of checkpoint slices would bypass it.
-            raise LayoutError(
-                f"the weightsync backend does not update quantized models yet "
-                f"({type(self.vllm_config.quant_config).__name__}): it writes checkpoint slices into "
-                "the parameters, and this model's kernels read a format made after loading")
-        connect(init_info.ray_address, init_info.ray_namespace, timeout=init_info.timeout)
         checkpoint = [CheckpointTensor(str(n), tuple(int(x) for x in s), str(d).removeprefix("torch."))
                       for n, s, d in init_info.checkpoint]
+        # Everything that can refuse this model runs before the worker reaches out to Ray: a model the
+        # backend cannot update fails at once, naming the parameter, with nothing joined.
+        self.layout = self.derive(checkpoint)
         self.checkpoint = {ct.name: ct for ct in checkpoint}
-        with set_current_vllm_config(self.vllm_config):
-            self.layout = derive_layout(self.model, checkpoint)
+        connect(init_info.ray_address, init_info.ray_namespace, timeout=init_info.timeout)
         self.layout.apply_fills(self.model)
         self.destination = Destination(init_info.group, init_info.rank_offset + _world_rank(),
                                        self.layout.tensors(self.model), mode="inplace",
                                        timeout=init_info.timeout, push_timeout=init_info.push_timeout,
                                        secret=init_info.secret)
         self._version = self.destination.version
+
+    def derive(self, checkpoint: list[CheckpointTensor]) -> VllmLayout:
+        """This worker's layout for the trainers' ``checkpoint``, read off the live model's loaders (an
+        FP8 block-quantized model's weights and scales as its FP8 checkpoint would land); refuses, naming
+        the parameters, a model whose kernels read a format vLLM made from them after loading."""
+        from vllm.config import set_current_vllm_config
+
+        quant = getattr(self.vllm_config, "quant_config", None)
+        block = getattr(quant, "weight_block_size", None) if quant is not None else None
+        with set_current_vllm_config(self.vllm_config):
+            if block:
+                checkpoint = fp8_checkpoint(self.model, checkpoint, tuple(int(x) for x in block))
+            layout = derive_layout(self.model, checkpoint)
+            converted = post_load_conversions(self.model)
+        refused = [(name, converted[name]) for name in layout.pieces if name in converted]
+        if refused:
+            shown = "; ".join(f"{name!r}: {why}" for name, why in refused[:3])
+            more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+            raise LayoutError(
+                f"the weightsync backend cannot update this model in place: {shown}{more}. Its kernels "
+                "read a format vLLM made from the loaded weights, so checkpoint bytes written into these "
+                "parameters would not (or not wholly) change what it computes")
+        return layout
 
     def _dst(self) -> Destination:
         if self.destination is None:
@@ -176,6 +198,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         for pname, pieces in self.layout.pieces.items():
             data = params[pname].data
             for name, gshape, offsets, shape, at in pieces:
+                if name not in self.checkpoint:  # FP8 block scales: made by the senders, not theirs
+                    continue
                 k = data.dim() - len(shape)
                 box = tuple(slice(a, a + n) for a, n in zip(at[k:], shape, strict=True))
                 view = data[tuple(at[:k]) + box]
