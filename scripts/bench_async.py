@@ -16,6 +16,13 @@ Measured in one run, ``--steps`` steps each after a warm-up:
   measured after the backward pass has finished on the GPU, so it is the time the trainer stalls on the
   push beyond its own work.
 
+Each step's process CPU time (every thread, the push's included) is printed beside its wall time: what the
+push costs the trainer's host process. ``--switch-interval`` sets the trainer's ``sys.setswitchinterval``
+(Python's default 5 ms is how long a thread waiting for the GIL may wait for a busy one): if a step with a
+push under it is slower because the push thread holds the GIL while the trainer launches kernels, a
+shorter interval shrinks the difference; if the copy engines' share of memory bandwidth is the cause, it
+does not.
+
 After each mode the rollout's bytes are checked against the trainer's weights (a position-weighted
 integer digest of every tensor, computed the same way on both GPUs). Goals (the issue's): the trainer's
 wait at most 10% of a blocking push, and a step with a push under it at most 5% slower than a step
@@ -80,9 +87,14 @@ def _sync(dev: torch.device) -> None:
 class Trainer:
     """Holds the whole model (the source's tensors) and trains its first ``layers`` decoder layers."""
 
-    def __init__(self, group: str, model: str, layers: int, batch: int, seq: int, lr: float) -> None:
+    def __init__(self, group: str, model: str, layers: int, batch: int, seq: int, lr: float,
+                 switch_interval: float) -> None:
         from scripts.bench_worker import CONFIGS, DTYPE, checkpoint_tensors
 
+        if switch_interval > 0:
+            # How long a thread that wants the GIL waits for one that holds it without blocking: a push
+            # thread busy in Python delays the trainer's kernel launches by up to this much.
+            sys.setswitchinterval(switch_interval)
         self.dev = _device()
         self.cfg = cfg = CONFIGS[model]
         g = torch.Generator(device=self.dev).manual_seed(1)
@@ -144,10 +156,11 @@ class Trainer:
     # -- the three modes --------------------------------------------------------------------------------
     def run(self, mode: str, steps: int, warmup: int) -> dict[str, Any]:
         """``steps`` timed steps (after ``warmup``) of ``mode``: none, blocking or async."""
-        step_s, push_s, wait_s = [], [], []
+        step_s, push_s, wait_s, cpu_s = [], [], [], []
         for n in range(warmup + steps):
             _sync(self.dev)
             t0 = time.perf_counter()
+            c0 = time.process_time()  # every thread of the process: the push's included
             self._forward_backward()
             waited = 0.0
             if mode == "async" and self.handle is not None:
@@ -169,12 +182,14 @@ class Trainer:
                 self.handle = ws.push_async(self.src, self.version, timeout=120)
             if n >= warmup:
                 step_s.append(time.perf_counter() - t0)
+                cpu_s.append(time.process_time() - c0)
                 wait_s.append(waited)
         if self.handle is not None:  # the last push: waited for outside the timed steps
             stats = self.handle.wait(timeout=120)
             self.handle = None
             push_s.append(stats.seconds)
-        return {"mode": mode, "version": self.version, "step_s": step_s, "push_s": push_s, "wait_s": wait_s}
+        return {"mode": mode, "version": self.version, "step_s": step_s, "push_s": push_s, "wait_s": wait_s,
+                "cpu_s": cpu_s}
 
     def push(self) -> int:
         """One blocking push of the current weights (the warm-up: opens the IPC handles); its version."""
@@ -234,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         opts = {"num_gpus": 1, "num_cpus": 0} if cuda else {"num_cpus": 0}
         rollout = ray.remote(**opts)(Rollout).remote(name, args.model)
         trainer = ray.remote(**opts)(Trainer).remote(name, args.model, args.layers, args.batch, args.seq,
-                                                     args.lr)
+                                                     args.lr, args.switch_interval)
         actors = [trainer, rollout]
         info = ray.get(trainer.info.remote(), timeout=600)
         print(f"{info.get('gpu', 'CPU')}: {args.model} {info['bytes'] / 1e9:.2f} GB in {info['tensors']} "
@@ -247,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r = ray.get(trainer.run.remote(mode, args.steps, args.warmup), timeout=1800)
             if mode == "none" and mode in results:
                 results[mode]["step_s"] += r["step_s"]
+                results[mode]["cpu_s"] += r["cpu_s"]
             else:
                 results[mode] = r
             if mode != "none":
@@ -256,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if bad:
                     raise SystemExit(f"{mode}: the rollout's version {r['version']} differs from the "
                                      f"trainer's weights in {len(bad)} tensors, e.g. {bad[:3]}")
-            print(f"  {mode:9s} step {_ms(r['step_s']):8.2f} ms" +
+            print(f"  {mode:9s} step {_ms(r['step_s']):8.2f} ms (cpu {_ms(r['cpu_s']):7.2f} ms)" +
                   (f"  push {_ms(r['push_s']):7.2f} ms" if r["push_s"] else "") +
                   (f"  wait {_ms(r['wait_s']):7.3f} ms (max {max(r['wait_s']) * 1e3:.3f})"
                    if mode == "async" else "") + ("  (bytes checked)" if mode != "none" else ""), flush=True)
@@ -278,6 +294,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_blocking_ms": _ms(blocking["step_s"]), "push_blocking_ms": _ms(blocking["push_s"]),
         "step_async_ms": _ms(overlapped["step_s"]), "push_async_ms": _ms(overlapped["push_s"]),
         "wait_ms": _ms(overlapped["wait_s"]), "wait_max_ms": max(overlapped["wait_s"]) * 1e3,
+        "cpu_none_ms": _ms(none["cpu_s"]), "cpu_blocking_ms": _ms(blocking["cpu_s"]),
+        "cpu_async_ms": _ms(overlapped["cpu_s"]),
+        "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
     }
     out["wait_over_blocking_push"] = out["wait_ms"] / out["push_blocking_ms"]
     out["async_step_over_none"] = out["step_async_ms"] / out["step_none_ms"]
@@ -305,6 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 20; cpu 5)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="the trainer process's sys.setswitchinterval (default: Python's, 5 ms): separates "
+                         "the push thread's hold on the GIL from the copy engines' share of memory bandwidth")
     ap.add_argument("--out", default="", help="write the JSON result here too")
     ap.add_argument("--verbose", action="store_true", help="show the actors' logs")
     args = ap.parse_args(argv)
@@ -322,11 +344,13 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(f"{out['card']}, {out['model']} ({out['model_bytes'] / 1e9:.2f} GB), {out['layers']} layers "
           f"trained on {out['batch']} x {out['seq']} tokens, median of {out['steps']} steps:")
-    print(f"  step, no push                      {out['step_none_ms']:9.2f} ms")
+    print(f"  step, no push                      {out['step_none_ms']:9.2f} ms "
+          f"(process cpu {out['cpu_none_ms']:.2f} ms)")
     print(f"  step + blocking push               {out['step_blocking_ms']:9.2f} ms "
-          f"(push {out['push_blocking_ms']:.2f} ms)")
+          f"(push {out['push_blocking_ms']:.2f} ms; process cpu {out['cpu_blocking_ms']:.2f} ms)")
     print(f"  step, non-blocking push under it   {out['step_async_ms']:9.2f} ms "
-          f"(push {out['push_async_ms']:.2f} ms)")
+          f"(push {out['push_async_ms']:.2f} ms; process cpu {out['cpu_async_ms']:.2f} ms)")
+    print(f"  GIL switch interval                {out['switch_interval_s'] * 1e3:9.2f} ms")
     print(f"  trainer's wait for the push        {out['wait_ms']:9.3f} ms (max {out['wait_max_ms']:.3f} ms)")
     for line in out["goals"]:
         print(line)
