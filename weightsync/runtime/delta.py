@@ -58,6 +58,7 @@ DELTA_KEY = "\x00weightsync.delta"  # the descriptor entry of a destination's de
 ENC_DENSE, ENC_EMPTY, ENC_IDX16, ENC_BITMAP = 0, 1, 2, 3
 ENCODINGS = {ENC_DENSE: "dense", ENC_EMPTY: "empty", ENC_IDX16: "idx16", ENC_BITMAP: "bitmap"}
 BLOCK = 1 << 16  # words per ENC_IDX16 block (indices inside it fit 16 bits)
+_PACK = 0x0102040810204080  # times 8 little-endian 0/1 bytes: their bits in the top byte, first lowest
 ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
 MAX_HEADERS = 1024  # header slots of an inbox: source ranks (weightsync.wire.MAX_SLOTS)
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
@@ -123,17 +124,20 @@ def encode_into(out: Any, enc: int, local: Any, values: Any, n: int) -> None:
     k, w = int(local.numel()), values.element_size()
     if enc == ENC_IDX16:
         nb = -(-n // BLOCK)
-        out[: 4 * nb].view(torch.int32).copy_(torch.bincount(local >> 16, minlength=nb))
+        counts = torch.zeros(nb, dtype=torch.int64, device=local.device)  # (bincount would sync on a GPU)
+        counts.scatter_add_(0, local >> 16, torch.ones_like(local))
+        out[: 4 * nb].view(torch.int32).copy_(counts)
         low = local & 0xFFFF
         o = _align(4 * nb)
         out[o:o + 2 * k].view(torch.int16).copy_(low - ((low >> 15) << 16))  # as signed 16 bits
         o += _align(2 * k)
     elif enc == ENC_BITMAP:
         nbytes = -(-n // 8)
-        bits = torch.zeros(nbytes * 8, dtype=torch.uint8, device=local.device)
+        bits = torch.zeros(-(-nbytes // 8) * 64, dtype=torch.uint8, device=local.device)
         bits[local] = 1
-        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=local.device)
-        out[:nbytes].copy_((bits.view(-1, 8) * weights).sum(1))
+        # 8 flags (one byte each) to one byte: byte i of the product's top byte is flag i (no carries)
+        packed = ((bits.view(torch.int64) * _PACK) >> 56) & 0xFF
+        out[:nbytes].copy_(packed.to(torch.uint8)[:nbytes])
         o = _align(nbytes)
     else:
         raise WeightSyncError(f"internal: no sparse encoding {enc}")
