@@ -3,7 +3,8 @@
 Two trainer ranks hold shards of a small model (a bf16 embedding by columns, fp32 projections by rows, a
 replicated fp32 norm) and push into three destinations: two vLLM-style TP ranks (fused ``qkv_proj`` and
 ``gate_up_proj``, column shards of ``down``: strided source rows, packed into staging) and a full replica
-(the embedding's column shards: strided destination writes).
+(the embedding's column shards: strided destination writes). Every destination also holds ``xy``, ``x``
+(row shards: contiguous writes) fused with ``y`` (column shards: strided writes) into one tensor.
 Each version changes the previous one in a chosen way (random odd positions, nothing, everything, one
 element, last elements, NaN payloads / -0.0 / denormals, strided blocks), and after every push every
 destination byte must equal what a dense push gives (compared as integers: bitwise). Participants live
@@ -39,7 +40,8 @@ from weightsync.runtime.delta import (
 )
 
 SHAPES = {"emb": (520, 136), "q": (16, 8), "k": (8, 8), "v": (8, 8), "gate": (12, 8), "up": (12, 8),
-          "down": (8, 12), "norm": (8,)}
+          "down": (8, 12), "norm": (8,), "x": (4, 8), "y": (6, 8)}
+BY_COLUMNS = ("emb", "y")  # held by column shards on the sources (strided writes into full rows)
 DTYPES = {"emb": torch.bfloat16}
 INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 
@@ -94,18 +96,21 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def view(layout: str, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What a destination of ``layout`` holds of ``full``."""
     if layout == "replica":
-        return {k: v.clone() for k, v in full.items()}
+        out = {k: v.clone() for k, v in full.items() if k not in ("x", "y")}
+        return {**out, "xy": torch.cat([full["x"], full["y"]])}
     r = int(layout[-1])
     q, k, v = full["q"][r * 8:(r + 1) * 8], full["k"][r * 4:(r + 1) * 4], full["v"][r * 4:(r + 1) * 4]
     gate, up = full["gate"][r * 6:(r + 1) * 6], full["up"][r * 6:(r + 1) * 6]
     return {"qkv_proj": torch.cat([q, k, v]), "gate_up_proj": torch.cat([gate, up]),
             "down": full["down"][:, r * 6:(r + 1) * 6].contiguous(),
-            "emb": full["emb"][:, r * 68:(r + 1) * 68].contiguous(), "norm": full["norm"].clone()}
+            "emb": full["emb"][:, r * 68:(r + 1) * 68].contiguous(), "norm": full["norm"].clone(),
+            "xy": torch.cat([full["x"], full["y"]])}
 
 
 def named(layout: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    xy = ws.Fused(tensors["xy"], 0, [("x", (0, 0), (4, 8)), ("y", (0, 0), (6, 8))])
     if layout == "replica":
-        return dict(tensors)
+        return {**{k: v for k, v in tensors.items() if k != "xy"}, "xy": xy}
     r = int(layout[-1])
     return {"qkv_proj": ws.Fused(tensors["qkv_proj"], 0, [("q", (r * 8, 0), (8, 8)),
                                                           ("k", (r * 4, 0), (4, 8)),
@@ -113,7 +118,7 @@ def named(layout: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
             "gate_up_proj": ws.Fused(tensors["gate_up_proj"], 0, [("gate", (r * 6, 0), (6, 8)),
                                                                   ("up", (r * 6, 0), (6, 8))]),
             "down": ws.Sharded(tensors["down"], SHAPES["down"], (0, r * 6)),
-            "emb": ws.Sharded(tensors["emb"], SHAPES["emb"], (0, r * 68)), "norm": tensors["norm"]}
+            "emb": ws.Sharded(tensors["emb"], SHAPES["emb"], (0, r * 68)), "norm": tensors["norm"], "xy": xy}
 
 
 class Team:
@@ -150,8 +155,8 @@ class Team:
 
     @staticmethod
     def _box(k: str, i: int) -> tuple[slice, slice]:
-        """Source ``i``'s part of ``k``: the embedding by columns, the rest by rows."""
-        if k == "emb":
+        """Source ``i``'s part of ``k``: the embedding and ``y`` by columns, the rest by rows."""
+        if k in BY_COLUMNS:
             n = SHAPES[k][1] // 2
             return slice(None), slice(i * n, (i + 1) * n)
         n = SHAPES[k][0] // 2

@@ -25,19 +25,24 @@ Who decides what
   destination (new, replaced, failed, behind, after a re-plan: the reference's version is reset then)
   gets the dense push, header included.
 
-Entries
--------
+Entries and streams
+-------------------
 A source's payload for one destination starts with one :data:`ENTRY_DTYPE` row per planned write of this
 source into it (key index in the destination's sorted keys, encoding, word size, destination offset,
-rows, bytes per row, destination pitch, changed count, data offset), then the encoded data of the sparse
-ones. Dense entries carry no data: their bytes landed where the plan put them (a staged destination
-copies them into its other shadow). Encodings of ``n`` words of which ``k`` changed, ``w`` bytes a word:
+rows, bytes per row, destination pitch, changed count, and for a sparse one its base in its stream), a
+table of :data:`STREAM_DTYPE` rows (one per word size), then the streams. A write is sparse
+(:data:`ENC_STREAM`) when its changes alone would encode smaller than the write; all sparse writes of one
+word size are laid end to end (by destination key: the destination scatters each key's changes with one
+op) and their changed words encoded as one stream, which costs a handful of torch ops per destination
+rather than per write. Dense entries carry no data: their bytes landed where the plan put them (a staged
+destination copies them into its other shadow). A stream of ``n`` words of which ``k`` changed, ``w``
+bytes a word, is encoded as the smaller of:
 
 * :data:`ENC_IDX16`: per 65536-word block an int32 count, then each changed word's index within its
   block as 16 bits, then the ``k`` values: ``4 ceil(n / 65536) + 2k + wk`` bytes;
 * :data:`ENC_BITMAP`: one bit per word, then the values: ``ceil(n / 8) + wk`` bytes (smaller from about
   6% changed on);
-* :data:`ENC_EMPTY`: nothing changed, no data; :data:`ENC_DENSE`: the write went as planned.
+An entry is :data:`ENC_EMPTY` when nothing in it changed, :data:`ENC_DENSE` when it went as planned.
 
 Everything here is torch ops on the tensors' own device (CPU or GPU).
 """
@@ -55,17 +60,33 @@ import numpy as np
 from weightsync.errors import WeightSyncError
 
 DELTA_KEY = "\x00weightsync.delta"  # the descriptor entry of a destination's delta inbox
-ENC_DENSE, ENC_EMPTY, ENC_IDX16, ENC_BITMAP = 0, 1, 2, 3
-ENCODINGS = {ENC_DENSE: "dense", ENC_EMPTY: "empty", ENC_IDX16: "idx16", ENC_BITMAP: "bitmap"}
+ENC_DENSE, ENC_EMPTY, ENC_IDX16, ENC_BITMAP, ENC_STREAM = 0, 1, 2, 3, 4
+ENCODINGS = {ENC_DENSE: "dense", ENC_EMPTY: "empty", ENC_IDX16: "idx16", ENC_BITMAP: "bitmap",
+             ENC_STREAM: "stream"}
+WORDS = (1, 2, 4, 8)
 BLOCK = 1 << 16  # words per ENC_IDX16 block (indices inside it fit 16 bits)
 _PACK = 0x0102040810204080  # times 8 little-endian 0/1 bytes: their bits in the top byte, first lowest
 ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
 MAX_HEADERS = 1024  # header slots of an inbox: source ranks (weightsync.wire.MAX_SLOTS)
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
-                          ("nbytes", "<i8"), ("entries", "<i8"), ("changed", "<i8"), ("words", "<i8")])
+                          ("nbytes", "<i8"), ("entries", "<i8"), ("changed", "<i8"), ("room", "<i8")])
 ENTRY_DTYPE = np.dtype([("key", "<i4"), ("enc", "<i4"), ("word", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"),
                         ("row_bytes", "<i8"), ("pitch", "<i8"), ("count", "<i8"), ("data", "<i8")])
-assert HEADER_RECORD.itemsize == 64 and ENTRY_DTYPE.itemsize == 64
+# One per word size, after the entries: the changed words of every sparse entry of that word size, as one
+# encoded stream over their words laid end to end (``data``: where the encoding starts in the payload).
+STREAM_DTYPE = np.dtype([("word", "<i8"), ("enc", "<i8"), ("n", "<i8"), ("k", "<i8"), ("data", "<i8"),
+                         ("reserved", "<i8", (3,))])
+assert HEADER_RECORD.itemsize == 64 and ENTRY_DTYPE.itemsize == 64 and STREAM_DTYPE.itemsize == 64
+
+
+def streams_at(capacity: int) -> int:
+    """Where the stream table starts in a payload with room for ``capacity`` entries."""
+    return _align(capacity * ENTRY_DTYPE.itemsize)
+
+
+def data_at(capacity: int) -> int:
+    """Where the encoded streams start."""
+    return streams_at(capacity) + len(WORDS) * STREAM_DTYPE.itemsize
 
 
 def _align(n: int) -> int:
@@ -101,6 +122,12 @@ def sparse_sizes(n: int, k: int, w: int) -> dict[int, int]:
     """Bytes of each sparse encoding of ``k`` changed words out of ``n`` words of ``w`` bytes."""
     return {ENC_IDX16: _align(4 * -(-n // BLOCK)) + _align(2 * k) + w * k,
             ENC_BITMAP: _align(-(-n // 8)) + w * k}
+
+
+def stream_size(n: int, k: int, w: int) -> tuple[int, int]:
+    """(encoding, bytes) of the smaller sparse encoding of ``k`` changed words out of ``n``."""
+    enc, size = min(sparse_sizes(n, k, w).items(), key=lambda kv: (kv[1], kv[0]))
+    return enc, size
 
 
 def choose(n: int, k: int, w: int) -> tuple[int, int]:
@@ -204,6 +231,22 @@ class _Inbox:
 
 
 @dataclass
+class _Piece:
+    """A sparse write's changes: entry ``row`` of ``work.rows[block]``; its changed words are
+    ``idx + shift`` (sorted, into the write's own ``n`` words of ``word`` bytes) with values ``vals``."""
+
+    block: int
+    row: int
+    word: int
+    key: int
+    idx: Any
+    vals: Any
+    shift: int
+    k: int
+    n: int
+
+
+@dataclass
 class DeltaWork:
     """What one push sends one inbox destination: per round index, which of its direct writes go as
     planned (None: every write, a dense push), and, once final, the payload (entries and sparse data) and
@@ -219,9 +262,11 @@ class DeltaWork:
     wire_bytes: int = 0  # bytes this source sends it this version (sparse data, entries, dense writes)
     changed: int = 0  # changed words in the writes compared
     words: int = 0  # words in the writes compared
-    # being built: entry rows so far, the next free data byte, immediates and bytes of planned writes
+    # being built: entry rows so far, the sparse pieces (per word size: words and changes so far), the
+    # immediates and bytes of the writes sent as planned
     rows: list[np.ndarray] = field(default_factory=list)
-    at: int = 0
+    pieces: list[_Piece] = field(default_factory=list)
+    streams: dict[int, list[int]] = field(default_factory=dict)  # word size -> [words, changed words]
     planned_imms: int = 0
     planned_bytes: int = 0
 
@@ -410,15 +455,15 @@ class DeltaSender:
         ib = self.inboxes[rank]
         d = ib.direct
         delta = self.enabled and base >= 0 and base == self.base
-        work = DeltaWork(rank, delta, None, dense_bytes, at=_align(ib.capacity * ENTRY_DTYPE.itemsize))
+        work = DeltaWork(rank, delta, None, dense_bytes)
         enc = np.full(len(d), ENC_DENSE, np.int32)
         counts = np.zeros(len(d), np.int64)
-        data_off = np.zeros(len(d), np.int64)
         if delta:
-            for i, (local, vals) in self._select(d, list(self.locals)).items():
+            for i, (idx, vals, shift, k) in self._select(d, list(self.locals)).items():
                 n = int(d["rows"][i]) * int(d["row_bytes"][i]) // int(d["word"][i])
-                e, off = self._encode(ib, work, n, local, vals, int(d["word"][i]))
-                enc[i], counts[i], data_off[i] = e, local.numel(), off
+                w = int(d["word"][i])
+                piece = _Piece(len(work.rows), i, w, int(d["dkey"][i]), idx, vals, shift, k, n)
+                enc[i], counts[i] = self._take(ib, work, piece), k
         rows = np.zeros(len(d), ENTRY_DTYPE)
         rows["key"] = d["dkey"]
         rows["enc"] = enc
@@ -428,7 +473,6 @@ class DeltaSender:
         rows["row_bytes"] = d["row_bytes"]
         rows["pitch"] = d["dst_pitch"]
         rows["count"] = np.where(enc == ENC_DENSE, 0, counts)
-        rows["data"] = data_off
         work.rows.append(rows)
         dense = enc == ENC_DENSE
         work.planned_imms += int(d["imms"][dense].sum())
@@ -444,20 +488,26 @@ class DeltaSender:
         self.encode_seconds += time.perf_counter() - t0
         return work
 
-    def _encode(self, ib: _Inbox, work: DeltaWork, n: int, local: Any, vals: Any, w: int) -> tuple[int, int]:
-        """Encodes one write's changes into ``ib``'s send buffer if that is smaller than the write and
-        fits; returns (encoding, data offset)."""
-        k = int(local.numel())
+    def _take(self, ib: _Inbox, work: DeltaWork, piece: _Piece) -> int:
+        """Whether a write's changes travel in its word size's stream (ENC_STREAM; ENC_EMPTY: none
+        changed) or the write goes as planned (ENC_DENSE: its changes would not be smaller, or the
+        streams would no longer fit this source's share of the inbox)."""
+        n, k, w = piece.n, piece.k, piece.word
         work.changed += k
         work.words += n
-        e, size = choose(n, k, w)
-        if e == ENC_DENSE or work.at + size > ib.share:
-            return ENC_DENSE, 0
-        off = work.at
-        if size:
-            encode_into(ib.send[off:off + size], e, local, vals, n)
-        work.at += _align(size)
-        return e, off
+        e, _ = choose(n, k, w)
+        if e == ENC_EMPTY or e == ENC_DENSE:
+            return e
+        totals = {x: list(v) for x, v in work.streams.items()}
+        t = totals.setdefault(w, [0, 0])
+        t[0] += n
+        t[1] += k
+        size = data_at(ib.capacity) + sum(_align(stream_size(nn, kk, x)[1]) for x, (nn, kk) in totals.items())
+        if size > ib.share:
+            return ENC_DENSE
+        work.streams = totals
+        work.pieces.append(piece)
+        return ENC_STREAM
 
     def staged(self, rank: int, c: int, src_off: np.ndarray, di: np.ndarray, dst_off: np.ndarray,
                nbytes: np.ndarray) -> np.ndarray | None:
@@ -472,8 +522,8 @@ class DeltaSender:
         n_w = len(nbytes)
         enc = np.full(n_w, ENC_DENSE, np.int32)
         counts = np.zeros(n_w, np.int64)
-        data_off = np.zeros(n_w, np.int64)
         word = np.ones(n_w, np.int64)
+        keys = np.array([ib.keys[ib.dkeys[int(x)]] for x in di], np.int64)
         changed = self._chunk_changed.get(c)
         if work.delta and changed is not None:
             import torch
@@ -486,11 +536,11 @@ class DeltaSender:
             cut = torch.searchsorted(idx, bounds).tolist()
             for i in np.flatnonzero(ok).tolist():
                 lo, hi = cut[2 * i], cut[2 * i + 1]
-                local = idx[lo:hi] - int(so[i]) // cw
-                e, off = self._encode(ib, work, int(nb[i]) // cw, local, vals[lo:hi], cw)
-                enc[i], counts[i], data_off[i], word[i] = e, hi - lo, off, cw
+                piece = _Piece(len(work.rows), i, cw, int(keys[i]), idx[lo:hi], vals[lo:hi],
+                               -(int(so[i]) // cw), hi - lo, int(nb[i]) // cw)
+                enc[i], counts[i], word[i] = self._take(ib, work, piece), hi - lo, cw
         rows = np.zeros(n_w, ENTRY_DTYPE)
-        rows["key"] = [ib.keys[ib.dkeys[int(x)]] for x in di]
+        rows["key"] = keys
         rows["enc"] = enc
         rows["word"] = word
         rows["dst_off"] = dst_off
@@ -498,7 +548,6 @@ class DeltaSender:
         rows["row_bytes"] = nbytes
         rows["pitch"] = nbytes
         rows["count"] = np.where(enc == ENC_DENSE, 0, counts)
-        rows["data"] = data_off
         work.rows.append(rows)
         keep = enc == ENC_DENSE
         work.planned_imms += sum(self.engine.imm_count(int(n)) for n in nbytes[keep].tolist())
@@ -513,6 +562,32 @@ class DeltaSender:
 
         work = self._works[rank]
         ib = self.inboxes[rank]
+        streams = np.zeros(len(WORDS), STREAM_DTYPE)
+        streams["word"] = WORDS
+        at = data_at(ib.capacity)
+        # Per word size, the sparse writes' changes laid end to end, by destination key (the destination
+        # then scatters each key's changes at once), each write at its base in the stream.
+        for j, w in enumerate(WORDS):
+            pieces = sorted((p for p in work.pieces if p.word == w), key=lambda p: (p.key, p.block, p.row))
+            if not pieces:
+                continue
+            n, k = work.streams[w]
+            base, shifts = 0, []
+            for p in pieces:
+                work.rows[p.block][p.row]["data"] = base
+                shifts.append(p.shift + base)
+                base += p.n
+            dev = pieces[0].idx.device
+            counts = torch.tensor([p.k for p in pieces], device=dev)
+            local = torch.cat([p.idx for p in pieces]) + torch.repeat_interleave(
+                torch.tensor(shifts, device=dev), counts, output_size=k)
+            enc, size = stream_size(n, k, w)
+            encode_into(ib.send[at:at + size], enc, local, torch.cat([p.vals for p in pieces]), n)
+            streams[j] = (w, enc, n, k, at, (0, 0, 0))
+            at += _align(size)
+        work.at = at
+        s0 = streams_at(ib.capacity)
+        ib.send[s0:s0 + streams.nbytes].copy_(torch.from_numpy(streams.view(np.uint8)))
         entries = np.concatenate([*work.rows, ib.fixed])
         if len(entries) > ib.capacity:
             raise WeightSyncError(f"internal: {len(entries)} delta entries for destination {rank}, room for "
@@ -526,12 +601,12 @@ class DeltaSender:
             torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
         return work
 
-    def _select(self, d: np.ndarray, keys: list[str]) -> dict[int, tuple[Any, Any]]:
-        """Per direct write of ``d`` that is compared: its changed words (indices into its own words, in
-        order) and their values, out of its key's changed words."""
+    def _select(self, d: np.ndarray, keys: list[str]) -> dict[int, tuple[Any, Any, int, int]]:
+        """Per direct write of ``d`` that is compared: its changed words out of its key's (``idx + shift``
+        are their indices into its own words, in order), their values, and how many."""
         import torch
 
-        out: dict[int, tuple[Any, Any]] = {}
+        out: dict[int, tuple[Any, Any, int, int]] = {}
         for ki in np.unique(d["key"]).tolist():
             key = keys[ki]
             if key not in self._changed:
@@ -547,22 +622,24 @@ class DeltaSender:
             cut = torch.searchsorted(idx, bounds).tolist()
             for j, i in enumerate(rows.tolist()):
                 lo, hi = cut[2 * j], cut[2 * j + 1]
-                sub, v = idx[lo:hi] - int(start[j]), vals[lo:hi]
                 nr = int(d["rows"][i])
                 m = int(d["row_bytes"][i]) // int(w[j])
                 p = int(d["src_pitch"][i]) // int(w[j])
-                if nr > 1 and p != m:
+                if nr > 1 and p != m:  # strided rows: the words between them are not this write's
+                    sub = idx[lo:hi] - int(start[j])
                     r = sub // p
                     c = sub - r * p
                     inside = c < m
-                    sub, v = (r * m + c)[inside], v[inside]
-                out[i] = (sub, v)
+                    sub, v = (r * m + c)[inside], vals[lo:hi][inside]
+                    out[i] = (sub, v, 0, int(sub.numel()))
+                else:
+                    out[i] = (idx[lo:hi], vals[lo:hi], -int(start[j]), hi - lo)
         return out
 
     def header(self, rank: int, epoch: int, version: int, work: DeltaWork) -> None:
         ib = self.inboxes[rank]
         self.headers[rank] = (epoch, version, work.imms, ib.offset, work.payload_bytes, work.entries,
-                              work.changed, work.words)
+                              work.changed, ib.capacity)
 
     def finish(self, version: int, ok: bool) -> None:
         """After the push: the changed values become the reference; usable from the next push on if this
@@ -584,6 +661,13 @@ class DeltaSender:
 
 
 # -- the destination's side ------------------------------------------------------------------------------
+def _per_word(col: np.ndarray, counts: Any, total: int) -> Any:
+    """A per-entry column repeated for each of the entry's ``counts`` changed words (on their device)."""
+    import torch
+
+    return torch.repeat_interleave(torch.tensor(col, device=counts.device), counts, output_size=total)
+
+
 class DeltaReceiver:
     """A destination's delta inbox and what its shadows hold."""
 
@@ -602,7 +686,8 @@ class DeltaReceiver:
         self.payload_region = engine.register(self.payload, name=f"destination {rank} delta payload")
         self.holds = [-1, -1] if mode == "staged" else [-1]  # the version each buffer holds exactly
         self.apply_seconds = 0.0
-        self._entries: list[tuple[np.ndarray, int]] = []  # this version's entries (and payload offset)
+        # this version's entries, streams and payload offset, per source
+        self._entries: list[tuple[np.ndarray, np.ndarray, int]] = []
 
     def descriptor(self) -> list[bytes]:
         return [self.header_region.descriptor, self.payload_region.descriptor,
@@ -631,28 +716,54 @@ class DeltaReceiver:
             total += int(h["imms"])
             n = int(h["entries"])
             off = int(h["offset"])
-            raw = self.payload[off:off + n * ENTRY_DTYPE.itemsize].cpu().numpy()
-            self._entries.append((raw.view(ENTRY_DTYPE).copy(), off))
+            # entries, then (past the room for all of them) the streams: one copy of both
+            room = int(h["room"])
+            head = self.payload[off:off + data_at(room)].cpu().numpy()
+            entries = head[:n * ENTRY_DTYPE.itemsize].view(ENTRY_DTYPE).copy()
+            streams = head[streams_at(room):data_at(room)].view(STREAM_DTYPE).copy()
+            self._entries.append((entries, streams, off))
         return total
 
     def apply(self, shadow: int) -> None:
         """Scatters this version's sparse entries into buffer ``shadow``."""
         t0 = time.perf_counter()
-        for entries, off in self._entries:
-            sparse = entries[(entries["enc"] == ENC_IDX16) | (entries["enc"] == ENC_BITMAP)]
-            for e in sparse:
-                self._scatter(e, off, shadow)
+        self._scatter_all(shadow)
         self._sync_device()
         self.apply_seconds = time.perf_counter() - t0
 
-    def _scatter(self, e: np.void, off: int, shadow: int) -> None:
-        w = int(e["word"])
-        rows, rb, pitch = int(e["rows"]), int(e["row_bytes"]), int(e["pitch"])
-        n = rows * rb // w
-        at = off + int(e["data"])
-        local, vals = decode(self.payload[at:], int(e["enc"]), n, int(e["count"]), w)
-        target = words(self.buffers[self.keys[int(e["key"])]][shadow], w)
-        target[placed(local, int(e["dst_off"]) // w, rb // w, pitch // w, rows)] = vals
+    def _scatter_all(self, shadow: int) -> None:
+        """Per source and word size: decodes its stream once, then scatters each key's changes at once
+        (a strided write's alone)."""
+        import torch
+
+        for entries, streams, off in self._entries:
+            for st in streams:
+                k, w = int(st["k"]), int(st["word"])
+                if k == 0:
+                    continue
+                virt, vals = decode(self.payload[off + int(st["data"]):], int(st["enc"]), int(st["n"]), k, w)
+                ents = entries[(entries["enc"] == ENC_STREAM) & (entries["word"] == w)]
+                ents = ents[np.argsort(ents["data"], kind="stable")]
+                ends = np.cumsum(ents["count"])
+                starts = ends - ents["count"]
+                strided = (ents["rows"] > 1) & (ents["pitch"] != ents["row_bytes"])
+                dev = virt.device
+                for key in np.unique(ents["key"]).tolist():
+                    target = words(self.buffers[self.keys[key]][shadow], w)
+                    mine = np.flatnonzero(ents["key"] == key)  # one run of the stream: sorted by key
+                    a, b = int(starts[mine[0]]), int(ends[mine[-1]])
+                    cnt = torch.tensor(ents["count"][mine], device=dev)
+                    if not strided[mine].any():  # contiguous writes: one shift each
+                        shift = torch.tensor(ents["dst_off"][mine] // w - ents["data"][mine], device=dev)
+                        target[virt[a:b] + torch.repeat_interleave(shift, cnt, output_size=b - a)] = vals[a:b]
+                        continue
+                    e = ents[mine]
+                    row = np.where(strided[mine], e["row_bytes"] // w, e["rows"] * e["row_bytes"] // w)
+                    local = virt[a:b] - _per_word(e["data"], cnt, b - a)
+                    m = _per_word(row, cnt, b - a)
+                    r = local // m
+                    pitch = _per_word(e["pitch"] // w, cnt, b - a)
+                    target[_per_word(e["dst_off"] // w, cnt, b - a) + r * pitch + (local - r * m)] = vals[a:b]
 
     def completed(self, version: int, shadow: int) -> None:
         self.holds[shadow] = version
@@ -664,12 +775,10 @@ class DeltaReceiver:
             return
         other = 1 - shadow
         self.holds[other] = -1
-        for entries, off in self._entries:
-            for e in entries:
-                if int(e["enc"]) == ENC_DENSE:
-                    self._copy_region(e, shadow, other)
-                elif int(e["enc"]) != ENC_EMPTY:
-                    self._scatter(e, off, other)
+        for entries, _, _ in self._entries:
+            for e in entries[entries["enc"] == ENC_DENSE]:
+                self._copy_region(e, shadow, other)
+        self._scatter_all(other)
         self._sync_device()
         self.holds[other] = version
 
