@@ -389,7 +389,7 @@ class DeltaSender:
                                   self.engine.imm_count(rb, True, nr)))
             ib.direct = np.array(rows_, _DIRECT_DTYPE) if rows_ else np.zeros(0, _DIRECT_DTYPE)
             ib.capacity = len(ib.direct) + int((staged["dst_rank"] == d.target.slot).sum()) + len(ib.fixed)
-            need = ib.capacity * ENTRY_DTYPE.itemsize
+            need = data_at(ib.capacity)  # the entries and the stream table
             if need > share:
                 raise WeightSyncError(
                     f"source {self.rank}: destination {rank}'s delta inbox gives each of {sources} sources "
