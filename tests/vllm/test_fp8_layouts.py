@@ -123,3 +123,16 @@ def test_fp8_layers_are_named_as_converted_after_loading(fp8_kernels: None) -> N
     assert "Fp8LinearMethod" in conversions["model.layers.1.mlp.shared_experts.down_proj.weight_scale_inv"]
     assert "Fp8MoEMethod" in conversions["model.layers.1.mlp.experts.routed_experts.w13_weight"]
     assert "model.layers.1.mlp.gate.weight" not in conversions
+
+
+def test_the_backend_refuses_an_fp8_model_naming_the_parameter(fp8_kernels: None) -> None:
+    """The worker side derives the FP8 layout, then refuses before joining anything: the kernels read
+    what Fp8LinearMethod makes of the loaded weights, not the loaded weights."""
+    from tests.vllm.test_post_load import backend
+    from weightsync.errors import LayoutError
+
+    model, vllm_config = models.build(DEEPSEEK_V3_FP8)
+    with pytest.raises(LayoutError) as err:
+        backend(model, vllm_config).derive(checkpoint_of(models.hf_state_dict(DEEPSEEK_V3_FP8)))
+    assert "'model.layers.0.self_attn.fused_qkv_a_proj.weight'" in str(err.value)
+    assert "Fp8LinearMethod" in str(err.value)

@@ -54,10 +54,12 @@ from weightsync.errors import LayoutError, WeightSyncError
 from weightsync.integrations.vllm import BACKEND
 from weightsync.integrations.vllm.layouts import (
     CheckpointTensor,
+    Refresh,
     VllmLayout,
     derive_layout,
     fp8_checkpoint,
     post_load_conversions,
+    post_load_refreshes,
 )
 from weightsync.integrations.vllm.verify import MASK64, add, box_checksum, to_signed
 from weightsync.runtime.describe import Sharded
@@ -120,6 +122,7 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         self.layout: VllmLayout | None = None
         self.checkpoint: dict[str, CheckpointTensor] = {}
         self.last_verification: dict[str, Any] | None = None
+        self.refreshes: list[Refresh] = []
         self._version = -1
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -153,6 +156,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
                 checkpoint = fp8_checkpoint(self.model, checkpoint, tuple(int(x) for x in block))
             layout = derive_layout(self.model, checkpoint)
             converted = post_load_conversions(self.model)
+            self.refreshes = [r for r in post_load_refreshes(self.model, self.model_config.dtype)
+                              if any(name in layout.pieces for name in r.inputs)]
         refused = [(name, converted[name]) for name in layout.pieces if name in converted]
         if refused:
             shown = "; ".join(f"{name!r}: {why}" for name, why in refused[:3])
@@ -183,8 +188,18 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
             raise WeightSyncError(f"waited for version {update_info.version}, the model holds {got}: a newer "
                                   "push landed in between")
         self._version = got
+        self.after_update()
         if update_info.checksums is not None:
             self.last_verification = self.verify(update_info.checksums)
+
+    def after_update(self) -> None:
+        """Re-runs what vLLM derived from the weights after loading (MLA's ``W_UK_T``/``W_UV``), so that
+        the kernels read the version that just landed; a no-op for most models."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            for refresh in self.refreshes:
+                refresh.run()
 
     def verify(self, checksums: Mapping[str, int]) -> dict[str, Any]:
         """Compares ``checksums`` (per checkpoint tensor, as the trainers hold it) with what this

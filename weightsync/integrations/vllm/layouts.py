@@ -158,7 +158,8 @@ class _ParamRef:
     name: str
     shape: tuple[int, ...]
     offset: int  # storage offset of the parameter's first element
-    numel: int
+    numel: int  # elements of the storage it spans (its numel when contiguous)
+    strides: tuple[int, ...] | None = None  # set for a parameter that is not contiguous
 
 
 def _recorder_class() -> type:
@@ -186,6 +187,10 @@ def _recorder_class() -> type:
             off = int(t.storage_offset())
             for ref in refs:
                 if ref.offset <= off < ref.offset + max(ref.numel, 1):
+                    if ref.strides is not None:
+                        raise LayoutError(f"parameter {ref.name!r} is not contiguous (strides {ref.strides}) "
+                                          "and its loader writes into it; weightsync registers parameters "
+                                          "as they are")
                     return ref, off - ref.offset
             return None
 
@@ -310,14 +315,16 @@ def derive_layout(model: Any, checkpoint: Sequence[CheckpointTensor], *,
     names: list[str] = []
     for name, p in model.named_parameters():
         data = p.data
-        if not data.is_contiguous():
-            raise LayoutError(f"parameter {name!r} is not contiguous (strides {tuple(data.stride())}); "
-                              "weightsync registers parameters as they are")
+        # A parameter that is not contiguous (one vLLM made after loading, e.g. MLA's W_UV) is refused
+        # only if a loader writes into it.
+        strides = None if data.is_contiguous() else tuple(int(x) for x in data.stride())
         sid = _storage(data)
         if sid is None:
             raise LayoutError(f"parameter {name!r} ({type(p).__name__}) has no storage of its own")
+        span = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(data.shape, data.stride(), strict=True)) \
+            if data.numel() else 0
         params.setdefault(sid, []).append(_ParamRef(name, tuple(int(x) for x in data.shape),
-                                                    int(data.storage_offset()), int(data.numel())))
+                                                    int(data.storage_offset()), span, strides))
         names.append(name)
     sources: dict[int, CheckpointTensor] = {}
     fakes: list[tuple[str, Any]] = []
@@ -414,6 +421,58 @@ def _holds_private_copy(fn: Any) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Refresh:
+    """A derivation vLLM makes after loading that the backend re-runs after every update, so the kernel
+    tensors it makes follow the new weights: ``run()`` recomputes the kernel tensors of ``module`` from
+    the parameters ``inputs`` (as the loaders fill them)."""
+
+    module: str
+    inputs: tuple[str, ...]
+    run: Any  # Callable[[], None]
+
+
+def _plain_mla(module: Any) -> bool:
+    """Whether ``module`` is vLLM's MLA attention on its plain path: after loading it only computes
+    ``W_UK_T``/``W_UV`` from ``kv_b_proj``'s weight (what vLLM re-runs on a reload too), with neither a
+    backend that packs them (AMX, AITER's FP4/FP8 BMM) nor a quantized ``kv_b_proj``."""
+    if type(module).__name__ != "MLAAttention" or not hasattr(module, "kv_b_proj"):
+        return False
+    if any(getattr(module, flag, False) for flag in ("is_amx_bmm_enabled", "is_aiter_triton_fp4_bmm_enabled",
+                                                     "is_aiter_triton_fp8_bmm_enabled")):
+        return False
+    impl = getattr(module, "impl", None)
+    try:
+        from vllm.v1.attention.backend import AttentionImplBase
+
+        base = AttentionImplBase.process_weights_after_loading
+    except ImportError:
+        return False
+    if impl is None or getattr(type(impl), "process_weights_after_loading", base) is not base:
+        return False  # the backend converts weights of its own after loading
+    kv_b = module.kv_b_proj
+    return type(getattr(kv_b, "quant_method", None)).__name__ == "UnquantizedLinearMethod" and \
+        not _holds_private_copy(getattr(kv_b, "cpu_linear", None))
+
+
+def post_load_refreshes(model: Any, act_dtype: Any) -> list[Refresh]:
+    """The derivations vLLM made after loading that can be re-run after an update (MLA's ``W_UK_T`` /
+    ``W_UV`` from ``kv_b_proj.weight``, on its plain path): run them once the bytes of a version have
+    landed. :func:`post_load_conversions` does not name their inputs."""
+    from functools import partial
+
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)  # the first name is the one named_parameters() gives
+    out = []
+    for mname, module in model.named_modules():
+        if _plain_mla(module):
+            weight = module.kv_b_proj.weight
+            out.append(Refresh(mname, (names[id(weight)],),
+                               partial(module.process_weights_after_loading, act_dtype)))
+    return out
+
+
 def _present(module: Any) -> list[str]:
     """The names of a module's own parameters that exist (a layer without bias registers None)."""
     return [name for name, p in module._parameters.items() if p is not None]
@@ -429,8 +488,9 @@ def post_load_conversions(model: Any) -> dict[str, str]:
     * the layer's quantization method converts its weights into a kernel format (FP8, INT4, NVFP4, ...:
       every method but the unquantized linear and embedding ones), or the unquantized fused-MoE backend
       shuffles, pads or prepacks the experts;
-    * an attention layer derives kernel tensors from it after loading (MLA's ``W_UK``/``W_UV`` from
-      ``kv_b_proj``).
+    * an attention layer derives kernel tensors from it after loading, unless the backend can re-run
+      that derivation after each update (:func:`post_load_refreshes`: MLA's ``W_UK_T``/``W_UV`` from
+      ``kv_b_proj`` on its plain path).
 
     Writing checkpoint bytes into such a parameter would not change what the model computes, or worse:
     only parameters that appear here *and* receive checkpoint bytes matter (intersect with the layout's
@@ -484,7 +544,7 @@ def post_load_conversions(model: Any) -> dict[str, str]:
                 for pname in _present(module):
                     flag(mname, pname, f"its quantization method {kind} converts it into a kernel "
                                        "format after loading (process_weights_after_loading)")
-        if is_deferred_attention_layer(module):
+        if is_deferred_attention_layer(module) and not _plain_mla(module):
             for p in module.parameters():
                 pname = names.get(id(p))
                 if pname is not None:
@@ -493,5 +553,5 @@ def post_load_conversions(model: Any) -> dict[str, str]:
     return found
 
 
-__all__ = ["SCALE_SUFFIX", "CheckpointTensor", "Fill", "Piece", "VllmLayout", "checkpoint_of",
-           "derive_layout", "fp8_checkpoint", "post_load_conversions"]
+__all__ = ["SCALE_SUFFIX", "CheckpointTensor", "Fill", "Piece", "Refresh", "VllmLayout", "checkpoint_of",
+           "derive_layout", "fp8_checkpoint", "post_load_conversions", "post_load_refreshes"]
