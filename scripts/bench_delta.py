@@ -291,7 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps per learning rate (default 5; cpu 3)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--inbox", type=float, default=0.25,
+    ap.add_argument("--inbox", type=float, default=0.125,
                     help="the delta inbox, a fraction of the model bytes")
     ap.add_argument("--out", default="", help="write the JSON result here too")
     ap.add_argument("--verbose", action="store_true", help="show the actors' logs")

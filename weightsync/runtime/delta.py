@@ -108,6 +108,13 @@ def words(t: Any, w: int) -> Any:
     return b[: b.numel() // w * w].view(word_dtype(w))
 
 
+def _narrow(idx: Any, n: int) -> Any:
+    """Changed-word indices as int32 where they fit (they are kept through a push: half the memory)."""
+    import torch
+
+    return idx.to(torch.int32) if n < 1 << 31 else idx
+
+
 def write_word(w_max: int, *offsets: int) -> int:
     """The largest word size up to ``w_max`` (a power of two) dividing every offset, size and pitch of a
     write: its elements are compared and placed in words of that many bytes."""
@@ -419,7 +426,7 @@ class DeltaSender:
             for key, ref in self.refs.items():
                 w = self.words[key]
                 cur, old = words(self.locals[key], w), words(ref, w)
-                idx = torch.nonzero(cur != old).reshape(-1)
+                idx = _narrow(torch.nonzero(cur != old).reshape(-1), cur.numel())
                 self._changed[key] = (idx, cur[idx])
         else:  # the reference is not of a version anyone holds: it becomes this push's values
             for key, ref in self.refs.items():
@@ -444,7 +451,7 @@ class DeltaSender:
         else:
             w = int(self.chunk_words[c])
             cur = words(view, w)
-            idx = torch.nonzero(cur != words(ref, w)).reshape(-1)
+            idx = _narrow(torch.nonzero(cur != words(ref, w)).reshape(-1), cur.numel())
             self._chunk_changed[c] = (idx, cur[idx])
         self.encode_seconds += time.perf_counter() - t0
 
@@ -532,7 +539,8 @@ class DeltaSender:
             cw = int(self.chunk_words[c])
             so, nb, do = src_off.astype(np.int64), nbytes.astype(np.int64), dst_off.astype(np.int64)
             ok = (so % cw == 0) & (nb % cw == 0) & (do % cw == 0)
-            bounds = torch.tensor(np.stack([so // cw, (so + nb) // cw], 1).reshape(-1), device=idx.device)
+            bounds = torch.tensor(np.stack([so // cw, (so + nb) // cw], 1).reshape(-1), device=idx.device,
+                                  dtype=idx.dtype)
             cut = torch.searchsorted(idx, bounds).tolist()
             for i in np.flatnonzero(ok).tolist():
                 lo, hi = cut[2 * i], cut[2 * i + 1]
@@ -579,8 +587,8 @@ class DeltaSender:
                 base += p.n
             dev = pieces[0].idx.device
             counts = torch.tensor([p.k for p in pieces], device=dev)
-            local = torch.cat([p.idx for p in pieces]) + torch.repeat_interleave(
-                torch.tensor(shifts, device=dev), counts, output_size=k)
+            local = torch.repeat_interleave(torch.tensor(shifts, device=dev), counts, output_size=k)
+            local += torch.cat([p.idx for p in pieces])
             enc, size = stream_size(n, k, w)
             encode_into(ib.send[at:at + size], enc, local, torch.cat([p.vals for p in pieces]), n)
             streams[j] = (w, enc, n, k, at, (0, 0, 0))
@@ -618,7 +626,8 @@ class DeltaSender:
             w = d["word"][rows]
             start = d["src_off"][rows] // w
             span = ((d["rows"][rows] - 1) * d["src_pitch"][rows] + d["row_bytes"][rows]) // w
-            bounds = torch.tensor(np.stack([start, start + span], 1).reshape(-1), device=idx.device)
+            bounds = torch.tensor(np.stack([start, start + span], 1).reshape(-1), device=idx.device,
+                                  dtype=idx.dtype)
             cut = torch.searchsorted(idx, bounds).tolist()
             for j, i in enumerate(rows.tolist()):
                 lo, hi = cut[2 * j], cut[2 * j + 1]
