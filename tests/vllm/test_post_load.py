@@ -100,3 +100,29 @@ def test_mla_with_a_packing_backend_is_refused_naming_kv_b_proj() -> None:
         backend(model, vllm_config).derive(checkpoint_of(models.hf_state_dict(DEEPSEEK_V3_DENSE)))
     assert "'model.layers.0.self_attn.kv_b_proj.weight'" in str(err.value)
     assert "MLAAttention" in str(err.value)
+
+
+def test_a_real_engine_is_updated_in_place_or_refused() -> None:
+    """vLLM's LLM(...) on CPU with the weightsync backend (tests/vllm/llm_engine.py, its own process):
+    either the backend refuses naming a parameter vLLM converted after loading (its CPU GEMM prepacks
+    linear weights where oneDNN or sgl kernels exist), or a push leaves every parameter bit-identical to
+    the engine's own loading and greedy generation unchanged. Skips with vLLM's error where vLLM's engine
+    does not start (a vLLM wheel built for CUDA has no CPU kernels)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm.llm_engine"], capture_output=True, text=True,
+                          timeout=900, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "unavailable" in got:
+        pytest.skip(f"vLLM's engine does not start on this machine: {got['unavailable']}")
+    if "refused" in got:
+        assert any(repr(name) in got["refused"] for name in got["converted"]), got
+        return
+    assert got["differ"] == [], got
+    assert got["after"] == got["before"], got
