@@ -535,3 +535,31 @@ def test_a_push_that_failed_its_check_is_followed_by_a_dense_one(team_factory) -
     stats = team.push()
     team.check()
     assert all(s.delta_destinations == [0, 1] for s in stats), stats
+
+
+# -- the simulator's delta model --------------------------------------------------------------------------
+def test_simulated_delta_push_sends_the_encoded_bytes_and_adds_encode_and_apply() -> None:
+    from weightsync.plan import plan
+    from weightsync.plan.simulate import CostModel, delta_wire_ratio, simulate
+    from weightsync.runtime.describe import Sharded, describe_tensors
+
+    g = np.zeros((1 << 12, 1 << 12), np.float32)
+    srcs = [describe_tensors({"w": Sharded(g[:2048], g.shape, (0, 0))}),
+            describe_tensors({"w": Sharded(g[2048:], g.shape, (2048, 0))})]
+    p = plan(srcs, [describe_tensors({"w": g}) for _ in range(2)], source_hosts=[0, 1],
+             destination_hosts=[2, 3])
+    dense = simulate(p, [0, 1], [2, 3], CostModel(msg_overhead_us=0.0))
+    fast = CostModel(msg_overhead_us=0.0, changed_fraction=0.02, encode_gbs=1e9, apply_gbs=1e9)
+    delta = simulate(p, [0, 1], [2, 3], fast)
+    ratio = float(delta_wire_ratio(0.02, np.array([4.0]))[0])
+    assert ratio == pytest.approx(0.02 * 6 / 4)  # 16-bit indices and fp32 values: 6 bytes a change
+    assert delta.bound_s == pytest.approx(dense.bound_s * ratio)
+    assert delta.bytes_total == dense.bytes_total  # what the destinations received
+    everything = simulate(p, [0, 1], [2, 3], CostModel(msg_overhead_us=0.0, changed_fraction=1.0,
+                                                       encode_gbs=1e9, apply_gbs=1e9))
+    assert everything.bound_s == pytest.approx(dense.bound_s)  # never more than the writes
+    slow = simulate(p, [0, 1], [2, 3], CostModel(msg_overhead_us=0.0, changed_fraction=0.02, encode_gbs=1.0,
+                                                 apply_gbs=2.0))
+    assert slow.encode_s_max == pytest.approx(g.nbytes / 2 / 1e9)  # each source's half, compared once
+    assert slow.apply_s_max == pytest.approx(g.nbytes / 2e9)
+    assert slow.sim_s >= delta.sim_s + slow.encode_s_max + slow.apply_s_max - 1e-9

@@ -16,6 +16,14 @@ Model (all figures per GPU):
   (``Plan.gathers``, over NVLink inside the node, before the sender's first quantization, as the
   executor waits for all of them), then quantization at ``quant_gbs`` GB/s of source bytes.
 
+Delta pushes (``changed_fraction`` set; weightsync/runtime/delta.py): every write carries only its
+changed elements, encoded as the smaller of 16-bit block indices (``2 + e`` bytes per change for
+elements of ``e`` bytes) and a bitmap (``1/8`` byte per element plus ``e`` per change), never more than
+the write; each source first compares and encodes what it sends at ``encode_gbs`` GB/s (of the bytes it
+sends, each block once however many destinations take it),
+and each destination scatters the changes at ``apply_gbs`` GB/s of the bytes it receives (after its last
+write: added to the simulated time).
+
 The lower bound is the slowest link: max over GPUs of bytes through its NIC(s) (in or out) over NIC
 bandwidth, and of bytes through its NVLink port (writes and gathers, in or out) over NVLink bandwidth.
 No torch needed.
@@ -35,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from weightsync.plan.layout import DTYPE_SIZES
-from weightsync.plan.ops import T_CAST, T_FP8, Plan
+from weightsync.plan.ops import T_CAST, T_FP8, T_SCALE, Plan
 from weightsync.plan.planner import plan
 
 
@@ -49,6 +57,9 @@ class CostModel:
     window: int = 4                # rounds a source keeps in flight (the engine's pipelining depth)
     pace: bool = False             # hold each round until its planned start (Plan op not_before) ...
     pace_lead: float = 0.0         # ... less this fraction of the planned push
+    changed_fraction: float | None = None  # delta pushes: elements changed since the last push (None: dense)
+    encode_gbs: float = 1000.0     # delta: GB/s of sent (dense) bytes one source GPU compares and encodes
+    apply_gbs: float = 1000.0      # delta: GB/s of received (dense) bytes one destination GPU applies
 
     @property
     def nic_bps(self) -> float:
@@ -72,6 +83,8 @@ class SimResult:
     gather_s_max: float
     quant_s_max: float
     flows: int
+    encode_s_max: float = 0.0  # delta pushes: the slowest source's compare and encode
+    apply_s_max: float = 0.0   # delta pushes: the slowest destination's scatter of the changes
 
     def summary(self) -> dict[str, Any]:
         def st(a: np.ndarray) -> dict[str, float]:
@@ -84,7 +97,8 @@ class SimResult:
                 "bytes_total": self.bytes_total, "bytes_out_per_trainer": st(self.bytes_out),
                 "bytes_in_per_inference_gpu": st(self.bytes_in), "writes_per_trainer": st(self.writes_out),
                 "gather_bytes": self.gather_bytes, "gather_s_max": self.gather_s_max,
-                "quant_s_max": self.quant_s_max, "flows": self.flows}
+                "quant_s_max": self.quant_s_max, "flows": self.flows, "encode_s_max": self.encode_s_max,
+                "apply_s_max": self.apply_s_max}
 
 
 def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[int],
@@ -117,6 +131,20 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         src_work = np.bincount(pair[:, 0], weights=box_bytes[pair[:, 1]], minlength=T)
         src_fp8 = np.bincount(src[fp8], weights=nbytes[fp8], minlength=T)
         work[fp8] = src_work[src[fp8]] * nbytes[fp8] / np.maximum(src_fp8[src[fp8]], 1e-300)
+    # Delta pushes: the bytes on the wire, and the encode before / the apply after the writes.
+    dense_bytes = nbytes
+    encode_s = np.zeros(T)
+    apply_s = np.zeros(R)
+    if cost.changed_fraction is not None and len(ops):
+        es = np.array([DTYPE_SIZES[d] for d in p.dst_dtype], np.float64)[ops["tensor"]]
+        es = np.where(tr == T_SCALE, 4.0, es)
+        nbytes = nbytes * delta_wire_ratio(cost.changed_fraction, es)
+        # a source compares what it holds once, however many destinations take it (replicas)
+        cols = ("src_key", "src_offset", "rows", "row_bytes")
+        held = np.stack([src] + [ops[c].astype(np.int64) for c in cols], 1)
+        _, first = np.unique(held, axis=0, return_index=True)
+        encode_s = np.bincount(src[first], weights=dense_bytes[first], minlength=T) / (cost.encode_gbs * 1e9)
+        apply_s = np.bincount(dst, weights=dense_bytes, minlength=R) / (cost.apply_gbs * 1e9)
     # flows: runs of equal (source, round, destination); ops are sorted by (source, round) and
     # grouped by destination inside a round
     key = (src << 42) + (ops["round"].astype(np.int64) << 21) + dst
@@ -166,6 +194,7 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         w_base = np.maximum.accumulate(np.where(first_of_src, w_csum - f_work, 0.0))
         after_first_transform = (w_csum - w_base) > 0
         ready = csum - base + np.where(after_first_transform, gather_s[f_src] + gather_nic_s[f_src], 0.0)
+        ready += encode_s[f_src]
     # Rounds are paced: a round starts no earlier than its not_before fraction of the planned push
     # duration (the largest destination's bytes at its link speed).
     if cost.pace and len(ops):
@@ -176,6 +205,7 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         sim_s = _run_flows(f_src, f_dst, f_local, f_bytes, f_cap, ready, T, R, bw_nic, bw_nv)
     else:
         sim_s = _run_window(f_src, f_dst, f_local, f_bytes, f_cap, ready, T, R, bw_nic, bw_nv, cost.window)
+    sim_s += float(apply_s.max(initial=0.0))
     # lower bound: the slowest link
     out_nic = np.bincount(f_src[~f_local], weights=f_bytes[~f_local], minlength=T)
     out_nv = np.bincount(f_src[f_local], weights=f_bytes[f_local], minlength=T)
@@ -189,11 +219,21 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
     )
     quant_s = np.bincount(f_src, weights=prep, minlength=T)
     return SimResult(
-        bound_s=bound, sim_s=sim_s, ratio=sim_s / bound if bound else 0.0, bytes_total=int(nbytes.sum()),
+        bound_s=bound, sim_s=sim_s, ratio=sim_s / bound if bound else 0.0, bytes_total=int(dense_bytes.sum()),
         bytes_out=(out_nic + out_nv).astype(np.int64), bytes_in=(in_nic + in_nv).astype(np.int64),
         writes_out=np.bincount(src, minlength=T), gather_bytes=int(g["nbytes"].sum()) if len(g) else 0,
         gather_s_max=float(np.maximum(gather_s, gather_nic_s).max(initial=0.0)),
-        quant_s_max=float(quant_s.max(initial=0.0)), flows=nf)
+        quant_s_max=float(quant_s.max(initial=0.0)), flows=nf, encode_s_max=float(encode_s.max(initial=0.0)),
+        apply_s_max=float(apply_s.max(initial=0.0)))
+
+
+def delta_wire_ratio(changed: float, elem_bytes: np.ndarray) -> np.ndarray:
+    """Bytes a delta push sends per byte of a dense one, for elements of ``elem_bytes`` bytes of which a
+    fraction ``changed`` changed: the smaller of 16-bit block indices and a bitmap (plus the values),
+    never more than the write itself (weightsync/runtime/delta.py)."""
+    e = np.asarray(elem_bytes, np.float64)
+    per_element = np.minimum(changed * (2.0 + e), 1.0 / 8.0 + changed * e)
+    return np.minimum(per_element / e, 1.0)
 
 
 def _run_flows(f_src: np.ndarray, f_dst: np.ndarray, f_local: np.ndarray, f_eff: np.ndarray,
