@@ -77,11 +77,13 @@ def init_distributed(tp: int = 1, rank: int = 0, port: int | None = None) -> Non
 
 
 def build(config: dict[str, Any], dtype: str = "bfloat16", tp: int = 1, rank: int = 0,
-          port: int | None = None, ep: bool = False) -> tuple[Any, Any]:
+          port: int | None = None, ep: bool = False, device: str = "cpu") -> tuple[Any, Any]:
     """``(model, vllm_config)``: the model vLLM builds for ``config`` on CPU (this process's ``rank`` of
     ``tp``, whose ranks meet at ``port``; with ``ep`` the MoE layers' experts are split over the ranks
     instead of each expert's matrices), its parameters not yet loaded. Use the model inside
-    ``set_current_vllm_config(vllm_config)``."""
+    ``set_current_vllm_config(vllm_config)``. ``device="meta"``: parameters without storage (real
+    model shapes at no memory; their layouts can be derived, nothing loaded)."""
+    import torch
     from vllm.config import (
         DeviceConfig,
         LoadConfig,
@@ -107,7 +109,8 @@ def build(config: dict[str, Any], dtype: str = "bfloat16", tp: int = 1, rank: in
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"),
                                             parallel_config=ParallelConfig(tensor_parallel_size=tp))):
         init_distributed(tp, rank, port)
-    with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype):
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype), \
+            torch.device(device):
         model = initialize_model(vllm_config=vllm_config)
     return model, vllm_config
 
