@@ -247,6 +247,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "all_delta": all(r["delta"] for r in x), "bound_ms": bound * 1e3,
             }
             res["delta_over_dense"] = res["delta_ms"] / res["dense_ms"]
+            # the simulator's inputs (scripts/simulate_delta.py): GB/s of dense bytes encoded / applied
+            res["encode_gbs"] = res["dense_gb"] / max(res["encode_ms"] * 1e-3, 1e-9)
+            res["apply_gbs"] = res["dense_gb"] / max(res["apply_ms"] * 1e-3, 1e-9)
             res["delta_over_bound"] = res["delta_ms"] / res["bound_ms"]
             results.append(res)
             print(f"  lr {lr:g}: {res['changed_fraction']:.2%} of BF16 values changed "
@@ -279,6 +282,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             goals.append(f"goal (CPU): delta >= 5x faster than dense at lr {r['lr']:g}: "
                          f"{1 / r['delta_over_dense']:.1f}x ({met})")
     out["goals"] = goals
+    if results:
+        r = results[0]
+        out["simulate"] = ("python scripts/simulate_delta.py --model ../shared/models/kimi-k2.json "
+                           f"--changed 0.01 0.02 0.05 --encode-gbs {r['encode_gbs']:.0f} "
+                           f"--apply-gbs {r['apply_gbs']:.0f}")
     return out
 
 
@@ -316,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['apply_ms']:9.2f} {r['wire_gb']:8.3f}")
     for line in out["goals"]:
         print(line)
+    if "simulate" in out:
+        print(f"simulator inputs at lr {out['results'][0]['lr']:g}: {out['simulate']}")
     print(json.dumps(out), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -732,6 +732,8 @@ class Source(Participant):
         if changed_error:
             # Only now: a write of this version still in flight could land after the next version's.
             raise changed_error[0]
+        # The delta reference takes this version's changes while the destinations apply theirs.
+        self._delta.finish(version, ok=True)
         phases["grant"] = grants.seconds
         phases["write"] = time.perf_counter() - t
         phases["prepare"] = staged["prepare"]
@@ -753,7 +755,6 @@ class Source(Participant):
         seconds = time.perf_counter() - t0
         written = [r for r in self._dests if r not in failed and r not in grants.refused]
         nbytes = sum(self._dests[r].batch.bytes for r in written)
-        self._delta.finish(version, ok=True)
         delta_sent = [r for r in written if r in works and works[r].delta]
         compared = sum(works[r].words for r in delta_sent)
         wire = sum(works[r].wire_bytes if r in works else self._dests[r].batch.bytes for r in written)
