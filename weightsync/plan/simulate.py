@@ -60,10 +60,17 @@ class CostModel:
     changed_fraction: float | None = None  # delta pushes: elements changed since the last push (None: dense)
     encode_gbs: float = 1000.0     # delta: GB/s of sent (dense) bytes one source GPU compares and encodes
     apply_gbs: float = 1000.0      # delta: GB/s of received (dense) bytes one destination GPU applies
+    # Measured against an emulated cluster (scripts/emulated_cluster.py, docs/BENCHMARKS.md "Emulated
+    # cluster vs simulator"); the defaults keep the ideal model of the cluster-scale figures.
+    striping: str = "ideal"        # "ideal": a GPU's NICs are one port; "engine": each NIC its own port,
+    stripe_threshold: int = 1 << 20  # ... every write cut into the engine's pieces (a write up to this
+    max_piece: int = 16 << 20      # ... stays whole) and each piece put on the next NIC, round robin
+    wire_efficiency: float = 1.0   # payload share of a link's rate (TCP/IPv4 over Ethernet: 1448/1514)
+    push_overhead_s: float = 0.0   # per push: grant round trip before the writes, acks after them
 
     @property
     def nic_bps(self) -> float:
-        return self.nic_gbps * 1e9 / 8 * self.nics_per_gpu
+        return self.nic_gbps * 1e9 / 8 * self.nics_per_gpu * self.wire_efficiency
 
     @property
     def nvlink_bps(self) -> float:
@@ -85,6 +92,7 @@ class SimResult:
     flows: int
     encode_s_max: float = 0.0  # delta pushes: the slowest source's compare and encode
     apply_s_max: float = 0.0   # delta pushes: the slowest destination's scatter of the changes
+    nic_bytes_in: np.ndarray | None = None  # striping "engine": bytes per destination and NIC
 
     def summary(self) -> dict[str, Any]:
         def st(a: np.ndarray) -> dict[str, float]:
@@ -201,11 +209,39 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         horizon = float(p.stats.get("dest_bytes_max", 0) or 0) / bw_nic
         nbf = ops["not_before"][start].astype(np.float64) - cost.pace_lead
         ready = np.maximum(ready, nbf * horizon)
-    if cost.window <= 1:
+    nic_in = np.zeros((R, 0))
+    if cost.striping == "engine" and nf:
+        # Each NIC its own port; a flow becomes one sub-flow per NIC carrying that NIC's pieces.
+        n = max(cost.nics_per_gpu, 1)
+        per_nic = engine_nic_bytes(ops, nbytes, src, n, cost.stripe_threshold, cost.max_piece)
+        fb = np.zeros((nf, n))
+        np.add.at(fb, fid, per_nic)
+        fb[f_local] = 0.0
+        fb[f_local, 0] = f_bytes[f_local]  # NVLink: one port as before
+        keep = fb > 0
+        sub_f, sub_k = np.nonzero(keep)  # sorted by flow, then NIC: a source's rounds stay in order
+        s_bytes = fb[keep]
+        s_local = f_local[sub_f]
+        s_src, s_dst = f_src[sub_f], f_dst[sub_f]
+        nic_bw = bw_nic / n
+        # a sub-flow's own cap: its share of the flow's per-write cost, at one NIC's rate
+        s_bw = np.where(s_local, bw_nv, nic_bw)
+        s_cnt = f_count[sub_f] * s_bytes / np.maximum(f_bytes[sub_f], 1e-300)
+        s_cap = s_bw * s_bytes / (s_bytes + s_cnt * cost.msg_overhead_us * 1e-6 * s_bw)
+        # ports: per GPU, NIC k at 2k, NVLink at 1 (k = 0 only for NVLink)
+        sport = np.where(s_local, s_src * (n + 1) + n, s_src * (n + 1) + sub_k)
+        dport = np.where(s_local, s_dst * (n + 1) + n, s_dst * (n + 1) + sub_k)
+        caps = np.tile(np.r_[np.full(n, nic_bw), bw_nv], max(T, R))
+        sim_s = _run_window(s_src, s_dst, s_local, s_bytes, s_cap, ready[sub_f], T, R, bw_nic, bw_nv,
+                            max(cost.window, 1) * n, ports=(sport, dport, caps[:T * (n + 1)],
+                                                            caps[:R * (n + 1)]))
+        nic_in = np.zeros((R, n))
+        np.add.at(nic_in, (s_dst[~s_local], sub_k[~s_local]), s_bytes[~s_local])
+    elif cost.window <= 1:
         sim_s = _run_flows(f_src, f_dst, f_local, f_bytes, f_cap, ready, T, R, bw_nic, bw_nv)
     else:
         sim_s = _run_window(f_src, f_dst, f_local, f_bytes, f_cap, ready, T, R, bw_nic, bw_nv, cost.window)
-    sim_s += float(apply_s.max(initial=0.0))
+    sim_s += float(apply_s.max(initial=0.0)) + cost.push_overhead_s
     # lower bound: the slowest link
     out_nic = np.bincount(f_src[~f_local], weights=f_bytes[~f_local], minlength=T)
     out_nv = np.bincount(f_src[f_local], weights=f_bytes[f_local], minlength=T)
@@ -224,7 +260,49 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         writes_out=np.bincount(src, minlength=T), gather_bytes=int(g["nbytes"].sum()) if len(g) else 0,
         gather_s_max=float(np.maximum(gather_s, gather_nic_s).max(initial=0.0)),
         quant_s_max=float(quant_s.max(initial=0.0)), flows=nf, encode_s_max=float(encode_s.max(initial=0.0)),
-        apply_s_max=float(apply_s.max(initial=0.0)))
+        apply_s_max=float(apply_s.max(initial=0.0)), nic_bytes_in=nic_in)
+
+
+def engine_nic_bytes(ops: np.ndarray, nbytes: np.ndarray, src: np.ndarray, nics: int,
+                     stripe_threshold: int = 1 << 20, max_piece: int = 16 << 20) -> np.ndarray:
+    """Bytes of every op on each of the source's ``nics`` NICs, as the engine places them: a write (a
+    2-D write: each row) up to ``stripe_threshold`` is one piece, a longer one equal pieces (a multiple of
+    the NIC count, 4 KiB aligned, at most ``max_piece``); each piece goes to the next NIC of a counter
+    the source's writes share, in the order it posts them (the plan's). The NIC a source's first piece
+    takes depends on what the engine wrote before (the counter also turns for control writes), so this
+    starts every source at NIC 0. Returns shape (ops, nics). ``nbytes``: each op's bytes on the wire."""
+    n = max(int(nics), 1)
+    out = np.zeros((len(ops), n))
+    if not len(ops):
+        return out
+    rows = np.maximum(ops["rows"].astype(np.int64), 1)
+    L = np.maximum(np.ceil(nbytes / rows), 1).astype(np.int64)  # bytes per row on the wire
+    lim = min(int(stripe_threshold), int(max_piece))
+    def ceil_div(a: np.ndarray, b: Any) -> np.ndarray:
+        return (a + b - 1) // b
+
+    count = n * ceil_div(L, n * int(max_piece))
+    step = np.where(L <= lim, L, np.minimum(ceil_div(ceil_div(L, count), 4096) * 4096, int(max_piece)))
+    m = ceil_div(L, step)  # pieces per row
+    last = L - (m - 1) * step
+    pieces = rows * m
+    # the counter at each op's first piece: pieces posted before it by the same source
+    csum = np.cumsum(pieces)
+    first = np.r_[True, src[1:] != src[:-1]]
+    base = np.maximum.accumulate(np.where(first, csum - pieces, 0))
+    start = csum - pieces - base
+    k = np.arange(n)
+    # full-size pieces: piece j of the op is on NIC (start + j) % n
+    cnt = pieces[:, None] // n + (((k[None, :] - start[:, None]) % n) < (pieces % n)[:, None])
+    out += cnt * step[:, None]
+    # each row's last piece is (step - last) bytes shorter: row r's is piece r*m + m - 1
+    for t in range(n):  # rows r = t (mod n) put it on the same NIC
+        r_cnt = rows // n + (t < rows % n)
+        nic = (start + m - 1 + t * m) % n
+        np.add.at(out, (np.arange(len(ops)), nic), -(step - last) * r_cnt)
+    # the rows' rounding to whole bytes: scale back to the op's bytes
+    tot = out.sum(axis=1)
+    return out * (nbytes / np.maximum(tot, 1e-300))[:, None]
 
 
 def delta_wire_ratio(changed: float, elem_bytes: np.ndarray) -> np.ndarray:
@@ -387,10 +465,12 @@ def _maxmin(f_sport: np.ndarray, f_dport: np.ndarray, f_cap: np.ndarray, sport_c
 
 def _run_window(f_src: np.ndarray, f_dst: np.ndarray, f_local: np.ndarray, f_bytes: np.ndarray,
                 f_cap: np.ndarray, ready: np.ndarray, T: int, R: int, bw_nic: float, bw_nv: float,
-                window: int, steps: int = 3000) -> float:
+                window: int, steps: int = 3000,
+                ports: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> float:
     """Time-stepped flow simulation: each source keeps up to ``window`` of its rounds in flight (in
     order), its egress and every destination's ingress shared max-min fairly. When a flow ends inside
-    a step, the source's next round inherits the rest of the step."""
+    a step, the source's next round inherits the rest of the step. ``ports``: each flow's source and
+    destination port and the ports' capacities (default: per GPU, one NIC port and one NVLink port)."""
     nf = len(f_src)
     if nf == 0:
         return 0.0
@@ -400,10 +480,13 @@ def _run_window(f_src: np.ndarray, f_dst: np.ndarray, f_local: np.ndarray, f_byt
     rem = f_bytes.astype(np.float64).copy()
     active: list[int] = []
     # ports: sources (NIC, NVLink), destinations (NIC, NVLink)
-    sport = f_src * 2 + f_local.astype(np.int64)
-    dport = f_dst * 2 + f_local.astype(np.int64)
-    sport_cap = np.tile([bw_nic, bw_nv], T)
-    dport_cap = np.tile([bw_nic, bw_nv], R)
+    if ports is None:
+        sport = f_src * 2 + f_local.astype(np.int64)
+        dport = f_dst * 2 + f_local.astype(np.int64)
+        sport_cap = np.tile([bw_nic, bw_nv], T)
+        dport_cap = np.tile([bw_nic, bw_nv], R)
+    else:
+        sport, dport, sport_cap, dport_cap = ports
     total = float(f_bytes.sum())
     est = max(total / (min(T, R) * min(bw_nic, bw_nv)), 1e-9)
     dt = est / steps * 4
