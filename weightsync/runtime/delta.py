@@ -568,6 +568,7 @@ class DeltaSender:
         send buffer; returns the work with its final figures."""
         import torch
 
+        t0 = time.perf_counter()
         work = self._works[rank]
         ib = self.inboxes[rank]
         streams = np.zeros(len(WORDS), STREAM_DTYPE)
@@ -593,7 +594,6 @@ class DeltaSender:
             encode_into(ib.send[at:at + size], enc, local, torch.cat([p.vals for p in pieces]), n)
             streams[j] = (w, enc, n, k, at, (0, 0, 0))
             at += _align(size)
-        work.at = at
         s0 = streams_at(ib.capacity)
         ib.send[s0:s0 + streams.nbytes].copy_(torch.from_numpy(streams.view(np.uint8)))
         entries = np.concatenate([*work.rows, ib.fixed])
@@ -602,11 +602,12 @@ class DeltaSender:
                                   f"{ib.capacity}")
         ib.send[: len(entries) * ENTRY_DTYPE.itemsize].copy_(torch.from_numpy(entries.view(np.uint8)))
         work.entries = len(entries)
-        work.payload_bytes = work.at
-        work.imms = work.planned_imms + ib.fixed_imms + self.engine.imm_count(work.at)
-        work.wire_bytes = work.at + work.planned_bytes + int(ib.fixed["rows"] @ ib.fixed["row_bytes"])
+        work.payload_bytes = at
+        work.imms = work.planned_imms + ib.fixed_imms + self.engine.imm_count(at)
+        work.wire_bytes = at + work.planned_bytes + int(ib.fixed["rows"] @ ib.fixed["row_bytes"])
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
+        self.encode_seconds += time.perf_counter() - t0
         return work
 
     def _select(self, d: np.ndarray, keys: list[str]) -> dict[int, tuple[Any, Any, int, int]]:
