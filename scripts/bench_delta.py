@@ -68,16 +68,19 @@ class Trainer:
         from scripts.bench_worker import CONFIGS, DTYPE, checkpoint_tensors
 
         self.dev = _device()
-        host = torch.device("cpu")
-        g = torch.Generator(device=host).manual_seed(1)
-        self.master: dict[str, torch.Tensor] = {}
+        g = torch.Generator(device=self.dev).manual_seed(1)
+        self.master: dict[str, torch.Tensor] = {}  # in (pinned) host memory: 32 GB for 8B parameters
         self.weights: dict[str, torch.Tensor] = {}
         for name, shape in checkpoint_tensors(CONFIGS[model]):
-            m = torch.randn(shape, generator=g, dtype=torch.float32) * 0.02
+            m = torch.randn(shape, generator=g, device=self.dev, dtype=torch.float32) * 0.02
             if name.endswith("norm.weight"):
                 m += 1.0  # RMSNorm scales start at 1
-            self.master[name] = m if self.dev.type == "cpu" else m.pin_memory()
-            self.weights[name] = m.to(self.dev, DTYPE)
+            self.weights[name] = m.to(DTYPE)
+            if self.dev.type == "cuda":
+                host = torch.empty(shape, dtype=torch.float32, pin_memory=True)
+                host.copy_(m)
+                m = host
+            self.master[name] = m
         self.srcs = {kind: ws.Source(group, rank=0, tensors=self.weights, timeout=300, delta=kind == "delta")
                      for kind, group in groups.items()}
         self.gen = torch.Generator(device=self.dev).manual_seed(2)
