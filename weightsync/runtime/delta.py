@@ -758,15 +758,17 @@ class DeltaReceiver:
                 starts = ends - ents["count"]
                 strided = (ents["rows"] > 1) & (ents["pitch"] != ents["row_bytes"])
                 dev = virt.device
+                # contiguous writes: the stream's index plus one shift per write gives the target's word
+                counts = torch.tensor(ents["count"], device=dev)
+                shift = _per_word(ents["dst_off"] // w - ents["data"], counts, k)
                 for key in np.unique(ents["key"]).tolist():
                     target = words(self.buffers[self.keys[key]][shadow], w)
                     mine = np.flatnonzero(ents["key"] == key)  # one run of the stream: sorted by key
                     a, b = int(starts[mine[0]]), int(ends[mine[-1]])
-                    cnt = torch.tensor(ents["count"][mine], device=dev)
-                    if not strided[mine].any():  # contiguous writes: one shift each
-                        shift = torch.tensor(ents["dst_off"][mine] // w - ents["data"][mine], device=dev)
-                        target[virt[a:b] + torch.repeat_interleave(shift, cnt, output_size=b - a)] = vals[a:b]
+                    if not strided[mine].any():
+                        target[virt[a:b] + shift[a:b]] = vals[a:b]
                         continue
+                    cnt = torch.tensor(ents["count"][mine], device=dev)
                     e = ents[mine]
                     row = np.where(strided[mine], e["row_bytes"] // w, e["rows"] * e["row_bytes"] // w)
                     local = virt[a:b] - _per_word(e["data"], cnt, b - a)
