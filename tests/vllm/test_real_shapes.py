@@ -2,7 +2,8 @@
 (meta tensors: no weights, no memory) against weightsync.plan.models.inference_layouts, the hand-written
 layouts the benchmarks and planner tests use: every box (which checkpoint tensor, which part of it, where
 in which vLLM parameter) must agree. vLLM at TP 1; each model cut to its first dense and first MoE layer
-(every layer of a kind has the same shapes). Runs in .venv-vllm."""
+(every layer of a kind has the same shapes); then at TP 2 (two gloo ranks in two processes,
+tests/vllm/real_shapes_rank.py), with and without expert parallelism. Runs in .venv-vllm."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def real_config(name: str) -> dict[str, Any]:
     return cfg
 
 
-def derived_boxes(cfg: dict[str, Any]) -> tuple[set[Box], list[str]]:
+def derived_boxes(cfg: dict[str, Any], tp: int = 1, rank: int = 0, port: int | None = None,
+                  ep: bool = False) -> tuple[set[Box], list[str]]:
     from vllm.config import set_current_vllm_config
 
-    model, vllm_config = models.build(cfg, device="meta")
+    model, vllm_config = models.build(cfg, device="meta", tp=tp, rank=rank, port=port, ep=ep)
     ck = plan_models.checkpoint(cfg)
     checkpoint = [CheckpointTensor(n, tuple(s), "float32" if b else "bfloat16")
                   for n, s, b in zip(ck.names, ck.shapes, ck.buffer, strict=True)]
@@ -72,9 +74,9 @@ def derived_boxes(cfg: dict[str, Any]) -> tuple[set[Box], list[str]]:
     return boxes, layout.unused
 
 
-def planned_boxes(cfg: dict[str, Any]) -> set[Box]:
+def planned_boxes(cfg: dict[str, Any], tp: int = 1, rank: int = 0, ep: bool = False) -> set[Box]:
     fp8 = "quantization_config" in cfg
-    lay = plan_models.inference_layouts(cfg, 1, 1, dtype="fp8" if fp8 else "bf16", expert_parallel=False)[0]
+    lay = plan_models.inference_layouts(cfg, tp, tp, dtype="fp8" if fp8 else "bf16", expert_parallel=ep)[rank]
     from weightsync.plan.layout import DTYPES
 
     return {(lay.keys[int(lay.key[i])], lay.table.names[int(lay.tensor[i])],
@@ -112,3 +114,35 @@ def test_derived_layouts_match_the_planner_models_at_real_shapes(name: str, fp8_
     assert (only_vllm[:6], only_plan[:6]) == ([], []), (len(only_vllm), len(only_plan))
     # vLLM recomputes the rotary inverse frequencies old DeepSeek checkpoints carry: never loaded
     assert all(n.endswith("rotary_emb.inv_freq") for n in unused), unused[:5]
+
+
+# Two cases (each starts two vLLM processes): GQA heads and the padded vocabulary split over the ranks,
+# and MLA, shared experts and FP8 scales with the experts split by expert parallelism.
+@pytest.mark.parametrize("name, ep", [("llama-3.1-70b", False), ("deepseek-v3", True)],
+                         ids=["llama-70b-tp2", "deepseek-v3-ep2"])
+def test_derived_layouts_match_the_planner_models_at_tensor_parallel_2(name: str, ep: bool) -> None:
+    """Each rank of vLLM at TP 2 (its heads, its column and row shards, its half of the padded vocabulary;
+    with expert parallelism its half of the experts whole) against plan.models' layout of that rank."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.runtime.group_actors import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.vllm.real_shapes_rank", str(r), "2", str(port),
+                               name, "ep" if ep else "tp"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=ROOT) for r in range(2)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    cfg = real_config(name)
+    for rank, got in enumerate(outs):
+        derived = {(k, n, tuple(lo), tuple(sh), at, st, dt) for k, n, lo, sh, at, st, dt in got["boxes"]}
+        planned = {known_differences(b) for b in planned_boxes(cfg, 2, rank, ep)}
+        assert len(derived) > 20, got  # the layers' boxes are there to compare
+        only_vllm, only_plan = sorted(derived - planned), sorted(planned - derived)
+        assert (only_vllm[:6], only_plan[:6]) == ([], []), (rank, len(only_vllm), len(only_plan))
