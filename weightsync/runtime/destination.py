@@ -16,6 +16,10 @@ local copy of the newest complete shadow into the live tensors) never reads a sh
 written and no two writers of a version can disagree. Inplace destinations receive straight into the
 live tensors.
 
+With a delta inbox (``delta_bytes``, weightsync.runtime.delta) a destination's grant also says which
+version a delta may be taken on, and a version lands by the sources' headers: their data immediates,
+then the changes scattered into place, then the flip and the ack (from this thread).
+
 A destination the sources reported failed (stopped past the push timeout, its link cut) is dropped from
 the plan, and a plan without it sends it nothing. If this process lives on, its membership watcher (a
 long-poll on the coordinator) hears that it was dropped; the receiving thread abandons what it was landing

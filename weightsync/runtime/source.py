@@ -29,6 +29,11 @@ re-plans without it; the other destinations still complete. If no destination ac
 is missing (every destination waits for all sources), the push raises ``weightsync.TimeoutError``; if the
 plan has no destination left (all dropped, none joined again), it raises ``WeightSyncError`` at once.
 
+Delta pushes (``Source(delta=True)``, weightsync.runtime.delta): the source keeps what it last pushed; a
+destination with a delta inbox whose grant says it holds that version gets, per planned write, either the
+write or only its changed words (encoded into the inbox, with a header posted like a tail); every other
+destination gets the push dense.
+
 Non-blocking: ``push_async`` (``ws.push_async``) runs the same push in a thread of its own and returns a
 ``PushHandle`` (weightsync.runtime.push_handle) at once; ``push`` is ``push_async`` and ``wait`` without the
 thread. One push per source at a time: a push started while another is in flight is refused with
