@@ -96,3 +96,13 @@ def test_what_boxes_cannot_say_is_refused_naming_the_parameter(case: str, words:
         derive_layout(Fused(loader), CKPT)
     for word in words:
         assert word in str(err.value), str(err.value)
+
+
+def test_a_loader_that_fails_is_a_layout_error_naming_the_tensor() -> None:
+    def loader(m: torch.nn.Module, name: str, w: Any) -> None:
+        if name == "b":
+            m.ab.data.narrow(0, 8, 4).copy_(w)  # rows 8..11 of a 10-row parameter: torch refuses
+
+    with pytest.raises(LayoutError) as err:
+        derive_layout(Fused(loader), CKPT)
+    assert "'b' (6, 4) float32" in str(err.value), str(err.value)

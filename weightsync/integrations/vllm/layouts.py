@@ -333,15 +333,28 @@ def derive_layout(model: Any, checkpoint: Sequence[CheckpointTensor], *,
         sources[_storage(fake)] = ct
         fakes.append((ct.name, fake))
 
+    current: list[CheckpointTensor] = []
+
     def weights() -> Iterator[tuple[str, Any]]:
-        yield from fakes
+        for ct, (name, fake) in zip(checkpoint, fakes, strict=True):
+            current[:] = [ct]
+            yield name, fake
 
     recorder = _recorder_class()(sources, params)
-    with torch.no_grad(), recorder:
-        if loader is None:
-            model.load_weights(weights())
-        else:
-            loader(model, weights())
+    try:
+        with torch.no_grad(), recorder:
+            if loader is None:
+                model.load_weights(weights())
+            else:
+                loader(model, weights())
+    except LayoutError:
+        raise
+    except Exception as err:
+        # The loader itself failed on the recording tensors (shapes it does not accept, an operation a
+        # meta tensor cannot do): name the checkpoint tensor it was loading.
+        at = f"checkpoint tensor {current[0].name!r} {current[0].shape} {current[0].dtype}" if current \
+            else "the checkpoint"
+        raise LayoutError(f"the model's load_weights failed on {at}: {type(err).__name__}: {err}") from err
     layout = VllmLayout(pieces=recorder.pieces, fills=recorder.fills)
     layout.unused = [ct.name for ct in checkpoint if ct.name not in recorder.used]
     layout.unloaded = [n for n in names if n not in recorder.pieces and n not in recorder.fills]
