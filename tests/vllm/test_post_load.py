@@ -126,3 +126,21 @@ def test_a_real_engine_is_updated_in_place_or_refused() -> None:
         return
     assert got["differ"] == [], got
     assert got["after"] == got["before"], got
+
+
+def test_fused_experts_on_a_prepacking_moe_backend_are_refused_naming_w13() -> None:
+    """vLLM's CPU fused-MoE backend (like FlashInfer's and AITER's on GPUs) prepacks or shuffles w13/w2
+    after loading: the backend refuses the experts instead of writing checkpoint bytes the kernels would
+    not read. (On CUDA's Triton backend the experts are read as loaded and pass this check.)"""
+    from vllm.config import set_current_vllm_config
+
+    model, vllm_config = models.build(models.QWEN3_MOE)
+    with set_current_vllm_config(vllm_config):
+        experts = next(m for m in model.modules() if type(m).__name__ == "RoutedExperts")
+    backend_name = experts.quant_method.unquantized_backend.name
+    if backend_name in ("TRITON", "BATCHED_TRITON"):
+        pytest.skip(f"vLLM picked its {backend_name} fused-MoE backend here, which reads w13/w2 as loaded")
+    with pytest.raises(LayoutError) as err:
+        backend(model, vllm_config).derive(checkpoint_of(models.hf_state_dict(models.QWEN3_MOE)))
+    assert "'model.layers.0.mlp.experts.routed_experts.w13_weight'" in str(err.value), str(err.value)
+    assert f"{backend_name} fused-MoE backend" in str(err.value)
