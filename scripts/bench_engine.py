@@ -142,11 +142,14 @@ def socket_copy(nbytes: int, reps: int) -> dict[str, Any]:
 class Loopback:
     """Source engine here, destination engine in a PeerProcess, one big region on each side."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, cq_data_immediates: bool = False) -> None:
         from weightsync.engine import TransferEngine
 
         self.capacity = capacity
-        self.engine = TransferEngine()
+        # cq_data_immediates: the source's immediates ride on its writes as remote CQ data (no announces,
+        # no de-duplication at the destination), to measure what exactly-once immediates cost.
+        self.engine = (TransferEngine._for_tests(cq_data_immediates=True) if cq_data_immediates
+                       else TransferEngine())
         self.dst = PeerProcess()
         self.dst_address = self.dst.call("engine")
         self.src_buf = random_bytes(capacity, seed=2026)
@@ -382,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (smoke test)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures to this file")
     ap.add_argument("--socket-sink", help=argparse.SUPPRESS)  # internal: the socket copy's child
+    ap.add_argument("--cq-data-immediates", action="store_true",
+                    help="the source engine sends immediates as remote CQ data of its writes instead of "
+                         "announces (the engine before exactly-once immediates), for comparison")
     ap.add_argument("--transport", choices=["fabric", "cuda"], default="fabric",
                     help="cuda: the copy-engine lane between Ray GPU actors (scripts/bench_cuda.py)")
     args, rest = ap.parse_known_args(argv)
@@ -407,13 +413,14 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
         "engine_build": engine_build(),
+        "immediates": "cq_data" if args.cq_data_immediates else "announce",
     }
 
     # The bound is measured before and after the engine sections: on a shared 2-core VM the load drifts, and
     # the median of both halves is fairer to the engine than either half alone.
     before = timed("socket copy", lambda: socket_copy(cfg["socket_bytes"], cfg["socket_reps"]))
 
-    loop = Loopback(max(cfg["sizes"] + [64 * MiB]))
+    loop = Loopback(max(cfg["sizes"] + [64 * MiB]), cq_data_immediates=args.cq_data_immediates)
     try:
         result["provider"] = loop.engine.provider
         result["sizes"] = [timed(human(s), lambda s=s: loop.size_run(s, cfg["round_s"], cfg["rounds"]))

@@ -66,6 +66,11 @@ Engine::Engine(const EngineConfig& cfg, const TestHooks& hooks)
   if (cfg_.landing_slot_bytes == 0) cfg_.landing_slot_bytes = cfg_.max_piece;
   for (auto& w : workers_) cfg_.landing_slot_bytes = std::min<uint64_t>(cfg_.landing_slot_bytes, w->lane().max_write());
   cfg_.landing_slots = std::max<uint64_t>(cfg_.landing_slots, 1);
+  announce_ring_ = fabric_tagged_ && fabric_delivery_complete_;
+  announces_ = announce_ring_ && !hooks_.cq_data_immediates;
+  landing_voided_.resize(fabric_nics_);
+  uid_hi_ = std::stoull(uid_.substr(0, 16), nullptr, 16);
+  uid_lo_ = std::stoull(uid_.substr(16, 16), nullptr, 16);
   if (!local_lanes.empty()) {
     cuda_lane_ = static_cast<int>(workers_.size());
     workers_.push_back(std::make_unique<LaneWorker>(this, cuda_lane_, std::move(local_lanes[0]), cfg_));
@@ -76,6 +81,13 @@ void Engine::start() {
   // Raw `this`: the counters live in the engine, and close() joins the workers (the only callers).
   counters_.set_observer([this](uint32_t imm, uint64_t total) { on_immediate(imm, total); });
   for (auto& w : workers_) w->start();
+  if (announce_ring_) {
+    // Peers' announces may come as soon as our address is out: the rings are posted first.
+    for (size_t i = 0; i < fabric_nics_; ++i) {
+      LaneWorker* w = workers_[i].get();
+      w->call([w](Lane&) { w->start_announces(); }, kCommandTimeoutS);
+    }
+  }
   // The doorbell: copy-engine completions reach peers as zero-length writes into it. It must not hold
   // the engine alive (the engine owns it), and close() deregisters it with everything else.
   doorbell_ = register_memory(doorbell_mem_.data(), doorbell_mem_.size(), MemKind::kHost, -1, true);

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/announce.hpp"
 #include "core/imm_counter.hpp"
 #include "core/pieces.hpp"
 #include "core/transfer.hpp"
@@ -79,6 +80,10 @@ struct TestHooks {
   // failed there (a path error, as when a link dies after the write landed but before its
   // acknowledgement came back): the write is retried on another NIC although its immediate arrived.
   uint32_t lose_imm_acks = 0;
+  // This engine's writes carry their immediates as remote CQ data of the write itself, as before
+  // announces (core/announce.hpp): no de-duplication. For benchmarks of what announces cost; the engine
+  // still receives announces from others.
+  bool cq_data_immediates = false;
 };
 
 // What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) and its
@@ -142,6 +147,8 @@ struct Peer {
   std::vector<uint64_t> doorbell_base, doorbell_key;  // per remote NIC: where copy completions signal
   std::mutex mu;
   std::string last_error;
+  // Ids of the announces of pieces to this peer (core/announce.hpp): the last one handed out.
+  std::atomic<uint64_t> announces{0};
 };
 
 // Memory of a peer we may write into, from its descriptor.
@@ -198,6 +205,13 @@ struct Piece {
   bool tagged = false;  // into a landing region: a tagged message, not an RMA write
   int fixed_nic = -1;   // landing: every message of the op on this NIC (send order = landing order)
   bool probe = false;   // a zero-length write into a peer's doorbell that tests a failed path (no transfer)
+  // Exactly-once immediates (core/announce.hpp): the immediate goes as an announce after the bytes.
+  bool announce = false;   // set when first posted on a NIC that announces
+  bool data_done = false;  // its bytes are placed (or it has none): only the announce is left
+  uint64_t announce_id = 0;  // its name's piece id, kept across retries (0: none yet)
+  int announce_slot = -1;    // the send buffer of its announce on the worker it is posted on
+  uint64_t posted_len = 0;   // bytes it holds of its NIC's window while posted
+  uint64_t announce_span = 0;  // landing: the bytes from dst_off its announce stands for
 };
 
 struct LaneStats {
@@ -206,6 +220,7 @@ struct LaneStats {
   uint64_t bytes_completed = 0;
   uint64_t writes_completed = 0;
   uint64_t imm_received = 0;
+  uint64_t imm_duplicates = 0;  // announces of pieces already counted (retried after a lost ack): dropped
   uint64_t errors = 0;
   uint64_t rerouted = 0;
   uint64_t failed_paths = 0;    // paths marked failed (cumulative)
@@ -247,6 +262,10 @@ class LaneWorker {
     if (imm) imm_received_++;
   }
   void count_dropped() { landing_dropped_++; }
+  void count_duplicate() { imm_duplicates_++; }
+  // The announce ring (core/announce.hpp): receives for announces of RMA pieces, posted on this NIC's
+  // worker; throws TransportError if they cannot be.
+  void start_announces();
 
  private:
   void run();
@@ -270,6 +289,13 @@ class LaneWorker {
   void shutdown_pieces();
   void landing_received(const Completion& c);
   void drain_landing();
+  void announce_received(const Completion& c);
+  void repost_announces();
+  // A send buffer for one announce (registered on this lane): its index, or -1 if none can be had.
+  int take_announce_slot();
+  void release_announce_slot(Piece* p);
+  // Fills `req` with `p`'s announce (its bytes are placed); false if no send buffer could be had.
+  bool build_announce(Piece* p, WriteRequest& req);
 
   Engine* engine_;
   int index_;
@@ -329,7 +355,26 @@ class LaneWorker {
   std::deque<uint32_t> land_busy_;    // handed to the engine, in order; posted again from the front
   std::deque<uint32_t> land_repost_;  // refused with EAGAIN: posted again first, in order
 
-  std::atomic<uint64_t> bytes_completed_{0}, writes_completed_{0}, imm_received_{0}, errors_{0},
+  // Announces (core/announce.hpp): this NIC's ring of receives for them, and the registered buffers its
+  // own announces are sent from (one per announce in flight, more registered as needed).
+  struct AnnounceRecv {
+    LaneContext tctx;
+    unsigned char* buf = nullptr;
+    void* desc = nullptr;
+  };
+  static constexpr size_t kAnnounceRecvs = 256;
+  static constexpr size_t kAnnounceSlotBytes = 64;
+  static constexpr size_t kAnnounceChunk = 256;  // send buffers registered at a time
+  std::vector<std::unique_ptr<AnnounceRecv>> ann_recvs_;
+  std::unordered_set<void*> ann_recv_ctx_;
+  std::deque<AnnounceRecv*> ann_repost_;  // refused with EAGAIN: posted again with the next completion
+  std::vector<std::unique_ptr<unsigned char[]>> ann_mem_;
+  std::vector<MemRegistration> ann_regs_;
+  std::vector<std::pair<unsigned char*, void*>> ann_slots_;  // every send buffer and its descriptor
+  std::vector<int> ann_free_;
+  unsigned char* register_announce_chunk(size_t count, void** desc);
+
+  std::atomic<uint64_t> bytes_completed_{0}, writes_completed_{0}, imm_received_{0}, imm_duplicates_{0}, errors_{0},
       rerouted_{0}, failed_paths_{0}, restored_paths_{0}, in_flight_{0}, landed_{0}, landed_bytes_{0},
       landing_dropped_{0};
   // Failed paths of this NIC, probed with back-off until one answers (then restored). Holds the peer.
@@ -475,8 +520,25 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool land(int nic, uint32_t slot, const char* buf, const Completion& c);
   // The tag of a message into landing region `index` at byte `off` (land() takes it apart).
   static uint64_t landing_tag(int index, uint64_t off) {
-    return (uint64_t(uint16_t(index)) << kLandingOffsetBits) | off;
+    return ((uint64_t(index) & ((1ull << kLandingIndexBits) - 1)) << kLandingOffsetBits) | off;
   }
+  // The tag of the announce of a piece written into landing region `index` (core/announce.hpp).
+  static uint64_t landing_announce_tag(int index, uint64_t off) {
+    return kLandingAnnounceBit | landing_tag(index, off);
+  }
+  // Whether fabric pieces carry their immediates as announces (core/announce.hpp): every NIC sends
+  // tagged messages and completes writes at delivery. Else as remote CQ data of the write itself.
+  bool announces() const { return announces_; }
+  // The name this engine gives its pieces for `peer` (piece id left 0).
+  AnnounceName announce_name(const Peer& peer) const { return AnnounceName{uid_hi_, uid_lo_, peer.id, 0}; }
+  // An announce arrived: counts its immediate unless that piece was counted already (false then).
+  bool announced(const AnnounceName& name, uint32_t imm) {
+    if (!dedup_.first(name)) return false;
+    counters_.add(imm);
+    return true;
+  }
+  // land() for a message of data, or an announce that was counted first (as an empty message).
+  bool land_message(int nic, uint32_t slot, const char* buf, const Completion& c);
   // The cuda lane finished (ok) or failed a landing copy started by land().
   void landing_copied(void* job, bool ok, const std::string& why);
 
@@ -549,6 +611,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<unsigned char> doorbell_mem_ = std::vector<unsigned char>(64);
   std::shared_ptr<LocalRegion> doorbell_;  // target of zero-length writes that carry copy completions
   ImmCounters counters_;
+  AnnounceDedup dedup_;  // the pieces counted, by name (core/announce.hpp)
+  bool announces_ = false;      // our pieces' immediates go as announces
+  bool announce_ring_ = false;  // we receive announces (every NIC tagged and delivery-complete)
+  uint64_t uid_hi_ = 0, uid_lo_ = 0;  // uid_ as 128 bits, for announces
   std::atomic<bool> closed_{false};
   bool fabric_delivery_complete_ = true;  // every NIC can complete a write at delivery
   bool fabric_ordered_ = true;            // every NIC places the writes of one path in order
@@ -574,7 +640,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::atomic<uint64_t> next_trigger_{1};
   std::mutex regions_mu_;
   std::unordered_map<uint64_t, std::vector<MemRegistration>> live_regions_;
-  // Landing regions by index (16 bits in a message's tag). An index is reused only after all others
+  // Landing regions by index (14 bits in a message's tag). An index is reused only after all others
   // were handed out since (round robin), so a message late for a retired region is all but certain
   // to find its index empty rather than another region's.
   struct LandingEntry {
@@ -599,8 +665,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
     uint32_t imm = 0;
   };
   std::atomic<uint64_t> landing_drops_logged_{0};
-  static constexpr uint32_t kLandingIndices = 1u << 16;
-  static constexpr int kLandingOffsetBits = 48;
+  // 14 bits of a message's tag (core/announce.hpp: bits 63 and 62 tell announces from data).
+  static constexpr uint32_t kLandingIndices = 1u << kLandingIndexBits;
   std::mutex landing_mu_;
   std::vector<std::shared_ptr<LandingEntry>> landing_;  // by index; null: free
   uint32_t landing_next_ = 0;
@@ -612,6 +678,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::shared_ptr<LocalRegion> landing_region_;
   std::unique_ptr<unsigned char[]> landing_guard_;  // 8 guard bytes per landing index
   std::shared_ptr<LandingEntry> landing_entry(uint64_t index);
+  // Per fabric NIC (touched by its worker alone), per landing index: offsets of data messages that ring
+  // dropped as the writer's mistake (too long, out of bounds). The announce of a piece spanning one of
+  // them is dropped with it (and the offset forgotten). At most kMaxVoided per index (oldest go first).
+  std::vector<std::unordered_map<uint64_t, std::deque<uint64_t>>> landing_voided_;
+  static constexpr size_t kMaxVoided = 1024;
+  void void_landing(int nic, uint64_t index, uint64_t off);
 };
 
 }  // namespace weightsync

@@ -185,10 +185,11 @@ class Lane {
   // Wakes a concurrent `wait` (the only method another thread may call, with set_region_live).
   virtual void signal() = 0;
 
-  // Posts a tagged receive of up to `len` bytes that matches any tag (LaneCaps::tagged).
+  // Posts a tagged receive of up to `len` bytes that matches the tags equal to `tag` in every bit not
+  // set in `ignore` (LaneCaps::tagged); receives that match a message are taken in posting order.
   // 0, -EAGAIN or another -errno.
-  virtual int post_recv(void* buf, size_t len, void* desc, void* context) {
-    (void)buf, (void)len, (void)desc, (void)context;
+  virtual int post_recv(void* buf, size_t len, void* desc, void* context, uint64_t tag, uint64_t ignore) {
+    (void)buf, (void)len, (void)desc, (void)context, (void)tag, (void)ignore;
     return -ENOSYS;
   }
 

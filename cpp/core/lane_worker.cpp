@@ -33,6 +33,9 @@ LaneWorker::LaneWorker(Engine* engine, int index, std::unique_ptr<Lane> lane,
 
 LaneWorker::~LaneWorker() {
   stop();
+  // Announce buffers' registrations close with the lane still open (their memory goes after it).
+  for (const MemRegistration& reg : ann_regs_) lane_->deregister(reg);
+  ann_regs_.clear();
   // The lane (and its endpoint) goes first, so no completion can name a piece we free below.
   lane_.reset();
   for (Piece* p : stale_) delete p;
@@ -113,6 +116,7 @@ LaneStats LaneWorker::stats() {
   s.bytes_completed = bytes_completed_.load();
   s.writes_completed = writes_completed_.load();
   s.imm_received = imm_received_.load();
+  s.imm_duplicates = imm_duplicates_.load();
   s.errors = errors_.load();
   s.rerouted = rerouted_.load();
   s.failed_paths = failed_paths_.load();
@@ -146,6 +150,7 @@ void LaneWorker::run() {
 
     const size_t before = outstanding_.size();
     if (!land_repost_.empty()) drain_landing();
+    if (!ann_repost_.empty()) repost_announces();
     post_pending();
     completions.clear();
     lane_->poll(completions, 256);
@@ -222,7 +227,9 @@ bool LaneWorker::post_queue(PeerQueue& q, Clock::time_point now) {
       engine_->piece_failed(p, p->transfer->error());
       continue;
     }
-    if (window_full(p->len)) return false;
+    // An announce holds no bytes of the window; its piece's bytes were placed already.
+    const bool announcing = caps_.is_nic && p->has_imm && engine_->announces() && (p->data_done || p->len == 0);
+    if (window_full(announcing ? 0 : p->len)) return false;
     // After a dropped connection, one write at a time until one succeeds: the piece the peer refuses
     // (and drops the connection over) then meets the new connection alone, not the writes behind it.
     if (q.conn_errors > 0 && q.outstanding > 0) return true;
@@ -259,7 +266,22 @@ bool LaneWorker::post_queue(PeerQueue& q, Clock::time_point now) {
       req.remote_addr = p->dst->base[rn] + p->dst_off;
       req.key = p->dst->key[rn];
     }
+    if (caps_.is_nic && p->has_imm && engine_->announces()) {
+      // Exactly once (core/announce.hpp): the bytes first, without the immediate; once they are placed,
+      // the immediate as an announce naming the piece (handle() queues it again for that).
+      p->announce = true;
+      if (p->len == 0) p->data_done = true;
+      if (!p->data_done) {
+        req.has_imm = false;
+      } else if (!build_announce(p, req)) {
+        errors_++;
+        q.pending.pop_front();
+        engine_->piece_failed(p, "no buffer for its announce could be registered on NIC " + lane_->nic_name());
+        continue;
+      }
+    }
     int rc = lane_->post_write(req);
+    if (rc != 0) release_announce_slot(p);
     if (rc == -EAGAIN) {
       // Refused for now (queue full, or a connection still being made): this peer backs off briefly;
       // the others go on.
@@ -287,8 +309,9 @@ bool LaneWorker::post_queue(PeerQueue& q, Clock::time_point now) {
       continue;
     }
     p->nic = index_;
+    p->posted_len = p->announce_slot >= 0 ? 0 : p->len;
     outstanding_.insert(p);
-    outstanding_bytes_ += p->len;
+    outstanding_bytes_ += p->posted_len;
     in_flight_ = outstanding_.size();
     if (q.outstanding++ == 0) q.progress = now;
   }
@@ -336,7 +359,9 @@ void LaneWorker::handle(const Completion& completion) {
   Completion lost;
   if (completion.kind == Completion::kLocalDone && caps_.is_nic && completion.context != nullptr) {
     const Piece* done = static_cast<const Piece*>(completion.context);
-    if (!done->probe && !done->stale && done->has_imm && engine_->take_lost_ack()) {
+    // The write that delivers the immediate: the announce where there is one, else the write itself.
+    const bool delivers_imm = done->has_imm && (!done->announce || done->announce_slot >= 0);
+    if (!done->probe && !done->stale && delivers_imm && engine_->take_lost_ack()) {
       // TestHooks::lose_imm_acks: the write landed, but the writer is told otherwise.
       lost = completion;
       lost.kind = Completion::kLocalError;
@@ -347,7 +372,11 @@ void LaneWorker::handle(const Completion& completion) {
   }
   const Completion& c = *cp;
   if (c.kind == Completion::kRecv) {
-    landing_received(c);
+    if (ann_recv_ctx_.count(c.context) != 0) {
+      announce_received(c);
+    } else {
+      landing_received(c);
+    }
     return;
   }
   if (c.kind == Completion::kLanded) {
@@ -368,6 +397,7 @@ void LaneWorker::handle(const Completion& completion) {
     probe_answered(p, c.kind == Completion::kLocalDone);
     return;
   }
+  release_announce_slot(p);  // the provider is done with its buffer, whatever the outcome
   if (p->stale) {
     // A piece we already gave up on (its transfer failed): the provider is done with it at last.
     auto it = std::find(stale_.begin(), stale_.end(), p);
@@ -376,7 +406,7 @@ void LaneWorker::handle(const Completion& completion) {
     return;
   }
   outstanding_.erase(p);
-  outstanding_bytes_ -= p->len;
+  outstanding_bytes_ -= p->posted_len;
   in_flight_ = outstanding_.size();
   Peer* peer = p->dst->peer.get();
   const uint64_t peer_id = peer->id;
@@ -393,7 +423,18 @@ void LaneWorker::handle(const Completion& completion) {
       peer->path_progress_ns[index_] =
           std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
     }
-    bytes_completed_ += p->len;
+    if (p->announce && !p->data_done) {
+      // Its bytes are placed: now its immediate, as an announce, next on this path (a landing piece's
+      // announce must follow its bytes through this NIC's ring at the receiver).
+      p->data_done = true;
+      bytes_completed_ += p->len;
+      auto at = std::upper_bound(q.pending.begin(), q.pending.end(), p,
+                                 [](const Piece* a, const Piece* b) { return a->seq < b->seq; });
+      q.pending.insert(at, p);
+      mark_ready(peer_id, q);
+      return;
+    }
+    if (!p->announce) bytes_completed_ += p->len;
     writes_completed_++;
     engine_->piece_done(p, index_);
     mark_ready(peer_id, q);
@@ -522,7 +563,7 @@ void LaneWorker::abandon_draining(uint64_t peer_id, PeerQueue& q, std::string wh
   }
   for (Piece* p : left) {
     outstanding_.erase(p);
-    outstanding_bytes_ -= p->len;
+    outstanding_bytes_ -= p->posted_len;
     engine_->abandon(p, why);
     stale_.push_back(p);
   }
@@ -677,7 +718,9 @@ void LaneWorker::start_landing(char* base, uint64_t slot_bytes, uint32_t count, 
   for (uint32_t i = 0; i < count; ++i) {
     LandingBuf& b = *land_bufs_[i];
     // The buffer itself is the context (its LaneContext first, the provider's scratch space).
-    int rc = lane_->post_recv(land_base_ + uint64_t(i) * land_slot_bytes_, land_slot_bytes_, land_desc_, &b);
+    // Every tag with bit 63 clear (data and announces of landing pieces; core/announce.hpp).
+    int rc = lane_->post_recv(land_base_ + uint64_t(i) * land_slot_bytes_, land_slot_bytes_, land_desc_, &b, 0,
+                              ~kTagKindMask);
     if (rc != 0) {
       // Nothing was received yet: give the ring up whole, so the engine reports the registration.
       throw TransportError("posting landing buffer " + std::to_string(i) + " on NIC " + lane_->nic_name() +
@@ -724,7 +767,7 @@ void LaneWorker::drain_landing() {
   while (!land_repost_.empty()) {
     LandingBuf& b = *land_bufs_[land_repost_.front()];
     int rc = lane_->post_recv(land_base_ + uint64_t(b.slot) * land_slot_bytes_, land_slot_bytes_,
-                                   land_desc_, &b);
+                                   land_desc_, &b, 0, ~kTagKindMask);
     if (rc == -EAGAIN) return;  // tried again with the next completion or command
     land_repost_.pop_front();
     if (rc != 0) {
@@ -737,6 +780,118 @@ void LaneWorker::drain_landing() {
     b.state = LandingBuf::kPosted;
     land_posted_.push_back(b.slot);
   }
+}
+
+unsigned char* LaneWorker::register_announce_chunk(size_t count, void** desc) {
+  const size_t bytes = count * kAnnounceSlotBytes;
+  std::unique_ptr<unsigned char[]> mem(new unsigned char[bytes]());
+  MemRegistration reg = lane_->register_memory(mem.get(), bytes, MemKind::kHost, -1);
+  *desc = reg.local_desc;
+  ann_regs_.push_back(reg);
+  ann_mem_.push_back(std::move(mem));
+  return ann_mem_.back().get();
+}
+
+void LaneWorker::start_announces() {
+  if (!ann_recvs_.empty()) return;
+  void* desc = nullptr;
+  unsigned char* base = register_announce_chunk(kAnnounceRecvs, &desc);
+  for (size_t i = 0; i < kAnnounceRecvs; ++i) {
+    auto r = std::make_unique<AnnounceRecv>();
+    r->buf = base + i * kAnnounceSlotBytes;
+    r->desc = desc;
+    ann_recv_ctx_.insert(r.get());
+    ann_recvs_.push_back(std::move(r));
+  }
+  for (auto& r : ann_recvs_) {
+    const int rc = lane_->post_recv(r->buf, kAnnounceSlotBytes, r->desc, r.get(), kAnnounceTag, ~kTagKindMask);
+    if (rc == -EAGAIN) {
+      ann_repost_.push_back(r.get());
+    } else if (rc != 0) {
+      throw TransportError("posting announce receives on NIC " + lane_->nic_name() + " failed: " +
+                           lane_->error_string(-rc));
+    }
+  }
+}
+
+void LaneWorker::announce_received(const Completion& c) {
+  auto* r = static_cast<AnnounceRecv*>(c.context);
+  if (c.error == 0 && c.len == kAnnounceBytes && c.has_imm) {
+    if (engine_->announced(AnnounceName::read(r->buf), c.imm)) {
+      imm_received_++;
+    } else {
+      imm_duplicates_++;  // a retried piece's announce: counted already
+    }
+  } else {
+    errors_++;  // a failed receive (its connection dropped mid-message) or a malformed announce
+  }
+  ann_repost_.push_back(r);
+  repost_announces();
+}
+
+void LaneWorker::repost_announces() {
+  while (!ann_repost_.empty()) {
+    AnnounceRecv* r = ann_repost_.front();
+    const int rc = lane_->post_recv(r->buf, kAnnounceSlotBytes, r->desc, r, kAnnounceTag, ~kTagKindMask);
+    if (rc == -EAGAIN) return;  // again with the next turn of the loop
+    ann_repost_.pop_front();
+    if (rc != 0) {
+      errors_++;
+      log_warning("NIC " + lane_->nic_name() + ": posting an announce receive again failed: " +
+                  lane_->error_string(-rc));
+    }
+  }
+}
+
+int LaneWorker::take_announce_slot() {
+  if (ann_free_.empty()) {
+    void* desc = nullptr;
+    unsigned char* base = nullptr;
+    try {
+      base = register_announce_chunk(kAnnounceChunk, &desc);
+    } catch (const TransportError& e) {
+      log_warning("NIC " + lane_->nic_name() + ": registering announce buffers failed: " + e.what());
+      return -1;
+    }
+    for (size_t i = 0; i < kAnnounceChunk; ++i) {
+      ann_free_.push_back(static_cast<int>(ann_slots_.size()));
+      ann_slots_.emplace_back(base + i * kAnnounceSlotBytes, desc);
+    }
+  }
+  const int slot = ann_free_.back();
+  ann_free_.pop_back();
+  return slot;
+}
+
+void LaneWorker::release_announce_slot(Piece* p) {
+  if (p->announce_slot < 0) return;
+  ann_free_.push_back(p->announce_slot);
+  p->announce_slot = -1;
+}
+
+bool LaneWorker::build_announce(Piece* p, WriteRequest& req) {
+  const int slot = take_announce_slot();
+  if (slot < 0) return false;
+  p->announce_slot = slot;
+  Peer& peer = *p->dst->peer;
+  // The piece's name is fixed the first time its announce goes out and kept for every retry.
+  if (p->announce_id == 0) p->announce_id = peer.announces.fetch_add(1) + 1;
+  AnnounceName name = engine_->announce_name(peer);
+  name.piece = p->announce_id;
+  auto [buf, desc] = ann_slots_[slot];
+  const bool landing = p->tagged && p->dst->landing >= 0;
+  req.src = buf;
+  req.len = kAnnounceBytes;
+  req.src_desc = desc;
+  req.remote_addr = 0;
+  req.key = 0;
+  req.has_imm = true;
+  req.imm = p->imm;
+  req.delivery_complete = true;  // lost with a connection, it is sent again (and counted once)
+  if (landing) name.span = p->announce_span;
+  name.write(buf);
+  req.tagged = TaggedSend{true, landing ? Engine::landing_announce_tag(p->dst->landing, p->dst_off) : kAnnounceTag};
+  return true;
 }
 
 void LaneWorker::shutdown_pieces() {

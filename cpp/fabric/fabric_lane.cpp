@@ -457,10 +457,9 @@ void FabricLane::reset_peer_side(const std::string& address) {
   }
 }
 
-int FabricLane::post_recv(void* buf, size_t len, void* desc, void* context) {
+int FabricLane::post_recv(void* buf, size_t len, void* desc, void* context, uint64_t tag, uint64_t ignore) {
   if (!tagged_) return -ENOSYS;
-  // Tag 0 with every bit ignored: any tagged message matches, in the order the receives were posted.
-  ssize_t rc = fi_trecv(ep_, buf, len, desc, FI_ADDR_UNSPEC, 0, ~0ull, context);
+  ssize_t rc = fi_trecv(ep_, buf, len, desc, FI_ADDR_UNSPEC, tag, ignore, context);
   if (rc == -FI_EAGAIN) return -EAGAIN;
   if (rc == 0) posted_recvs_.insert(context);
   return static_cast<int>(rc);

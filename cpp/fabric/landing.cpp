@@ -2,10 +2,13 @@
 // (Engine members; see EngineConfig::landing_slots). Writers cut an op into tagged messages
 // (make_landing_pieces); each NIC lane keeps a ring of receive buffers (LaneWorker::start_landing), and
 // land() copies every message into place on the copy lane, counting its immediate once it is there.
+#include <rdma/fi_errno.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <unordered_set>
 
 #include "core/engine.hpp"
 #include "core/errors.hpp"
@@ -45,6 +48,10 @@ void Engine::make_landing_pieces(const WriteOp& op, const std::shared_ptr<Transf
   // data[first..] complete, then one zero-length message carrying the immediate follows them.
   auto announce = [&](size_t first, uint64_t dst_off) {
     Piece* t = on_nic(trailer_piece(op, transfer, dst, dst_off));
+    // The bytes it stands for, from dst_off: up to the end of the last message before it.
+    for (size_t k = first; k < data.size(); ++k) {
+      t->announce_span = std::max(t->announce_span, data[k]->dst_off + data[k]->len - dst_off);
+    }
     t->has_imm = true;
     t->delivery = fabric_delivery_complete_;
     if (data.size() == first) {
@@ -66,6 +73,7 @@ void Engine::make_landing_pieces(const WriteOp& op, const std::shared_ptr<Transf
     if (!imm) return;
     if (data.size() - first == 1) {
       data.back()->has_imm = true;  // one message: it carries its own immediate
+      data.back()->announce_span = len;
     } else {
       announce(first, dst_off);
     }
@@ -206,19 +214,80 @@ void Engine::landing_dropped(LaneWorker& w, uint64_t len, const std::string& wha
 
 bool Engine::land(int nic, uint32_t slot, const char* buf, const Completion& c) {
   LaneWorker& w = *workers_[nic];
-  const uint64_t index = c.tag >> kLandingOffsetBits;
+  const uint64_t index = (c.tag >> kLandingOffsetBits) & ((1ull << kLandingIndexBits) - 1);
   const uint64_t off = c.tag & ((1ull << kLandingOffsetBits) - 1);
   auto drop = [&](const std::string& why) {
     landing_dropped(w, c.len, "landing region " + std::to_string(index) + " at offset " + std::to_string(off) +
                              " on NIC " + w.lane().nic_name() + ": " + why);
     return true;
   };
-  if (c.error != 0) return drop("the receive failed: " + c.message);
+  const bool announce = (c.tag & kLandingAnnounceBit) != 0;
+  if (c.error != 0) {
+    // Longer than the ring's buffers: the writer's descriptor is not this region's. Its piece's
+    // announce, next on this ring for this index, is not counted either (see land_message).
+    if (!announce && c.error == FI_ETRUNC) void_landing(nic, index, off);
+    return drop("the receive failed: " + c.message);
+  }
+  if (announce) {
+    // A piece's announce (core/announce.hpp): its bytes came before it in this ring. A piece already
+    // counted (its announce sent again after a lost acknowledgement) is dropped here; the first one goes
+    // on as an empty message with the immediate, counted once the copies before it are done.
+    if (c.len != kAnnounceBytes || !c.has_imm) return drop("a malformed announce");
+    const AnnounceName name = AnnounceName::read(reinterpret_cast<const unsigned char*>(buf));
+    auto voided = landing_voided_[nic].find(index);
+    if (voided != landing_voided_[nic].end()) {
+      std::deque<uint64_t>& offs = voided->second;
+      // One recorded drop per message of this piece (distinct offsets within its span): several
+      // writes of the same place each leave their own, for their own announces.
+      std::unordered_set<uint64_t> taken;
+      std::deque<uint64_t> kept;
+      for (uint64_t o : offs) {
+        const bool mine = o >= off && o - off < std::max<uint64_t>(name.span, 1) && taken.insert(o).second;
+        if (!mine) kept.push_back(o);
+      }
+      const bool hit = !taken.empty();
+      offs.swap(kept);
+      if (offs.empty()) landing_voided_[nic].erase(voided);
+      if (hit) return drop("the announce of a piece whose bytes were dropped");
+    }
+    if (!dedup_.first(name)) {
+      w.count_duplicate();
+      return true;
+    }
+    Completion empty = c;
+    empty.len = 0;
+    empty.tag = c.tag & ~((1ull << kLandingOffsetBits) - 1);  // offset 0: nothing is written
+    return land_message(nic, slot, buf, empty);
+  }
+  return land_message(nic, slot, buf, c);
+}
+
+void Engine::void_landing(int nic, uint64_t index, uint64_t off) {
+  std::deque<uint64_t>& offs = landing_voided_[nic][index];
+  offs.push_back(off);
+  if (offs.size() > kMaxVoided) offs.pop_front();
+}
+
+bool Engine::land_message(int nic, uint32_t slot, const char* buf, const Completion& c) {
+  LaneWorker& w = *workers_[nic];
+  const uint64_t index = (c.tag >> kLandingOffsetBits) & ((1ull << kLandingIndexBits) - 1);
+  const uint64_t off = c.tag & ((1ull << kLandingOffsetBits) - 1);
+  auto drop = [&](const std::string& why) {
+    landing_dropped(w, c.len, "landing region " + std::to_string(index) + " at offset " + std::to_string(off) +
+                             " on NIC " + w.lane().nic_name() + ": " + why);
+    return true;
+  };
   std::shared_ptr<LandingEntry> e = landing_entry(index);
   if (!e) return drop("no such landing region (deregistered?)");
   std::unique_lock<std::mutex> lock(e->mu);
   if (!e->valid) return drop("the region was deregistered");
   if (off > e->len || c.len > e->len - off) {
+    // Bytes the writer meant for a larger region: they are dropped, and so is the announce of their
+    // piece that follows them on this ring, or the counter would count bytes that never landed. (A
+    // writer whose messages interleave with these on this ring and index may lose its announce too:
+    // its counter then times out rather than count wrong, and only behind a writer with a forged or
+    // foreign descriptor.)
+    void_landing(nic, index, off);
     return drop("past the end of the region (" + std::to_string(e->len) + " bytes)");
   }
   if (e->kind == MemKind::kHost) {

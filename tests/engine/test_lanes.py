@@ -112,7 +112,7 @@ def test_engine_log_reaches_python_logging(caplog: pytest.LogCaptureFixture) -> 
     with TransferEngine("fabric", ["lo"]) as writer, \
             TransferEngine._for_tests("fabric", ["lo"], land_host_regions=True, landing_slots=2) as lander:
         dst = lander.register(np.zeros(4096, dtype=np.uint8))
-        forged = dataclasses.replace(Descriptor.unpack(dst.descriptor), landing=65000).pack()
+        forged = dataclasses.replace(Descriptor.unpack(dst.descriptor), landing=16000).pack()
         src = writer.register(np.ones(4096, dtype=np.uint8))
         peer = writer.connect(lander.address)
         with caplog.at_level(logging.WARNING, logger="weightsync.engine"):

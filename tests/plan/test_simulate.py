@@ -95,6 +95,8 @@ def test_engine_nic_bytes_follows_the_pieces() -> None:
     ops["rows"] = [1, 1, 1, 3, 1]
     ops["row_bytes"] = [1 << 20, 1 << 20, (3 << 20) + 5, 1000, 7]
     ops["src_rank"] = [0, 0, 0, 0, 1]
+    ops["dst_pitch"] = ops["row_bytes"]
+    ops["dst_pitch"][3] = 4096  # rows apart at the destination: one write each
     nbytes = (ops["rows"] * ops["row_bytes"]).astype(np.float64)
     got = engine_nic_bytes(ops, nbytes, ops["src_rank"].astype(np.int64), 2)
     assert got.sum(axis=1) == pytest.approx(nbytes)

@@ -251,7 +251,8 @@ NB_MODULE(_core, m) {
       .def(nb::init<>())
       .def_rw("stage_host_sources", &ws::TestHooks::stage_host_sources)
       .def_rw("land_host_regions", &ws::TestHooks::land_host_regions)
-      .def_rw("lose_imm_acks", &ws::TestHooks::lose_imm_acks);
+      .def_rw("lose_imm_acks", &ws::TestHooks::lose_imm_acks)
+      .def_rw("cq_data_immediates", &ws::TestHooks::cq_data_immediates);
 
   nb::class_<ws::Engine>(m, "Engine")
       .def_static(
@@ -371,6 +372,7 @@ NB_MODULE(_core, m) {
           d["bytes"] = s.bytes_completed;
           d["writes"] = s.writes_completed;
           d["imm_received"] = s.imm_received;
+          d["imm_duplicates"] = s.imm_duplicates;
           d["errors"] = s.errors;
           d["rerouted"] = s.rerouted;
           d["failed_paths"] = s.failed_paths;

@@ -35,10 +35,15 @@ either completes there (it landed, counted once) or comes back as an error once 
 its connection (tcp;ofi_rxm: a reset, so the kernel drops what it still held instead of sending it
 later), and only then is it re-posted whole on another NIC; one whose outcome stays unknown fails its
 write instead of being retried. A slow NIC whose connection still gets acknowledgements is not failed.
-So a retried piece is counted once and its first attempt does not land after the write completed. The
-one window left: a link that dies within a round trip after the piece's last byte landed, before the
-acknowledgement came back, makes the retry count a second immediate; pushes use a fresh immediate per
-version, so such a count can never complete another version.
+So a retried piece's first attempt does not land after the write completed. And each piece's immediate
+is counted exactly once, whatever is retried: over the fabric NICs a piece's bytes are written without
+it, complete only once placed, and are followed by an *announce*, a small tagged message that carries the
+immediate and names the piece (the writer engine's 128-bit uid, its peer handle, a piece number kept
+across retries). The receiver counts a name once and drops a repeat (``stats()``: ``imm_duplicates``), so
+a piece whose acknowledgement was lost with a link after it landed, and which is therefore sent again on
+another NIC, still counts once, and only after its bytes are in place. (Providers without tagged messages
+or delivery completion carry the immediate on the write itself, without this guarantee. The wire format
+is described in cpp/core/announce.hpp.)
 """
 
 from __future__ import annotations
@@ -425,18 +430,21 @@ class TransferEngine:
 
     @classmethod
     def _for_tests(cls, *args: Any, stage_host_sources: bool = False, land_host_regions: bool = False,
-                   lose_imm_acks: int = 0, **kwargs: Any) -> TransferEngine:
+                   lose_imm_acks: int = 0, cq_data_immediates: bool = False, **kwargs: Any) -> TransferEngine:
         """An engine with the test-only switches of the C++ ``TestHooks`` (never for production):
         ``stage_host_sources`` keeps host sources off the NICs and stages them like GPU memory without
         FI_HMEM (copied with memcpy); ``land_host_regions`` makes host regions landing regions (the ring
         is plain memory, copied out with memcpy). Both run those GPU paths on machines without a GPU.
         ``lose_imm_acks``: the first that many writes carrying an immediate that land are reported to
         this engine as failed on their NIC (an acknowledgement lost with a link), so they are retried on
-        another NIC. Other arguments are ``TransferEngine``'s."""
+        another NIC. ``cq_data_immediates``: this engine's writes carry their immediates as remote CQ data
+        of the write, without announces (no de-duplication; for benchmarks of what announces cost).
+        Other arguments are ``TransferEngine``'s."""
         hooks = _ext.TestHooks()
         hooks.stage_host_sources = bool(stage_host_sources)
         hooks.land_host_regions = bool(land_host_regions)
         hooks.lose_imm_acks = int(lose_imm_acks)
+        hooks.cq_data_immediates = bool(cq_data_immediates)
         return cls(*args, _test_hooks=hooks, **kwargs)
 
     # --- identity -----------------------------------------------------------------------------------
@@ -689,7 +697,8 @@ class TransferEngine:
         return ImmCounter(self, _imm(imm))
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per NIC: bytes and writes completed, immediates received, errors, rerouted pieces, and messages
+        """Per NIC: bytes and writes completed, immediates received (and ``imm_duplicates``: announces of
+        pieces counted already, dropped), errors, rerouted pieces, and messages
         landed in landing regions (``landed``, ``landed_bytes``) or dropped (``landing_dropped``: the
         region was deregistered, or the message did not fit it)."""
         _drain_log()

@@ -24,6 +24,20 @@ sends, each block once however many destinations take it),
 and each destination scatters the changes at ``apply_gbs`` GB/s of the bytes it receives (after its last
 write: added to the simulated time).
 
+Checked against a push through the real runtime over emulated hosts (scripts/emulated_cluster.py;
+docs/BENCHMARKS.md, "Emulated cluster vs simulator"), three corrections, off by default so the
+cluster-scale figures keep their model:
+
+- ``striping="engine"``: a GPU's NICs are separate ports, and each write lands on them as the engine
+  places it: a write (or a 2-D write's row) up to ``stripe_threshold`` whole on the next NIC of a
+  round-robin counter the source's writes share, a longer one cut into equal pieces over all NICs. With
+  few writes of about the threshold a destination's NICs get unequal shares (three 1 MiB writes: 2 MiB
+  on one NIC, 1 MiB on the other) and the busiest NIC, not the GPU's total bandwidth, sets the time;
+- ``wire_efficiency``: the payload's share of a link's rate (TCP/IPv4 over Ethernet at MTU 1500 with
+  timestamps: 1448 of every 1514 bytes);
+- ``push_overhead_s``: what a push costs besides its writes (the grant round trip before them, the
+  tails and acks after the last landing), added once.
+
 The lower bound is the slowest link: max over GPUs of bytes through its NIC(s) (in or out) over NIC
 bandwidth, and of bytes through its NVLink port (writes and gathers, in or out) over NVLink bandwidth.
 No torch needed.
@@ -266,7 +280,7 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
 def engine_nic_bytes(ops: np.ndarray, nbytes: np.ndarray, src: np.ndarray, nics: int,
                      stripe_threshold: int = 1 << 20, max_piece: int = 16 << 20) -> np.ndarray:
     """Bytes of every op on each of the source's ``nics`` NICs, as the engine places them: a write (a
-    2-D write: each row) up to ``stripe_threshold`` is one piece, a longer one equal pieces (a multiple of
+    2-D write whose rows are apart at the destination: each row) up to ``stripe_threshold`` is one piece, a longer one equal pieces (a multiple of
     the NIC count, 4 KiB aligned, at most ``max_piece``); each piece goes to the next NIC of a counter
     the source's writes share, in the order it posts them (the plan's). The NIC a source's first piece
     takes depends on what the engine wrote before (the counter also turns for control writes), so this
@@ -275,8 +289,11 @@ def engine_nic_bytes(ops: np.ndarray, nbytes: np.ndarray, src: np.ndarray, nics:
     out = np.zeros((len(ops), n))
     if not len(ops):
         return out
+    # Rows that land contiguously (dst_pitch == row_bytes) are packed on the sender and go as one write;
+    # rows apart at the destination are one write each (a one-sided write cannot scatter).
     rows = np.maximum(ops["rows"].astype(np.int64), 1)
-    L = np.maximum(np.ceil(nbytes / rows), 1).astype(np.int64)  # bytes per row on the wire
+    rows = np.where(ops["dst_pitch"] == ops["row_bytes"], 1, rows)
+    L = np.maximum(np.ceil(nbytes / rows), 1).astype(np.int64)  # bytes per write (row) on the wire
     lim = min(int(stripe_threshold), int(max_piece))
     def ceil_div(a: np.ndarray, b: Any) -> np.ndarray:
         return (a + b - 1) // b
