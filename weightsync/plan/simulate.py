@@ -280,11 +280,13 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
 def engine_nic_bytes(ops: np.ndarray, nbytes: np.ndarray, src: np.ndarray, nics: int,
                      stripe_threshold: int = 1 << 20, max_piece: int = 16 << 20) -> np.ndarray:
     """Bytes of every op on each of the source's ``nics`` NICs, as the engine places them: a write (a
-    2-D write whose rows are apart at the destination: each row) up to ``stripe_threshold`` is one piece, a longer one equal pieces (a multiple of
-    the NIC count, 4 KiB aligned, at most ``max_piece``); each piece goes to the next NIC of a counter
-    the source's writes share, in the order it posts them (the plan's). The NIC a source's first piece
-    takes depends on what the engine wrote before (the counter also turns for control writes), so this
-    starts every source at NIC 0. Returns shape (ops, nics). ``nbytes``: each op's bytes on the wire."""
+    2-D write whose rows are apart at the destination: each row) up to ``stripe_threshold`` is one piece,
+    a longer one equal pieces (a multiple of the NIC count, 4 KiB aligned, at most ``max_piece``); each
+    piece goes to the next NIC of a counter the source's writes share, in the order it posts them (the
+    plan's). The NIC a source's first piece takes depends on what the engine wrote before (the counter
+    also turns for control writes, and the runtime posts each destination's tail after the rest), so
+    this starts every source at NIC 0: one of the placements the engine can make, not necessarily the
+    one of a given push. Returns shape (ops, nics). ``nbytes``: each op's bytes on the wire."""
     n = max(int(nics), 1)
     out = np.zeros((len(ops), n))
     if not len(ops):
