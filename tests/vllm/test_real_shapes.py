@@ -143,6 +143,6 @@ def test_derived_layouts_match_the_planner_models_at_tensor_parallel_2(name: str
     for rank, got in enumerate(outs):
         derived = {(k, n, tuple(lo), tuple(sh), at, st, dt) for k, n, lo, sh, at, st, dt in got["boxes"]}
         planned = {known_differences(b) for b in planned_boxes(cfg, 2, rank, ep)}
-        assert len(derived) > 20, got  # the layers' boxes are there to compare
+        assert len(derived) >= 10, got  # the layers' boxes are there to compare
         only_vllm, only_plan = sorted(derived - planned), sorted(planned - derived)
         assert (only_vllm[:6], only_plan[:6]) == ([], []), (rank, len(only_vllm), len(only_plan))
