@@ -65,6 +65,26 @@ def test_codec_round_trip(n: int, k: int, w: int) -> None:
         assert torch.equal(got_vals, vals), enc
 
 
+@pytest.mark.parametrize("n", [64, 1000, 1024, 64 * 7 + 63])
+def test_bitmap_built_and_read_in_slices(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    # Slices of 128 words (a model's stream is sliced at 2**26): words changed at both ends of slices, a
+    # slice with none, and the last word; the bytes are those of the unsliced encoding.
+    import weightsync.runtime.delta as delta
+
+    local = torch.tensor(sorted({0, 1, 127, 128, 129, 255, 640, n - 2, n - 1} & set(range(n))),
+                         dtype=torch.int64)
+    vals = torch.arange(1, local.numel() + 1, dtype=torch.int16)
+    size = sparse_sizes(n, int(local.numel()), 2)[ENC_BITMAP]
+    whole = torch.full((size,), 0xAB, dtype=torch.uint8)
+    encode_into(whole, ENC_BITMAP, local, vals, n)
+    monkeypatch.setattr(delta, "BITMAP_SLICE", 128)
+    sliced = torch.full((size,), 0xAB, dtype=torch.uint8)  # the same poison: padding is left alone
+    encode_into(sliced, ENC_BITMAP, local, vals, n)
+    assert torch.equal(sliced, whole)
+    got_local, got_vals = decode(sliced, ENC_BITMAP, n, int(local.numel()), 2)
+    assert torch.equal(got_local, local) and torch.equal(got_vals, vals)
+
+
 def test_choose_break_even() -> None:
     assert choose(1000, 0, 2) == (ENC_EMPTY, 0)
     assert choose(1000, 1000, 2)[0] == ENC_DENSE  # everything changed: the write as planned

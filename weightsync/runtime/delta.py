@@ -65,6 +65,7 @@ ENCODINGS = {ENC_DENSE: "dense", ENC_EMPTY: "empty", ENC_IDX16: "idx16", ENC_BIT
              ENC_STREAM: "stream"}
 WORDS = (1, 2, 4, 8)
 BLOCK = 1 << 16  # words per ENC_IDX16 block (indices inside it fit 16 bits)
+BITMAP_SLICE = 1 << 26  # words a bitmap is built or read in at a time (a multiple of 64: whole bytes)
 _PACK = 0x0102040810204080  # times 8 little-endian 0/1 bytes: their bits in the top byte, first lowest
 ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
 MAX_HEADERS = 1024  # header slots of an inbox: source ranks (weightsync.wire.MAX_SLOTS)
@@ -167,11 +168,18 @@ def encode_into(out: Any, enc: int, local: Any, values: Any, n: int) -> None:
         o += _align(2 * k)
     elif enc == ENC_BITMAP:
         nbytes = -(-n // 8)
-        bits = torch.zeros(-(-nbytes // 8) * 64, dtype=torch.uint8, device=local.device)
-        bits[local] = 1
-        # 8 flags (one byte each) to one byte: byte i of the product's top byte is flag i (no carries)
-        packed = ((bits.view(torch.int64) * _PACK) >> 56) & 0xFF
-        out[:nbytes].copy_(packed.to(torch.uint8)[:nbytes])
+        # Slice by slice of BITMAP_SLICE words: one flag byte per word and its int64 products for the whole
+        # stream would be about 3 n bytes of temporaries (gigabytes for a model's stream on a GPU).
+        starts = torch.arange(0, n, BITMAP_SLICE, device=local.device, dtype=local.dtype)
+        cut = [*torch.searchsorted(local, starts).tolist(), k]
+        for i, lo in enumerate(range(0, n, BITMAP_SLICE)):
+            m = min(BITMAP_SLICE, n - lo)
+            bits = torch.zeros(-(-m // 64) * 64, dtype=torch.uint8, device=local.device)
+            bits[local[cut[i]:cut[i + 1]] - lo] = 1
+            # 8 flags (one byte each) to one byte: byte i of the product's top byte is flag i (no carries)
+            packed = ((bits.view(torch.int64) * _PACK) >> 56) & 0xFF
+            mb = -(-m // 8)
+            out[lo // 8:lo // 8 + mb].copy_(packed.to(torch.uint8)[:mb])
         o = _align(nbytes)
     else:
         raise WeightSyncError(f"internal: no sparse encoding {enc}")
@@ -194,8 +202,11 @@ def decode(buf: Any, enc: int, n: int, k: int, w: int) -> tuple[Any, Any]:
     elif enc == ENC_BITMAP:
         nbytes = -(-n // 8)
         shifts = torch.arange(8, dtype=torch.uint8, device=buf.device)
-        bits = (buf[:nbytes].unsqueeze(1) >> shifts) & 1
-        local = torch.nonzero(bits.reshape(-1)).reshape(-1)
+        parts = []
+        for lo in range(0, nbytes, BITMAP_SLICE // 8):  # bounded temporaries, as in encode_into
+            bits = (buf[lo:min(lo + BITMAP_SLICE // 8, nbytes)].unsqueeze(1) >> shifts) & 1
+            parts.append(torch.nonzero(bits.reshape(-1)).reshape(-1) + 8 * lo)
+        local = parts[0] if len(parts) == 1 else torch.cat(parts)
         o = _align(nbytes)
     else:
         raise WeightSyncError(f"internal: no sparse encoding {enc}")
