@@ -7,13 +7,16 @@
 #include <linux/sockios.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <unordered_set>
 #include <sstream>
 
 #include "core/engine.hpp"
@@ -53,6 +56,25 @@ fi_info* make_hints(const std::string& provider, const std::string& domain, bool
 }
 
 std::string fi_error(int rc) { return std::string(fi_strerror(rc < 0 ? -rc : rc)); }
+
+// The sockets of tcp;ofi_rxm connections that lanes of this process opened, by inode: several engines
+// of one process on one NIC all open connections from the same address to the same peers, and only
+// this tells whose a socket is (an abort must reset only its own lane's). Lanes per address, too.
+struct ProcessSockets {
+  std::mutex mu;
+  std::unordered_map<uint64_t, const void*> owner;  // socket inode -> the lane that opened it
+  std::unordered_map<std::string, int> lanes;       // our listening IP (raw bytes) -> lanes on it
+};
+
+ProcessSockets& process_sockets() {
+  static ProcessSockets* s = new ProcessSockets();  // never destroyed: lanes may close at exit
+  return *s;
+}
+
+uint64_t inode_of(int fd) {
+  struct stat st{};
+  return fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
 
 uint64_t random_u64() {
   static thread_local std::mt19937_64 gen{std::random_device{}()};
@@ -185,6 +207,10 @@ FabricLane::FabricLane(const std::string& provider, const std::string& domain)
     size_t name_len = sizeof(name);
     check(fi_getname(&ep_->fid, name, &name_len), "fi_getname");
     address_.assign(name, name_len);
+    {
+      std::lock_guard<std::mutex> lock(process_sockets().mu);
+      process_sockets().lanes[ip_key()]++;
+    }
     if (rx_cq_data_) post_rx_buffers();
   } catch (...) {
     close_all();
@@ -192,9 +218,20 @@ FabricLane::FabricLane(const std::string& provider, const std::string& domain)
   }
 }
 
-FabricLane::~FabricLane() { close_all(); }
+FabricLane::~FabricLane() {
+  close_all();
+  if (!address_.empty()) {
+    ProcessSockets& ps = process_sockets();
+    std::lock_guard<std::mutex> lock(ps.mu);
+    if (--ps.lanes[ip_key()] <= 0) ps.lanes.erase(ip_key());
+    for (auto it = ps.owner.begin(); it != ps.owner.end();) {
+      it = it->second == this ? ps.owner.erase(it) : std::next(it);
+    }
+  }
+}
 
 void FabricLane::close_all() {
+  if (ep_) abort_connections();
   if (ep_) fi_close(&ep_->fid);
   if (av_) fi_close(&av_->fid);
   if (cq_) fi_close(&cq_->fid);
@@ -296,6 +333,7 @@ uint64_t FabricLane::insert_peer(const std::string& address) {
                          domain_ + ": " + fi_error(rc < 0 ? rc : -FI_EINVAL));
   }
   peer_addresses_[addr] = address;
+  unclaimed_[addr] = 0;
   return addr;
 }
 
@@ -309,6 +347,7 @@ uint64_t FabricLane::reset_path(uint64_t peer) {
   fi_addr_t old = peer;
   if (fi_av_remove(av_, &old, 1, 0) != 0) return peer;
   peer_addresses_.erase(it);
+  unclaimed_.erase(peer);
   try {
     return insert_peer(address);
   } catch (const TransportError&) {
@@ -351,19 +390,24 @@ bool as_sockaddr(const std::string& raw, sockaddr_storage* out) {
 
 }  // namespace
 
-std::vector<int> FabricLane::path_sockets(uint64_t peer) const {
-  std::vector<int> out;
-  if (provider_.find("tcp") == std::string::npos) return out;
-  auto it = peer_addresses_.find(peer);
-  sockaddr_storage self{}, remote{};
-  if (it == peer_addresses_.end() || !as_sockaddr(address_, &self) || !as_sockaddr(it->second, &remote)) {
-    return out;
+std::string FabricLane::ip_key() const {
+  sockaddr_storage self{};
+  if (!as_sockaddr(address_, &self)) return address_;
+  if (self.ss_family == AF_INET) {
+    const auto& a = reinterpret_cast<const sockaddr_in&>(self).sin_addr;
+    return std::string(reinterpret_cast<const char*>(&a), sizeof(a));
   }
-  // Our connection to the peer is (our NIC's address, any port) -> (its listening address) when we
-  // connected, or (our listening address) <- (its NIC's address, any port) when it did. (Another engine
-  // of this process on the same NIC connecting to the same peer would match the first form too.)
+  const auto& a = reinterpret_cast<const sockaddr_in6&>(self).sin6_addr;
+  return std::string(reinterpret_cast<const char*>(&a), sizeof(a));
+}
+
+namespace {
+
+// Calls fn(fd, local, remote) for every connected socket of this process.
+template <typename Fn>
+void for_each_socket(Fn&& fn) {
   DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return out;
+  if (dir == nullptr) return;
   const int dir_fd = dirfd(dir);
   while (dirent* e = readdir(dir)) {
     char* end = nullptr;
@@ -374,11 +418,59 @@ std::vector<int> FabricLane::path_sockets(uint64_t peer) const {
     if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &len) != 0) continue;
     len = sizeof(other);
     if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&other), &len) != 0) continue;
-    const bool we_connected = same_ip(local, self) && same_endpoint(other, remote);
-    const bool it_connected = same_endpoint(local, self) && same_ip(other, remote);
-    if (we_connected || it_connected) out.push_back(static_cast<int>(fd));
+    fn(static_cast<int>(fd), local, other);
   }
   closedir(dir);
+}
+
+}  // namespace
+
+std::vector<std::pair<int, uint64_t>> FabricLane::opened_sockets(uint64_t peer, bool* accepted) const {
+  std::vector<std::pair<int, uint64_t>> out;
+  auto it = peer_addresses_.find(peer);
+  sockaddr_storage self{}, remote{};
+  if (it == peer_addresses_.end() || !as_sockaddr(address_, &self) || !as_sockaddr(it->second, &remote)) {
+    return out;
+  }
+  for_each_socket([&](int fd, const sockaddr_storage& local, const sockaddr_storage& other) {
+    if (same_ip(local, self) && !same_endpoint(local, self) && same_endpoint(other, remote)) {
+      out.emplace_back(fd, inode_of(fd));
+    } else if (accepted != nullptr && same_endpoint(local, self) && same_ip(other, remote)) {
+      *accepted = true;
+    }
+  });
+  return out;
+}
+
+std::vector<int> FabricLane::path_sockets(uint64_t peer) const {
+  std::vector<int> out;
+  if (provider_.find("tcp") == std::string::npos) return out;
+  auto it = peer_addresses_.find(peer);
+  sockaddr_storage self{}, remote{};
+  if (it == peer_addresses_.end() || !as_sockaddr(address_, &self) || !as_sockaddr(it->second, &remote)) {
+    return out;
+  }
+  ProcessSockets& ps = process_sockets();
+  std::lock_guard<std::mutex> lock(ps.mu);
+  // Other lanes of this process on our address could have opened the same kind of connection to the
+  // same peer (several engines sharing a NIC): then only the sockets this lane claimed are ours.
+  auto lanes = ps.lanes.find(ip_key());
+  const bool shared = lanes != ps.lanes.end() && lanes->second > 1;
+  std::unordered_set<uint64_t> live;
+  for_each_socket([&](int fd, const sockaddr_storage& local, const sockaddr_storage& other) {
+    const uint64_t ino = inode_of(fd);
+    live.insert(ino);
+    // The peer connected to our listening address: ours alone (no other endpoint listens there).
+    if (same_endpoint(local, self) && same_ip(other, remote)) {
+      out.push_back(fd);
+      return;
+    }
+    if (!same_ip(local, self) || !same_endpoint(other, remote)) return;
+    auto owner = ps.owner.find(ino);
+    if (owner != ps.owner.end() ? owner->second == this : !shared) out.push_back(fd);
+  });
+  // Forget sockets that are gone (their inode may be reused by another lane's next socket).
+  for (auto o = ps.owner.begin(); o != ps.owner.end();) o = live.count(o->first) ? std::next(o) : ps.owner.erase(o);
   return out;
 }
 
@@ -426,7 +518,49 @@ bool FabricLane::abort_path(uint64_t peer) {
     aborted = true;
     if (named && addr != peer_addresses_.end()) aborted_[addr->second].push_back({local, remote});
   }
+  // The provider opens a new connection on the next post: claimed as this lane's then.
+  if (aborted) unclaimed_[peer] = 0;
   return aborted;
+}
+
+void FabricLane::abort_connections() {
+  if (provider_.find("tcp") == std::string::npos) return;
+  sockaddr_storage self{};
+  if (!as_sockaddr(address_, &self)) return;
+  // libfabric 1.17 (tcp;ofi_rxm) crashes in fi_close of an endpoint that holds a connection stopped
+  // in the middle of a message (a link cut under a large write, its peer killed or the link still
+  // down). Reset first, the way abort_path does: every connection a peer opened to our listening
+  // address, and every one this lane opened; then let the provider read the resets (its progress
+  // runs in fi_cq_read), so that it tears each connection down on its error path, before the close.
+  std::unordered_set<int> fds;
+  for (const auto& [handle, address] : peer_addresses_) {
+    for (int fd : path_sockets(handle)) fds.insert(fd);
+  }
+  for_each_socket([&](int fd, const sockaddr_storage& local, const sockaddr_storage&) {
+    if (same_endpoint(local, self)) fds.insert(fd);
+  });
+  if (fds.empty()) return;
+  for (int fd : fds) {
+    linger lg{1, 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    sockaddr unspec{};
+    unspec.sa_family = AF_UNSPEC;
+    connect(fd, &unspec, sizeof(unspec));
+    shutdown(fd, SHUT_RDWR);
+  }
+  fi_cq_tagged_entry entries[64];
+  for (int round = 0; round < 20; ++round) {
+    ssize_t n = fi_cq_read(cq_, entries, 64);
+    while (n == -FI_EAVAIL) {
+      fi_cq_err_entry err{};
+      if (fi_cq_readerr(cq_, &err, 0) < 0) break;
+      n = fi_cq_read(cq_, entries, 64);
+    }
+    if (n == -FI_EAGAIN) {
+      struct timespec ts{0, 2 * 1000 * 1000};
+      nanosleep(&ts, nullptr);
+    }
+  }
 }
 
 void FabricLane::reset_peer_side(const std::string& address) {
@@ -466,6 +600,32 @@ int FabricLane::post_recv(void* buf, size_t len, void* desc, void* context, uint
 }
 
 int FabricLane::post_write(const WriteRequest& req) {
+  auto it = unclaimed_.find(req.peer);
+  if (it == unclaimed_.end() || provider_.find("tcp") == std::string::npos) return post(req);
+  // The provider opens a connection inside the first post to a peer (in this thread): the socket that
+  // appears across this call is ours. Under the process-wide lock, so that no other lane's first post
+  // opens one in the same moment (a connection the provider reopens by itself, outside any first post,
+  // stays unclaimed: see path_sockets).
+  ProcessSockets& ps = process_sockets();
+  std::lock_guard<std::mutex> lock(ps.mu);
+  bool accepted = false;
+  std::unordered_set<uint64_t> before;
+  for (const auto& [fd, ino] : opened_sockets(req.peer, &accepted)) before.insert(ino);
+  const int rc = post(req);
+  bool claimed = false;
+  for (const auto& [fd, ino] : opened_sockets(req.peer, &accepted)) {
+    if (before.count(ino) == 0 && ps.owner.count(ino) == 0) {
+      ps.owner[ino] = this;
+      claimed = true;
+    }
+  }
+  // Claimed; or the peer's connection to us carries it (no socket of ours needed); or, after a few
+  // posts that opened nothing, the connection is there already: stop looking.
+  if (claimed || accepted || ++it->second >= 8) unclaimed_.erase(it);
+  return rc;
+}
+
+int FabricLane::post(const WriteRequest& req) {
   ssize_t rc;
   if (req.tagged.tagged) {
     if (!tagged_) return -FI_EOPNOTSUPP;

@@ -54,6 +54,7 @@ class FabricLane final : public Lane {
   bool abort_path(uint64_t peer) override;
 
   int post_write(const WriteRequest& req) override;
+  int post(const WriteRequest& req);  // post_write without claiming a connection it may open
   size_t poll(std::vector<Completion>& out, size_t max) override;
   void wait(int timeout_ms) override;
   void signal() override;
@@ -68,11 +69,24 @@ class FabricLane final : public Lane {
  private:
   void post_rx_buffers();
   void close_all();
+  // tcp;ofi_rxm, before the endpoint closes: resets every connection of this lane and lets the provider
+  // see them end (see close_all).
+  void abort_connections();
   void check(int rc, const char* what) const;
   // tcp;ofi_rxm: the kernel sockets of the connection(s) between our endpoint and `peer`'s. The
   // provider keeps them private, so they are found among the process's descriptors by their addresses
-  // (ours and the peer's listening address; either side may have connected). Empty elsewhere.
+  // (ours and the peer's listening address; either side may have connected). A connection we opened
+  // looks the same as one another lane of this process on the same address opened to the same peer, so
+  // those count only when this lane claimed them (see claim_connection), or when no other lane of the
+  // process shares our address. Empty elsewhere.
   std::vector<int> path_sockets(uint64_t peer) const;
+  // Sockets that look like a connection we opened to `peer` (our address, any port -> its listening
+  // address), by inode; with `accepted`, whether one it opened to our listening address exists.
+  std::vector<std::pair<int, uint64_t>> opened_sockets(uint64_t peer, bool* accepted) const;
+  // Peer handles whose connection this lane has not claimed yet (inserted, reset or aborted since):
+  // the next posts to them look for the socket they open and claim it for this lane.
+  std::unordered_map<uint64_t, int> unclaimed_;
+  std::string ip_key() const;  // our listening IP, as raw bytes (ProcessSockets::lanes)
   // Makes the peer drop its side of connections we aborted to `address` (see abort_path), before a
   // new connection is made to it.
   void reset_peer_side(const std::string& address);

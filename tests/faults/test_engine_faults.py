@@ -377,6 +377,90 @@ def test_piece_whose_ack_is_lost_after_it_landed_is_counted_once(procs, landing:
         _close(procs, hosts)
 
 
+@pytest.mark.timeout(90)
+def test_aborting_one_engines_path_leaves_another_engines_connection_alone(procs, engines) -> None:
+    """Two engines of one process share a NIC and write to the same peer. One of them fails its path to
+    the peer with writes in flight, and aborts that connection so that nothing of it lands later. The
+    other engine's connection to the same peer looks alike (same address, same peer) but is not the
+    failing engine's: it must stay up, and its writes complete with no error and no retry."""
+    rx = _start(procs, nics=["lo"])
+    _d1, desc1 = rx.call("alloc", size=64 * MiB)
+    _d2, desc2 = rx.call("alloc", size=MiB)
+    other = _engine(engines, nics=["lo"])
+    p_other = other.connect(rx.address)
+    src2 = other.register(random_bytes(MiB, seed=12))
+    t = other.write(src2, 0, p_other, desc2, 0, MiB, imm=2)
+    t.wait(10)  # its connection is up
+    rx.call("counter_wait", imm=2, n=t.imm_count, timeout=10)
+
+    failing = ws.TransferEngine._for_tests(transport="fabric", nics=["lo"], max_piece=MiB, lose_imm_acks=1)
+    engines.append(failing)
+    p_fail = failing.connect(rx.address)
+    src1 = failing.register(random_bytes(64 * MiB, seed=13))
+    # 64 pieces; the first one's acknowledgement is lost: the path fails with the others in flight, and
+    # its connection is aborted. With no other NIC the write fails.
+    with pytest.raises(ws.TransportError):
+        failing.write(src1, 0, p_fail, desc1, 0, 64 * MiB, imm=1).wait(30)
+    assert sum(s["failed_paths"] for s in failing.stats()) >= 1
+
+    for _ in range(5):
+        t = other.write(src2, 0, p_other, desc2, 0, MiB, imm=3)
+        t.wait(10)
+    rx.call("counter_wait", imm=3, n=5 * t.imm_count, timeout=10)
+    stats = other.stats()
+    assert sum(s["errors"] for s in stats) == 0, f"the other engine's connection was reset: {stats}"
+    assert sum(s["rerouted"] for s in stats) == 0
+    assert not any(p_other.failed_paths)
+
+
+def _quit_status(p: EngineProc) -> int:
+    """Closes the engine in its process and returns the exit status (negative: killed by that signal)."""
+    try:
+        p.call("quit", answer_within=30)
+    except (RuntimeError, TimeoutError, OSError):
+        pass  # it died during close: the status says how
+    try:
+        return p.proc.wait(timeout=30)
+    except Exception:
+        p.kill()
+        return p.proc.returncode
+
+
+@pytest.mark.timeout(120)
+@needs_netns
+@pytest.mark.parametrize("landing", [False, True], ids=["rma", "landing"])
+@pytest.mark.parametrize("sender", ["killed", "alive"])
+def test_receiver_closing_on_a_connection_cut_mid_message_does_not_crash(procs, sender: str,
+                                                                           landing: bool) -> None:
+    """A link goes down while a large write is halfway through it, so the receiver holds a half-open
+    connection stopped mid-message; the sender is then killed (or stays), and the receiver closes its
+    engine before the link returns. libfabric 1.17 crashed in fi_close of the endpoint there (SIGSEGV);
+    closing must not crash the process, whatever state its connections are in."""
+    hosts = TwoHosts(rates_mbit=[16], prefix="wsf", latency_ms=400).create()
+    try:
+        kwargs = {"nics": hosts.nic_names, "stall_timeout": 1.0}
+        tx = _start(procs, netns=hosts.a, **kwargs)
+        rx = _start(procs, netns=hosts.b, **({**kwargs, **LANDING, "landing_slot_bytes": 4 * MiB}
+                                              if landing else kwargs))
+        size = 8 * MiB
+        s_id, _ = tx.call("alloc", size=size, seed=14)
+        _d_id, d_desc = rx.call("alloc", size=size)
+        peer = tx.call("connect", address=rx.address)
+        tx.call("write", region=s_id, peer=peer, descriptor=d_desc, size=size, imm=1)
+        time.sleep(1.0)  # about a quarter of it is through (16 Mbit/s)
+        hosts.set_link(0, up=False)
+        time.sleep(0.5)
+        if sender == "killed":
+            tx.kill()
+        status = _quit_status(rx)
+        assert status == 0, f"the receiver's close ended its process with status {status}"
+        if sender == "alive":
+            status = _quit_status(tx)
+            assert status == 0, f"the sender's close ended its process with status {status}"
+    finally:
+        _close(procs, hosts)
+
+
 # --- case 10 --------------------------------------------------------------------------------------------
 
 LANDING = {"land_host_regions": True, "landing_slots": 4, "landing_slot_bytes": 64 * KiB,
