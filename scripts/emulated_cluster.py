@@ -270,7 +270,10 @@ class Rollout:
         """Waits for ``version`` and compares every byte with what it must hold; returns the differences."""
         import torch
 
-        got = self.dst.wait(version, timeout)
+        try:
+            got = self.dst.wait(version, timeout)
+        except Exception as exc:  # reported with the push's figures, not raised: the run goes on
+            return [f"rank {self.dst.rank}: {type(exc).__name__}: {exc}"]
         want = rollout_view(self.shapes, self.tp_rank, self.tp, version)
         bad = [f"version {got} != {version}"] if got != version else []
         for k, t in self.local.items():
@@ -342,7 +345,7 @@ def driver(setup: Setup) -> dict[str, Any]:
             subprocess.run(["ip", "-n", setup.hosts[0], "link", "set", setup.nic_names[0], "down"],
                            check=True, timeout=30)
         stats = ray.get(refs, timeout=300)
-        bad = ray.get([r.check.remote(version) for r in rollouts], timeout=300)
+        bad = ray.get([r.check.remote(version, 60.0) for r in rollouts], timeout=300)
         k1 = kernel_bytes()
         return {"version": version, "seconds": max(s["end"] for s in stats) - start_at,
                 "late_start": max(s["start"] for s in stats) - start_at,
@@ -351,6 +354,7 @@ def driver(setup: Setup) -> dict[str, Any]:
                 "write_seconds": [round(s["write_seconds"], 4) for s in stats],
                 "bytes": sum(s["bytes"] for s in stats), "writes": sum(s["writes"] for s in stats),
                 "failed_destinations": sorted({d for s in stats for d in s["failed_destinations"]}),
+                "failed_by_trainer": [s["failed_destinations"] for s in stats],
                 "relayed": sorted({d for s in stats for d in s["relayed"]}),
                 "errors": [e for b in bad for e in b], "cut_after": cut_after, "cut_at": cut_at,
                 "kernel_tx": [[b["tx"] - a["tx"] for a, b in zip(h0, h1, strict=True)]
