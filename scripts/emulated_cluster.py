@@ -514,17 +514,6 @@ def _wait_started(run: Launched, log: str, timeout: float) -> None:
     raise RuntimeError(f"Ray node of {log} did not start: {path.read_text(errors='replace')[-3000:]}")
 
 
-def _wait_port(ns: str, addr: str, port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    probe = f"import socket; socket.create_connection(('{addr}', {port}), 1).close()"
-    while time.monotonic() < deadline:
-        if subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe], capture_output=True,
-                          timeout=30).returncode == 0:
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"Ray's head did not listen on {addr}:{port} within {timeout} s")
-
-
 # TCP over Ethernet at MTU 1500 with timestamps: 1448 payload bytes in a 1514-byte frame (tc's tbf counts
 # the frame from its Ethernet header on). The rxm/tcp providers' own headers add well under 1% here.
 TCP_WIRE_EFFICIENCY = 1448 / 1514
