@@ -807,6 +807,13 @@ void Engine::post_trailer(Piece* t) {
     workers_[cuda_lane_]->submit({t});
     return;
   }
+  const bool landing = announces_ && t->tagged && t->dst->landing >= 0 && t->nic >= 0;
+  if (landing && t->dst->peer->path_failed[t->nic].load()) {
+    // Its announce must follow its bytes through their NIC's landing ring (see reroute).
+    piece_failed(t, "its immediate must follow its bytes through the landing ring of NIC " +
+                        workers_[t->nic]->lane().nic_name() + ", whose path failed");
+    return;
+  }
   int nic = t->nic >= 0 && !t->dst->peer->path_failed[t->nic].load() ? t->nic : pick_nic(*t->dst->peer, rr_++);
   if (nic < 0) {
     piece_failed(t, t->dst->peer->label + " became unreachable on every NIC before the immediate was sent");
@@ -887,6 +894,15 @@ void Engine::reroute(Piece* p, int failed_nic, const std::string& why) {
   }
   if (closed_) {
     piece_failed(p, "engine closed");
+    return;
+  }
+  if (announces_ && p->has_imm && p->tagged && p->dst->landing >= 0 && (p->data_done || p->len == 0)) {
+    // A landing piece's announce is counted by the ring of the NIC it arrives on, in that ring's
+    // order, so only behind its bytes on their own NIC: moved to another NIC it could be counted before
+    // the first NIC's ring has copied them. The write fails instead (never counted early; if the first
+    // announce did arrive, it is counted once, after its bytes).
+    piece_failed(p, "its immediate must follow its bytes through the landing ring of NIC " +
+                        workers_[failed_nic]->lane().nic_name() + ", and that path failed (" + why + ")");
     return;
   }
   int nic = pick_nic(peer, static_cast<uint64_t>(failed_nic) + 1);

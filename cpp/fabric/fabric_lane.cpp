@@ -112,7 +112,7 @@ std::string FabricLane::pick_provider() {
 }
 
 FabricLane::FabricLane(const std::string& provider, const std::string& domain)
-    : provider_(provider), domain_(domain) {
+    : provider_(provider), domain_(domain), tcp_(provider.find("tcp") != std::string::npos) {
   // Several entries can name the same domain (IPv4 and IPv6 on tcp): prefer IPv4, then the first.
   // Layered providers do not always filter on the domain name, so match it here.
   auto find = [&](bool hmem, bool tagged, int* rc_out) -> fi_info* {
@@ -333,7 +333,7 @@ uint64_t FabricLane::insert_peer(const std::string& address) {
                          domain_ + ": " + fi_error(rc < 0 ? rc : -FI_EINVAL));
   }
   peer_addresses_[addr] = address;
-  unclaimed_[addr] = 0;
+  if (tcp_) unclaimed_[addr] = 0;
   return addr;
 }
 
@@ -519,7 +519,7 @@ bool FabricLane::abort_path(uint64_t peer) {
     if (named && addr != peer_addresses_.end()) aborted_[addr->second].push_back({local, remote});
   }
   // The provider opens a new connection on the next post: claimed as this lane's then.
-  if (aborted) unclaimed_[peer] = 0;
+  if (aborted && tcp_) unclaimed_[peer] = 0;
   return aborted;
 }
 
@@ -600,8 +600,9 @@ int FabricLane::post_recv(void* buf, size_t len, void* desc, void* context, uint
 }
 
 int FabricLane::post_write(const WriteRequest& req) {
+  if (unclaimed_.empty() || !tcp_) return post(req);
   auto it = unclaimed_.find(req.peer);
-  if (it == unclaimed_.end() || provider_.find("tcp") == std::string::npos) return post(req);
+  if (it == unclaimed_.end()) return post(req);
   // The provider opens a connection inside the first post to a peer (in this thread): the socket that
   // appears across this call is ours. Under the process-wide lock, so that no other lane's first post
   // opens one in the same moment (a connection the provider reopens by itself, outside any first post,

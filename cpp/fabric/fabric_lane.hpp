@@ -99,6 +99,7 @@ class FabricLane final : public Lane {
 
   std::string provider_;
   std::string domain_;
+  bool tcp_ = false;  // tcp;ofi_rxm: connections are kernel sockets (abort_path, claims)
   fi_info* info_ = nullptr;
   fid_fabric* fabric_ = nullptr;
   fid_domain* domain_fid_ = nullptr;

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import weightsync as ws
-from tests.faults._procs import EngineProc, digest, random_bytes
+from tests.faults._procs import EngineProc, ProcError, digest, random_bytes
 from tests.support.netns import TwoHosts, available
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -363,14 +363,20 @@ def test_piece_whose_ack_is_lost_after_it_landed_is_counted_once(procs, landing:
         t, n = tx.call("write", region=s_id, peer=peer, descriptor=d_desc, size=size, imm=1)
         rx.call("counter_wait", imm=1, n=n, timeout=30)
         at_target = rx.call("digest", region=d_id, off=0, size=size)
-        tx.call("wait", transfer=t, timeout=30)
+        try:
+            tx.call("wait", transfer=t, timeout=30)
+        except ProcError as exc:
+            # Into a landing region the announce may not move to the other NIC (it would not be behind its
+            # bytes there): the writer reports the write failed, although its first announce arrived.
+            if not landing or "landing ring" not in exc.message:
+                raise
         time.sleep(2.0)  # a second immediate of the retried piece would have arrived by now
         failures = []
         if at_target != digest(random_bytes(size, 81)):
             failures.append("the counter reached its target before every byte landed")
         if (total := rx.call("counter_total", imm=1)) != n:
             failures.append(f"the write delivered {total} immediates, imm_count is {n}")
-        retried = sum(s["rerouted"] for s in tx.call("stats"))
+        retried = sum(s["rerouted"] + s["errors"] for s in tx.call("stats"))
         assert retried >= 1, "the hook did not make the engine retry anything"
         assert not failures, f"{failures}; failed_paths {tx.call('failed_paths', peer=peer)}"
     finally:
