@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/errors.hpp"
+#include "fabric/peer_auth.hpp"
 
 namespace weightsync {
 
@@ -115,6 +116,13 @@ std::vector<uint64_t> Engine::doorbell_keys() const {
 }
 
 Engine::~Engine() { close(); }
+
+void Engine::set_auth_key(const std::string& hex) {
+  const std::string key = unhex(hex);
+  for (size_t i = 0; i < fabric_nics_; ++i) {
+    workers_[i]->call([key](Lane& lane) { lane.set_auth_key(key); }, kCommandTimeoutS);
+  }
+}
 
 std::vector<std::pair<std::string, LaneCaps>> Engine::lane_caps() const {
   std::vector<std::pair<std::string, LaneCaps>> out;

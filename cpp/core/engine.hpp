@@ -65,6 +65,10 @@ struct EngineConfig {
   // false: the cuda lane only stages and lands; peers on this host are written over the fabric NICs
   // (and this engine does not offer its cuda lane to them: see weightsync/engine.py).
   bool cuda_peers = true;
+  // The engine key K (hex) that fabric peers must prove when they connect, on lanes that authenticate
+  // connections (tcp: fabric/msg_lane.hpp). Derived from the group secret in Python (the secret never
+  // reaches the engine); empty: peers without a key are accepted (a standalone engine).
+  std::string auth_key;
 };
 
 // Switches that make host memory take the paths of GPU memory the NICs cannot register, so that tests
@@ -229,6 +233,7 @@ struct LaneStats {
   uint64_t landed = 0;           // messages copied into landing regions
   uint64_t landed_bytes = 0;
   uint64_t landing_dropped = 0;  // messages for a landing region that was gone, or out of its bounds
+  uint64_t auth_refused = 0;     // connection requests refused for want of a valid key proof
 };
 
 // Owns one lane (a NIC, or the copy engines) and the thread that alone touches it. Everything reaches
@@ -494,6 +499,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool forward_pending(uint64_t id);
 
   ImmCounters& counters() { return counters_; }
+  // Sets the engine key (hex; see EngineConfig::auth_key) on every NIC lane, for connections set up from
+  // now on: an engine made before its group was known (a user's own engine) gets its group's key here.
+  void set_auth_key(const std::string& hex);
   std::vector<LaneStats> stats();
   void close();
   bool closed() const { return closed_.load(); }

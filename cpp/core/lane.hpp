@@ -164,6 +164,12 @@ class Lane {
     (void)peer;
     return false;
   }
+  // The engine key K that peers must prove at connection set-up (raw bytes; see fabric/peer_auth.hpp),
+  // for lanes that authenticate their connections; the others ignore it (their peers are gated by the
+  // remote keys handed out through the secret-gated coordinator only).
+  virtual void set_auth_key(const std::string& key) { (void)key; }
+  // Connection requests refused for want of a valid proof (any thread may read it).
+  virtual uint64_t auth_refused() const { return 0; }
   // Makes a peer's exported memory (MemRegistration::blob) writable from here; returns its address
   // (lanes with LaneCaps::maps_remote).
   virtual uint64_t import_remote(const std::string& blob) { (void)blob; return 0; }

@@ -125,6 +125,7 @@ LaneStats LaneWorker::stats() {
   s.landed = landed_.load();
   s.landed_bytes = landed_bytes_.load();
   s.landing_dropped = landing_dropped_.load();
+  s.auth_refused = lane_->auth_refused();
   return s;
 }
 

@@ -21,6 +21,8 @@
 
 #include "core/engine.hpp"
 #include "core/errors.hpp"
+#include "fabric/msg_lane.hpp"
+#include "fabric/peer_auth.hpp"
 
 namespace weightsync {
 
@@ -84,6 +86,7 @@ uint64_t random_u64() {
 }  // namespace
 
 std::vector<FabricNicInfo> FabricLane::discover(const std::string& provider) {
+  if (provider == FabricMsgLane::kProvider) return FabricMsgLane::discover();  // MSG endpoints, not RDM
   std::vector<FabricNicInfo> out;
   fi_info* hints = make_hints(provider, "");
   fi_info* info = nullptr;
@@ -103,9 +106,12 @@ std::vector<FabricNicInfo> FabricLane::discover(const std::string& provider) {
 }
 
 std::string FabricLane::pick_provider() {
-  for (const char* p : {"efa", "verbs;ofi_rxm", "tcp;ofi_rxm"}) {
+  for (const char* p : {"efa", "verbs;ofi_rxm"}) {
     if (!discover(p).empty()) return p;
   }
+  // On TCP the authenticated MSG lane (fabric/msg_lane.hpp); tcp;ofi_rxm only where it is missing.
+  if (!FabricMsgLane::discover().empty()) return FabricMsgLane::kProvider;
+  if (!discover("tcp;ofi_rxm").empty()) return "tcp;ofi_rxm";
   throw TransportError(
       "no libfabric provider offers RMA writes with remote CQ data here (tried efa, verbs;ofi_rxm, "
       "tcp;ofi_rxm); check `fi_info -p tcp` and that libfabric is installed");
@@ -806,7 +812,16 @@ LaneType fabric_lane_type() {
   };
   t.open = [](const EngineConfig& cfg) {
     std::vector<std::unique_ptr<Lane>> lanes;
-    for (const auto& nic : cfg.nics) lanes.push_back(std::make_unique<FabricLane>(cfg.provider, nic));
+    // Core tcp: connections authenticated with the engine key (MSG endpoints); the other providers keep
+    // the RDM lane (efa's and verbs' remote keys are the provider's; rxm cannot authenticate peers).
+    const std::string key = unhex(cfg.auth_key);
+    for (const auto& nic : cfg.nics) {
+      if (cfg.provider == FabricMsgLane::kProvider) {
+        lanes.push_back(std::make_unique<FabricMsgLane>(nic, key));
+      } else {
+        lanes.push_back(std::make_unique<FabricLane>(cfg.provider, nic));
+      }
+    }
     return lanes;
   };
   return t;

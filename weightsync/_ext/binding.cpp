@@ -244,7 +244,8 @@ NB_MODULE(_core, m) {
       .def_rw("staging_slots", &ws::EngineConfig::staging_slots)
       .def_rw("landing_slots", &ws::EngineConfig::landing_slots)
       .def_rw("landing_slot_bytes", &ws::EngineConfig::landing_slot_bytes)
-      .def_rw("cuda_peers", &ws::EngineConfig::cuda_peers);
+      .def_rw("cuda_peers", &ws::EngineConfig::cuda_peers)
+      .def_rw("auth_key", &ws::EngineConfig::auth_key);
 
   nb::class_<ws::TestHooks>(m, "TestHooks",
                             "Test-only switches (cpp/core/engine.hpp); set through TransferEngine._for_tests.")
@@ -262,7 +263,11 @@ NB_MODULE(_core, m) {
             return ws::Engine::create(config, hooks.value_or(ws::TestHooks{}));
           },
           "config"_a, "hooks"_a = nb::none())
-      .def_prop_ro("config", [](const ws::Engine& e) { return e.config(); },
+      .def_prop_ro("config", [](const ws::Engine& e) {
+        ws::EngineConfig c = e.config();
+        c.auth_key.clear();  // the key stays in the engine (a config is printed, logged, pickled)
+        return c;
+      },
                    "The configuration in force (a copy): the lanes' choices and clamps applied.")
       .def_prop_ro("lanes", [](ws::Engine& e) { return e.lane_caps(); },
                    "Per lane (NIC lanes first): its type name and what it can do (LaneCaps).")
@@ -363,6 +368,7 @@ NB_MODULE(_core, m) {
       .def("counter_value", [](ws::Engine& e, uint32_t imm) { return e.counters().value(imm); }, "imm"_a)
       .def("counter_total", [](ws::Engine& e, uint32_t imm) { return e.counters().total(imm); }, "imm"_a)
       .def("counter_reset", [](ws::Engine& e, uint32_t imm) { return e.counters().reset(imm); }, "imm"_a)
+      .def("set_auth_key", &ws::Engine::set_auth_key, "hex"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("stats", [](ws::Engine& e) {
         nb::list out;
         for (const auto& s : e.stats()) {
@@ -381,6 +387,7 @@ NB_MODULE(_core, m) {
           d["landed"] = s.landed;
           d["landed_bytes"] = s.landed_bytes;
           d["landing_dropped"] = s.landing_dropped;
+          d["auth_refused"] = s.auth_refused;
           out.append(d);
         }
         return out;

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from weightsync.control.engine_key import engine_key
 from weightsync.control.group import actor_name, participant_secret
 from weightsync.control.watcher import DROPPED, MEMBER, SUPERSEDED, EpochWatcher, MembershipWatcher
 from weightsync.errors import TimeoutError, WeightSyncError  # noqa: A004
@@ -58,6 +59,11 @@ class ControlClient:
         self._secret = participant_secret(group, secret)
         self._reported: Any = None  # the last report_dead, not yet known to have re-planned
         self._metrics: Any = None
+
+    def engine_key(self) -> bytes:
+        """The key this participant's transfer engine proves to other members' engines (and demands of
+        them): weightsync.control.engine_key, from the group's secret."""
+        return engine_key(self._secret, self.group)
 
     def _get(self, ref: Any, timeout: float, what: str) -> Any:
         """``ray.get`` of a coordinator call, with weightsync errors only: the coordinator's own error

@@ -364,6 +364,10 @@ class TransferEngine:
     for staging and landing copies only: peers on this host are written over the fabric NICs, and this
     engine's address offers no cuda lane to them either (two GPU processes of one host then talk over
     the NICs, e.g. TCP).
+    ``auth_key``: the engine key that fabric peers must prove when they connect (provider "tcp", the
+    default on TCP: docs/SECURITY.md); a group's participants derive it from the group secret
+    (``weightsync.control.engine_key``) and set it themselves. ``None``: peers without a key are accepted
+    (a standalone engine); ``set_auth_key`` sets it later.
 
     Every default here is the C++ ``EngineConfig``'s (``weightsync._ext.EngineConfig()``): ``None``
     means "the engine's default". Test-only switches are set through ``TransferEngine._for_tests``.
@@ -389,6 +393,7 @@ class TransferEngine:
         landing_slots: int | None = None,
         landing_slot_bytes: int | None = None,
         cuda_peers: bool | None = None,
+        auth_key: bytes | None = None,
         _test_hooks: _ext.TestHooks | None = None,
     ) -> None:
         if transport not in ("auto", "fabric", "cuda"):
@@ -414,6 +419,8 @@ class TransferEngine:
         for field, value in given.items():
             if value is not None:
                 setattr(config, field, type(getattr(config, field))(value))
+        if auth_key is not None:
+            config.auth_key = bytes(auth_key).hex()
         self._native = _ext.Engine.create(config, _test_hooks)
         _drain_log()
         self.transport = "fabric" if config.cuda_device < 0 else "fabric+cuda"
@@ -506,6 +513,11 @@ class TransferEngine:
     def max_piece(self) -> int:
         """Largest piece a write is cut into (after clamping to what every NIC accepts)."""
         return self._native.max_piece
+
+    def set_auth_key(self, key: bytes) -> None:
+        """Sets the engine key peers must prove from now on (connections already made stay): an engine
+        made before its group was known gets the group's key here (``auth_key``)."""
+        self._native.set_auth_key(bytes(key).hex())
 
     # --- memory ---------------------------------------------------------------------------------------
     def register(self, buffer: Any, name: str | None = None) -> Region:

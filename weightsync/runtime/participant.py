@@ -51,7 +51,14 @@ class Participant:
         self.log = group_logger(group)
         self._timeout = timeout
         self._control = ControlClient(group, self.role, self.rank, secret)
-        self.engine = engine or TransferEngine()
+        # The engine demands the group's engine key of every peer that connects to it (tcp), and proves
+        # it when it connects: given at construction, so no connection is ever taken without it.
+        key = self._control.engine_key()
+        if engine is None:
+            engine = TransferEngine(auth_key=key)
+        else:
+            engine.set_auth_key(key)
+        self.engine = engine
         self.tensors = dict(tensors)
         self.layout = describe_tensors(self.tensors)
         self.epoch = 0
