@@ -303,11 +303,36 @@ void FabricMsgLane::close_ep(fid_ep* ep) {
   if (rc != 0) log_warning("tcp NIC " + domain_ + ": closing an endpoint failed: " + fi_error(rc));
 }
 
-void FabricMsgLane::drop_conn(Conn& c, Conn::State state, int error) {
+void FabricMsgLane::drop_conn(Conn& c, Conn::State state, int error, int queued_error, const std::string& why) {
   close_ep(c.ep);
   c.ep = nullptr;
   c.state = state;
   c.error = error;
+  for (const WriteRequest& req : c.queued) {
+    Completion f;
+    f.kind = Completion::kLocalError;
+    f.context = req.context;
+    f.error = queued_error;
+    f.message = error_string(queued_error) + " (" + why + ")";
+    failed_.push_back(std::move(f));
+  }
+  c.queued.clear();
+}
+
+void FabricMsgLane::flush_queued(Conn& c) {
+  while (c.state == Conn::kUp && !c.queued.empty()) {
+    const ssize_t rc = post_on(c.ep, c.queued.front());
+    if (rc == -FI_EAGAIN) return;  // the provider's queue is full: the rest go with the next poll
+    if (rc != 0) {
+      Completion f;
+      f.kind = Completion::kLocalError;
+      f.context = c.queued.front().context;
+      f.error = static_cast<int>(rc < 0 ? -rc : rc);
+      f.message = "posting a write queued while connecting failed: " + fi_error(static_cast<int>(rc));
+      failed_.push_back(std::move(f));
+    }
+    c.queued.pop_front();
+  }
 }
 
 uint64_t FabricMsgLane::reset_path(uint64_t peer) {
@@ -413,11 +438,12 @@ void FabricMsgLane::progress_cm() {
                       " refused our connection request (reason " +
                       std::to_string(static_cast<const uint8_t*>(err.err_data)[0]) +
                       ": is it in another group, or was it given another engine key?)");
-          drop_conn(c, Conn::kFailed, FI_EACCES);
+          drop_conn(c, Conn::kFailed, FI_EACCES, FI_EACCES, "the peer refused our connection request");
         } else {
-          // Nobody listening (yet, or any more) or the network: like rxm, keep refusing posts for a
-          // moment and try again; the worker fails the path once that lasts its stall timeout.
-          drop_conn(c, Conn::kIdle, 0);
+          // Nobody listening (any more), or the network: the writes waiting for this connection fail
+          // (the path with them); posts are refused for a moment, then a new connection is tried.
+          const int why = err.err ? err.err : FI_ECONNREFUSED;
+          drop_conn(c, Conn::kIdle, 0, why, "connecting to " + describe_address(c.address) + " failed");
           c.since = Clock::now() + kReconnectPause;
         }
         continue;
@@ -448,10 +474,11 @@ void FabricMsgLane::progress_cm() {
         // Whoever listens there now is not the engine we were given (or has another key): write nothing.
         log_warning("tcp NIC " + domain_ + ": " + describe_address(c.address) +
                     " accepted our connection without proving the engine key; dropped it");
-        drop_conn(c, Conn::kFailed, FI_EACCES);
+        drop_conn(c, Conn::kFailed, FI_EACCES, FI_EACCES, "the listener did not prove the engine key");
         continue;
       }
       c.state = Conn::kUp;
+      flush_queued(c);
     } else if (event == FI_SHUTDOWN) {
       auto it = conn_by_fid_.find(entry->fid);
       if (it != conn_by_fid_.end()) {
@@ -479,20 +506,31 @@ int FabricMsgLane::post_write(const WriteRequest& req) {
   auto it = conns_.find(req.peer);
   if (it == conns_.end()) return -FI_EINVAL;
   Conn& c = it->second;
-  if (c.state != Conn::kUp) {
+  if (c.state != Conn::kUp || !c.queued.empty()) {
     progress_cm();
-    if (c.state == Conn::kIdle && Clock::now() >= c.since) start_connect(req.peer, c);
-    if (c.state == Conn::kConnecting && Clock::now() - c.since > kConnectTimeout) {
-      drop_conn(c, Conn::kFailed, FI_ETIMEDOUT);
+    const auto now = Clock::now();
+    if (c.state == Conn::kIdle) {
+      if (now < c.since) return -EAGAIN;  // a connection was refused a moment ago: not yet again
+      start_connect(req.peer, c);
     }
-    if (c.state == Conn::kFailed) {
-      // Reported once; reset_path (the worker's probe) starts over.
-      const int err = c.error ? c.error : FI_EIO;
-      return -err;
+    if (c.state == Conn::kConnecting && now - c.since > kConnectTimeout) {
+      drop_conn(c, Conn::kFailed, FI_ETIMEDOUT, FI_ETIMEDOUT, "no connection within the connect timeout");
     }
-    if (c.state != Conn::kUp) return -EAGAIN;  // still connecting: the worker backs off and retries
+    if (c.state == Conn::kFailed) return -(c.error ? c.error : FI_EIO);  // reset_path starts over
+    if (c.state == Conn::kUp) flush_queued(c);
+    if (c.state != Conn::kUp || !c.queued.empty()) {
+      // Held until the connection is up (behind the writes held before it): the path keeps its order.
+      if (c.queued.size() >= tx_size_) return -EAGAIN;
+      c.queued.push_back(req);
+      return 0;
+    }
   }
-  fid_ep* ep = c.ep;
+  const ssize_t rc = post_on(c.ep, req);
+  if (rc == -FI_EAGAIN) return -EAGAIN;
+  return static_cast<int>(rc);
+}
+
+ssize_t FabricMsgLane::post_on(fid_ep* ep, const WriteRequest& req) {
   ssize_t rc;
   if (req.tagged.tagged) {
     if (req.delivery_complete) {
@@ -530,13 +568,21 @@ int FabricMsgLane::post_write(const WriteRequest& req) {
   } else {
     rc = fi_write(ep, req.src, req.len, req.src_desc, 0, req.remote_addr, req.key, req.context);
   }
-  if (rc == -FI_EAGAIN) return -EAGAIN;
-  return static_cast<int>(rc);
+  return rc;
 }
 
 size_t FabricMsgLane::poll(std::vector<Completion>& out, size_t max) {
   progress_cm();
+  for (auto& [handle, conn] : conns_) {
+    if (!conn.queued.empty()) flush_queued(conn);
+  }
   size_t got = 0;
+  // Writes that failed before reaching the provider (their connection was refused or dropped).
+  while (!failed_.empty() && got < max) {
+    out.push_back(std::move(failed_.back()));
+    failed_.pop_back();
+    ++got;
+  }
   auto emit = [&](const fi_cq_tagged_entry& e) {
     Completion c;
     if (e.op_context != nullptr && posted_recvs_.erase(e.op_context) != 0) {
@@ -687,6 +733,13 @@ Lane::PathState FabricMsgLane::path_state(uint64_t peer, double window_s) {
 bool FabricMsgLane::abort_path(uint64_t peer) {
   auto it = conns_.find(peer);
   if (it == conns_.end()) return false;
+  if (it->second.state == Conn::kConnecting) {
+    // Nothing was sent yet: the held writes fail now (they never reached the peer), and so does the
+    // connection attempt; the next post starts a new one.
+    drop_conn(it->second, Conn::kIdle, 0, FI_ECONNABORTED, "the path was aborted while connecting");
+    it->second.since = Clock::time_point{};
+    return true;
+  }
   bool aborted = false;
   for (int fd : conn_sockets(it->second)) {
     // As on the RDM lane: a reset instead of a graceful close drops what the kernel still holds, and

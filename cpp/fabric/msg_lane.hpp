@@ -22,6 +22,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -82,12 +83,21 @@ class FabricMsgLane final : public Lane {
     int error = 0;  // kFailed: the positive FI_E* code posts are refused with
     std::chrono::steady_clock::time_point since{};     // kConnecting: when; kIdle: no attempt before
     ConnRequest request;  // kConnecting: what was sent (the server's proof answers its nonce)
+    // Writes posted while the connection is being made, posted in order once it is up, or failed with
+    // it (as rxm defers them): a post never waits for a connection, and a probe is not lost to one.
+    std::deque<WriteRequest> queued;
   };
   void progress_cm();
   void on_connreq(fi_eq_cm_entry* entry, size_t len);
   void refuse(fi_info* info, AuthRefusal why);
   void start_connect(uint64_t handle, Conn& c);
-  void drop_conn(Conn& c, Conn::State state, int error);
+  // Closes the connection's endpoint (its posted writes come back as errors from the provider) and fails
+  // the writes still queued for it with `queued_error` (an FI_E* code) and `why`.
+  void drop_conn(Conn& c, Conn::State state, int error, int queued_error = FI_ECANCELED,
+                 const std::string& why = "connection closed before it was made");
+  // Posts the writes queued while connecting, in order, until done or the provider refuses (EAGAIN).
+  void flush_queued(Conn& c);
+  ssize_t post_on(fid_ep* ep, const WriteRequest& req);
   void close_ep(fid_ep* ep);
   std::vector<int> conn_sockets(const Conn& c) const;
   void check(int rc, const char* what) const;
@@ -120,6 +130,7 @@ class FabricMsgLane final : public Lane {
   fi_cq_tagged_entry stash_{};
   bool stash_error_ = false;
   std::vector<uint8_t> eq_buf_;
+  std::vector<Completion> failed_;  // errors of writes that never reached the provider, for poll()
 };
 
 }  // namespace weightsync
