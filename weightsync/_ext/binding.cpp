@@ -368,7 +368,7 @@ NB_MODULE(_core, m) {
       .def("counter_value", [](ws::Engine& e, uint32_t imm) { return e.counters().value(imm); }, "imm"_a)
       .def("counter_total", [](ws::Engine& e, uint32_t imm) { return e.counters().total(imm); }, "imm"_a)
       .def("counter_reset", [](ws::Engine& e, uint32_t imm) { return e.counters().reset(imm); }, "imm"_a)
-      .def("set_auth_key", &ws::Engine::set_auth_key, "hex"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("set_auth_key", &ws::Engine::set_auth_key, "key_hex"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("stats", [](ws::Engine& e) {
         nb::list out;
         for (const auto& s : e.stats()) {
