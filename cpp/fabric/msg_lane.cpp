@@ -494,9 +494,9 @@ void FabricMsgLane::progress_cm() {
   }
 }
 
-int FabricMsgLane::post_recv(void* buf, size_t len, void* desc, void* context) {
-  // Tag 0 with every bit ignored: any tagged message matches, in the order the receives were posted.
-  const ssize_t rc = fi_trecv(srx_, buf, len, desc, FI_ADDR_UNSPEC, 0, ~0ull, context);
+int FabricMsgLane::post_recv(void* buf, size_t len, void* desc, void* context, uint64_t tag, uint64_t ignore) {
+  // On the shared receive context: matched (tag under `ignore`, posting order) by accepted endpoints only.
+  const ssize_t rc = fi_trecv(srx_, buf, len, desc, FI_ADDR_UNSPEC, tag, ignore, context);
   if (rc == -FI_EAGAIN) return -EAGAIN;
   if (rc == 0) posted_recvs_.insert(context);
   return static_cast<int>(rc);

@@ -69,7 +69,7 @@ class FabricMsgLane final : public Lane {
   void signal() override;
 
   LaneCaps caps() const override;
-  int post_recv(void* buf, size_t len, void* desc, void* context) override;
+  int post_recv(void* buf, size_t len, void* desc, void* context, uint64_t tag, uint64_t ignore) override;
   uint64_t max_write() const override { return max_msg_size_; }
   size_t max_outstanding() const override { return tx_size_; }
   std::string error_string(int err) const override;
