@@ -251,8 +251,8 @@ def test_bad_messages_are_dropped_counted_and_the_ring_keeps_working(lander: Pee
         # rxm: each of the 4 bad writes drops its message and its piece's announce (which carries the
         # immediate: never counted for bytes that did not land). tcp: the 2 writes past the region's end
         # or to no region the same; each oversized write's message twice (its connection ends there,
-        # taking the announce behind it along).
-        expected = 4 + (4 if msg_lane else 4)
+        # taking the announce behind it along). 8 either way.
+        expected = 8
 
         deadline = time.monotonic() + 10
         while _landed(lander)[2] - dropped0 < expected and time.monotonic() < deadline:
