@@ -25,7 +25,12 @@ from tests.vllm.test_fp8_layouts import fp8_kernels  # noqa: F401 (a fixture)
 from weightsync.integrations.vllm.layouts import CheckpointTensor, derive_layout, fp8_checkpoint
 from weightsync.plan import models as plan_models
 
-SHARED = Path(ROOT).parent / "shared" / "models"
+SHARED = Path(ROOT).parent / "shared" / "models"  # beside the repository, as the planner's tests find it
+if not SHARED.exists():
+    SHARED = Path("/work/shared/models")
+if not SHARED.exists():
+    pytest.skip("the five model configs (shared/models/*.json) are not beside the repository",
+                allow_module_level=True)
 NAMES = ["llama-3.1-70b", "llama-3.1-405b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"]
 # What vLLM needs beyond the shapes shared/models records (rope, norms, routing) comes from the tiny
 # config of the same family.
