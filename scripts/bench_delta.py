@@ -45,20 +45,9 @@ sys.path.insert(0, ROOT)
 
 import weightsync as ws  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(NO_MULTICAST)
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)  # Ray shows each actor only its own GPU
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.current_stream(dev).synchronize()
+# The same actor set-up and byte check as the non-blocking push benchmark (importing it also turns NVLink
+# multicast off in this process, as NO_MULTICAST says).
+from scripts.bench_async import NO_MULTICAST, _device, _sync, digest  # noqa: E402
 
 
 class Trainer:
@@ -121,8 +110,6 @@ class Trainer:
                 "ref_bytes": stats.delta_ref_bytes, "delta": stats.delta_destinations == [0]}
 
     def digests(self) -> dict[str, int]:
-        from scripts.bench_async import digest
-
         return {name: digest(t) for name, t in self.weights.items()}
 
     def close(self) -> None:
@@ -154,7 +141,6 @@ class Rollout:
         return [d.wait(version, timeout=300) for d in self.dsts.values()]
 
     def digests(self, kind: str) -> dict[str, int]:
-        from scripts.bench_async import digest
         from scripts.bench_worker import local_view
 
         local = self.local[kind]
