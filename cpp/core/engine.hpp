@@ -530,6 +530,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   static uint64_t landing_tag(int index, uint64_t off) {
     return ((uint64_t(index) & ((1ull << kLandingIndexBits) - 1)) << kLandingOffsetBits) | off;
   }
+  // A landing tag's region index and byte offset (the inverse of landing_tag).
+  static uint64_t landing_index(uint64_t tag) {
+    return (tag >> kLandingOffsetBits) & ((1ull << kLandingIndexBits) - 1);
+  }
+  static uint64_t landing_offset(uint64_t tag) { return tag & ((1ull << kLandingOffsetBits) - 1); }
   // The tag of the announce of a piece written into landing region `index` (core/announce.hpp).
   static uint64_t landing_announce_tag(int index, uint64_t off) {
     return kLandingAnnounceBit | landing_tag(index, off);
@@ -592,6 +597,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::shared_ptr<LocalRegion> register_host_buffer(uint64_t bytes, const char* what, char** base, bool* pinned);
   // Counts a landing message that was not written (on NIC `w`) and logs the first few (core/log.hpp).
   void landing_dropped(LaneWorker& w, uint64_t len, const std::string& what);
+  // landing_dropped for landing message `c`, naming its region and offset (from its tag) and NIC; true.
+  bool drop_landing(LaneWorker& w, const Completion& c, const std::string& why);
   void ensure_staging();
   void stage(std::vector<Piece*> pieces);
   void pump_staging();

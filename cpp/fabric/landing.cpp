@@ -212,27 +212,28 @@ void Engine::landing_dropped(LaneWorker& w, uint64_t len, const std::string& wha
   }
 }
 
+bool Engine::drop_landing(LaneWorker& w, const Completion& c, const std::string& why) {
+  landing_dropped(w, c.len, "landing region " + std::to_string(landing_index(c.tag)) + " at offset " +
+                               std::to_string(landing_offset(c.tag)) + " on NIC " + w.lane().nic_name() + ": " + why);
+  return true;
+}
+
 bool Engine::land(int nic, uint32_t slot, const char* buf, const Completion& c) {
   LaneWorker& w = *workers_[nic];
-  const uint64_t index = (c.tag >> kLandingOffsetBits) & ((1ull << kLandingIndexBits) - 1);
-  const uint64_t off = c.tag & ((1ull << kLandingOffsetBits) - 1);
-  auto drop = [&](const std::string& why) {
-    landing_dropped(w, c.len, "landing region " + std::to_string(index) + " at offset " + std::to_string(off) +
-                             " on NIC " + w.lane().nic_name() + ": " + why);
-    return true;
-  };
+  const uint64_t index = landing_index(c.tag);
+  const uint64_t off = landing_offset(c.tag);
   const bool announce = (c.tag & kLandingAnnounceBit) != 0;
   if (c.error != 0) {
     // Longer than the ring's buffers: the writer's descriptor is not this region's. Its piece's
     // announce, next on this ring for this index, is not counted either (see land_message).
     if (!announce && c.error == FI_ETRUNC) void_landing(nic, index, off);
-    return drop("the receive failed: " + c.message);
+    return drop_landing(w, c, "the receive failed: " + c.message);
   }
   if (announce) {
     // A piece's announce (core/announce.hpp): its bytes came before it in this ring. A piece already
     // counted (its announce sent again after a lost acknowledgement) is dropped here; the first one goes
     // on as an empty message with the immediate, counted once the copies before it are done.
-    if (c.len != kAnnounceBytes || !c.has_imm) return drop("a malformed announce");
+    if (c.len != kAnnounceBytes || !c.has_imm) return drop_landing(w, c, "a malformed announce");
     const AnnounceName name = AnnounceName::read(reinterpret_cast<const unsigned char*>(buf));
     auto voided = landing_voided_[nic].find(index);
     if (voided != landing_voided_[nic].end()) {
@@ -248,7 +249,7 @@ bool Engine::land(int nic, uint32_t slot, const char* buf, const Completion& c) 
       const bool hit = !taken.empty();
       offs.swap(kept);
       if (offs.empty()) landing_voided_[nic].erase(voided);
-      if (hit) return drop("the announce of a piece whose bytes were dropped");
+      if (hit) return drop_landing(w, c, "the announce of a piece whose bytes were dropped");
     }
     if (!dedup_.first(name)) {
       w.count_duplicate();
@@ -270,17 +271,12 @@ void Engine::void_landing(int nic, uint64_t index, uint64_t off) {
 
 bool Engine::land_message(int nic, uint32_t slot, const char* buf, const Completion& c) {
   LaneWorker& w = *workers_[nic];
-  const uint64_t index = (c.tag >> kLandingOffsetBits) & ((1ull << kLandingIndexBits) - 1);
-  const uint64_t off = c.tag & ((1ull << kLandingOffsetBits) - 1);
-  auto drop = [&](const std::string& why) {
-    landing_dropped(w, c.len, "landing region " + std::to_string(index) + " at offset " + std::to_string(off) +
-                             " on NIC " + w.lane().nic_name() + ": " + why);
-    return true;
-  };
+  const uint64_t index = landing_index(c.tag);
+  const uint64_t off = landing_offset(c.tag);
   std::shared_ptr<LandingEntry> e = landing_entry(index);
-  if (!e) return drop("no such landing region (deregistered?)");
+  if (!e) return drop_landing(w, c, "no such landing region (deregistered?)");
   std::unique_lock<std::mutex> lock(e->mu);
-  if (!e->valid) return drop("the region was deregistered");
+  if (!e->valid) return drop_landing(w, c, "the region was deregistered");
   if (off > e->len || c.len > e->len - off) {
     // Bytes the writer meant for a larger region: they are dropped, and so is the announce of their
     // piece that follows them on this ring, or the counter would count bytes that never landed. (A
@@ -288,7 +284,7 @@ bool Engine::land_message(int nic, uint32_t slot, const char* buf, const Complet
     // its counter then times out rather than count wrong, and only behind a writer with a forged or
     // foreign descriptor.)
     void_landing(nic, index, off);
-    return drop("past the end of the region (" + std::to_string(e->len) + " bytes)");
+    return drop_landing(w, c, "past the end of the region (" + std::to_string(e->len) + " bytes)");
   }
   if (e->kind == MemKind::kHost) {
     // land_host_regions (tests): copied here, under the entry's lock, so deregistration waits for it.
@@ -298,7 +294,7 @@ bool Engine::land_message(int nic, uint32_t slot, const char* buf, const Complet
     if (c.has_imm) counters_.add(c.imm);
     return true;
   }
-  if (local_copies() == nullptr) return drop("no cuda lane to copy it to the GPU");
+  if (local_copies() == nullptr) return drop_landing(w, c, "no cuda lane to copy it to the GPU");
   e->copies++;
   lock.unlock();
   auto* job = new LandingJob();
