@@ -507,7 +507,11 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
     peer->last_error = "NIC " + lane_->nic_name() + ": " + why;
   }
   // Mark the path first, so the engine routes the pieces below (and new writes) to other NICs.
-  if (!peer->path_failed[index_].exchange(true)) failed_paths_++;
+  if (!peer->path_failed[index_].exchange(true)) {
+    failed_paths_++;
+    // An operator sees why a path went away (and, from the probe, when it came back), not only a count.
+    log_warning("path to " + peer->label + " on NIC " + lane_->nic_name() + " failed (" + why + ")");
+  }
   {
     FailedPath& f = failed_[peer->id];
     auto it = queues_.find(peer->id);
@@ -696,6 +700,7 @@ void LaneWorker::probe_answered(Piece* p, bool ok) {
       f.peer->path_progress_ns[index_] =
           std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
       restored_paths_++;
+      log_info("path to " + f.peer->label + " on NIC " + lane_->nic_name() + " restored (a probe write landed)");
       failed_.erase(id);
     } else {
       f.backoff = std::min(f.backoff * 2, std::chrono::duration<double>(8.0));

@@ -17,6 +17,7 @@ enum class LogLevel : int { kDebug = 10, kInfo = 20, kWarning = 30, kError = 40 
 // it had to drop, which the next drain reports.
 void log(LogLevel level, std::string message);
 inline void log_warning(std::string message) { log(LogLevel::kWarning, std::move(message)); }
+inline void log_info(std::string message) { log(LogLevel::kInfo, std::move(message)); }
 
 constexpr size_t kLogCapacity = 1024;
 

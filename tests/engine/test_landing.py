@@ -213,7 +213,7 @@ def test_sender_outrunning_the_receiver_is_slowed_not_failed(lander: PeerProcess
         # The small batch overwrote the first 21000 bytes of dsts[0] with the same bytes.
         for d_id, _desc in dsts:
             assert lander.call("digest", region=d_id, off=0, size=size) == digest(src)
-        assert not any(peer.failed_paths)
+        assert not any(peer.failed_paths), peer.last_error
         assert _landed(lander)[2] == 0
         assert sum(s["errors"] for s in eng.stats()) == 0
     finally:
@@ -268,7 +268,7 @@ def test_bad_messages_are_dropped_counted_and_the_ring_keeps_working(lander: Pee
             t.wait(10)
             lander.call("counter_wait", imm=51, n=1, timeout=10)
             assert lander.call("digest", region=b_id, off=0, size=1000) == digest(src[k : k + 1000])
-        assert not any(peer.failed_paths)
+        assert not any(peer.failed_paths), peer.last_error
     finally:
         eng.close()
 

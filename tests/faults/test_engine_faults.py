@@ -11,6 +11,7 @@ pairs (``_procs.Hosts``). The fix design is in the notes (faults_engine.md).
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Iterator
 
@@ -384,7 +385,7 @@ def test_piece_whose_ack_is_lost_after_it_landed_is_counted_once(procs, landing:
 
 
 @pytest.mark.timeout(90)
-def test_aborting_one_engines_path_leaves_another_engines_connection_alone(procs, engines) -> None:
+def test_aborting_one_engines_path_leaves_another_engines_connection_alone(procs, engines, caplog) -> None:
     """Two engines of one process share a NIC and write to the same peer. One of them fails its path to
     the peer with writes in flight, and aborts that connection so that nothing of it lands later. The
     other engine's connection to the same peer looks alike (same address, same peer) but is not the
@@ -407,7 +408,13 @@ def test_aborting_one_engines_path_leaves_another_engines_connection_alone(procs
     # its connection is aborted. With no other NIC the write fails.
     with pytest.raises(ws.TransportError):
         failing.write(src1, 0, p_fail, desc1, 0, 64 * MiB, imm=1).wait(30)
-    assert sum(s["failed_paths"] for s in failing.stats()) >= 1
+    with caplog.at_level(logging.WARNING, logger="weightsync.engine"):
+        assert sum(s["failed_paths"] for s in failing.stats()) >= 1  # the call drains the engine's log
+    # Why the path failed is kept on the peer and logged, naming the peer and the NIC.
+    assert p_fail.last_error.startswith("NIC lo: ") and p_fail.failed_paths == [True]
+    assert any(r.getMessage().startswith(f"weightsync: path to {p_fail.label} on NIC lo failed (")
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert p_other.last_error == ""
 
     for _ in range(5):
         t = other.write(src2, 0, p_other, desc2, 0, MiB, imm=3)

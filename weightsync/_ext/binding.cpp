@@ -188,6 +188,10 @@ NB_MODULE(_core, m) {
         std::vector<bool> out;
         for (size_t i = 0; i < p.paths.size(); ++i) out.push_back(p.path_failed[i].load());
         return out;
+      })
+      .def_prop_ro("last_error", [](ws::Peer& p) {
+        std::lock_guard<std::mutex> lock(p.mu);
+        return p.last_error;
       });
 
   nb::class_<ws::RemoteRegion>(m, "RemoteRegion")

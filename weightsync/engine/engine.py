@@ -223,6 +223,11 @@ class Peer:
         """Per local NIC: whether writes to this peer through it have failed (and moved to other NICs)."""
         return list(self._native.failed_paths)
 
+    @property
+    def last_error(self) -> str:
+        """Why the last of this peer's paths failed ("" if none has)."""
+        return str(self._native.last_error)
+
     def __repr__(self) -> str:
         return f"Peer({self.label})"
 
