@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from weightsync.plan import plan
+from weightsync.plan.layout import DTYPES
 from weightsync.plan.models import checkpoint, counts, inference_layouts, load_config, trainer_layouts
 
 MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
@@ -94,9 +95,15 @@ def test_vllm_layout_of_kimi_experts_and_scales() -> None:
         owner.append(holders[0])
     assert owner == [e // 24 for e in range(384)]  # whole experts, 24 per EP rank
     keys = dict(zip(lays[3].keys, lays[3].key_nbytes.tolist(), strict=True))
-    assert keys["model.layers.5.mlp.experts.w13_weight"] == 24 * 2 * 2048 * 7168
-    assert keys["model.layers.5.mlp.experts.w13_weight_scale_inv"] == 24 * 2 * 16 * 56 * 4
+    assert keys["model.layers.5.mlp.experts.routed_experts.w13_weight"] == 24 * 2 * 2048 * 7168
+    assert keys["model.layers.5.mlp.experts.routed_experts.w13_weight_scale_inv"] == 24 * 2 * 16 * 56 * 4
     assert keys["model.layers.5.self_attn.fused_qkv_a_proj.weight"] == (1536 + 576) * 7168
+    # the router's score-correction bias is float32 in the checkpoints and in vLLM, on both sides
+    assert keys["model.layers.5.mlp.gate.e_score_correction_bias"] == 384 * 4
+    bias = idx["model.layers.5.mlp.gate.e_score_correction_bias"]
+    assert DTYPES[int(lays[3].table.dtype[bias])] == "float32"
+    held = trainer_layouts(cfg, 8, "fsdp")[0].table
+    assert DTYPES[int(held.dtype[held.index()[names[bias]]])] == "float32"
     assert keys["model.layers.5.self_attn.fused_qkv_a_proj.weight_scale_inv"] == (12 + 5) * 56 * 4
     # one replica holds the FP8 checkpoint plus copies of what TP replicates
     total = sum(lay.nbytes() for lay in lays)

@@ -61,8 +61,8 @@ def derived_boxes(cfg: dict[str, Any], tp: int = 1, rank: int = 0, port: int | N
 
     model, vllm_config = models.build(cfg, device="meta", tp=tp, rank=rank, port=port, ep=ep)
     ck = plan_models.checkpoint(cfg)
-    checkpoint = [CheckpointTensor(n, tuple(s), "float32" if b else "bfloat16")
-                  for n, s, b in zip(ck.names, ck.shapes, ck.buffer, strict=True)]
+    checkpoint = [CheckpointTensor(n, tuple(s), "float32" if wide else "bfloat16")
+                  for n, s, wide in zip(ck.names, ck.shapes, ck.float32, strict=True)]
     with set_current_vllm_config(vllm_config):
         if "quantization_config" in cfg:
             checkpoint = fp8_checkpoint(model, checkpoint, cfg["quantization_config"]["weight_block_size"])
@@ -90,30 +90,11 @@ def planned_boxes(cfg: dict[str, Any], tp: int = 1, rank: int = 0, ep: bool = Fa
             for i in range(len(lay.tensor))}
 
 
-def known_differences(box: Box) -> Box:
-    """weightsync.plan.models as it stands, corrected where it differs from vLLM 0.33 (its side is the one
-    to fix; weightsync/plan is not this backend's to change):
-
-    * vLLM's FusedMoE keeps its expert weights in a ``routed_experts`` submodule:
-      ``mlp.experts.routed_experts.w13_weight``, not ``mlp.experts.w13_weight`` (and their scales);
-    * DeepSeek's ``e_score_correction_bias`` is float32 in vLLM (and in the checkpoints), not bfloat16.
-
-    Every other box must be the same; once plan.models is fixed these mappings become no-ops."""
-    key, name, lo, sh, at, stride, dtype = box
-    for w in ("w13_weight", "w2_weight"):
-        for suffix in ("", "_scale_inv"):
-            if key.endswith(f".mlp.experts.{w}{suffix}"):
-                key = key.replace(f".mlp.experts.{w}", f".mlp.experts.routed_experts.{w}")
-    if name.endswith(".mlp.gate.e_score_correction_bias"):
-        dtype = "float32"
-    return key, name, lo, sh, at, stride, dtype
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_derived_layouts_match_the_planner_models_at_real_shapes(name: str, fp8_kernels: None) -> None:  # noqa: F811
     cfg = real_config(name)
     derived, unused = derived_boxes(cfg)
-    planned = {known_differences(b) for b in planned_boxes(cfg)}
+    planned = planned_boxes(cfg)
     only_vllm = sorted(derived - planned)
     only_plan = sorted(planned - derived)
     assert (only_vllm[:6], only_plan[:6]) == ([], []), (len(only_vllm), len(only_plan))
@@ -147,7 +128,7 @@ def test_derived_layouts_match_the_planner_models_at_tensor_parallel_2(name: str
     cfg = real_config(name)
     for rank, got in enumerate(outs):
         derived = {(k, n, tuple(lo), tuple(sh), at, st, dt) for k, n, lo, sh, at, st, dt in got["boxes"]}
-        planned = {known_differences(b) for b in planned_boxes(cfg, 2, rank, ep)}
+        planned = planned_boxes(cfg, 2, rank, ep)
         assert len(derived) >= 10, got  # the layers' boxes are there to compare
         only_vllm, only_plan = sorted(derived - planned), sorted(planned - derived)
         assert (only_vllm[:6], only_plan[:6]) == ([], []), (rank, len(only_vllm), len(only_plan))

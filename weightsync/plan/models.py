@@ -7,8 +7,10 @@ nodes (``hsdp:8``), or Megatron-style tensor parallel inside FSDP (``tp:T``, a 2
 Inference side: vLLM parameter names and vLLM's tensor-parallel layout: column-parallel (rows split)
 and row-parallel (columns split) linears, ``qkv_proj`` and ``gate_up_proj`` fused per TP rank (MLA's
 ``fused_qkv_a_proj`` too), replicated norms and router, vocab-parallel embedding and head (vocabulary
-padded to 64), experts whole on one rank with expert parallelism (``w13_weight`` = per expert
-``[gate; up]``), and FP8 block-quantized weights with their ``weight_scale_inv`` block scales.
+padded to 64), experts whole on one rank with expert parallelism (FusedMoE's
+``experts.routed_experts.w13_weight`` = per expert ``[gate; up]``), and FP8 block-quantized weights with
+their ``weight_scale_inv`` block scales. Tensors that are float32 in the checkpoints and in vLLM
+(DeepSeek's ``e_score_correction_bias``, buffers) are float32 on both sides whatever the weights' dtype.
 
 Destination regions name the *logical* (Hugging Face) tensors they hold; the keys are the vLLM
 parameter names the rollout registers. No torch needed: layouts are built as numpy columns, one
@@ -58,21 +60,25 @@ def family(cfg: Mapping[str, Any]) -> str:
 @dataclass
 class Checkpoint:
     """Tensors of a Hugging Face checkpoint: names, shapes (left-padded to 2-D with 1), ranks, and
-    which are FP8-quantizable linear weights (``quant``) or non-weight buffers (``buffer``)."""
+    which are FP8-quantizable linear weights (``quant``), non-weight buffers (``buffer``) or float32
+    whatever the model's dtype (``float32``: buffers and DeepSeek's ``e_score_correction_bias``, float32
+    in the checkpoints and in vLLM)."""
 
     names: list[str] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     quant: list[bool] = field(default_factory=list)
     buffer: list[bool] = field(default_factory=list)
+    float32: list[bool] = field(default_factory=list)
     # tensor-parallel role on the inference side: "col", "row", "rep", "vocab", "expert"
     role: list[str] = field(default_factory=list)
 
     def add(self, name: str, shape: tuple[int, ...], role: str, quant: bool = False,
-            buffer: bool = False) -> None:
+            buffer: bool = False, float32: bool = False) -> None:
         self.names.append(name)
         self.shapes.append(shape)
         self.quant.append(quant)
         self.buffer.append(buffer)
+        self.float32.append(float32 or buffer)
         self.role.append(role)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -142,7 +148,7 @@ def checkpoint(cfg: Mapping[str, Any]) -> Checkpoint:
         inter = cfg["moe_intermediate_size"]
         ck.add(p + "mlp.gate.weight", (E, H), "rep")
         if fam == "deepseek":
-            ck.add(p + "mlp.gate.e_score_correction_bias", (E,), "rep")
+            ck.add(p + "mlp.gate.e_score_correction_bias", (E,), "rep", float32=True)
         for e in range(E):
             x = f"{p}mlp.experts.{e}."
             ck.add(x + "gate_proj.weight", (inter, H), "expert", quant=True)
@@ -170,7 +176,8 @@ def counts(cfg: Mapping[str, Any], block: tuple[int, int] = (128, 128)) -> dict[
     scales = int((-(-shp[q, 0] // block[0]) * -(-shp[q, 1] // block[1])).sum())
     fp8 = "quantization_config" in cfg
     el = np.prod(shp, axis=1)
-    fp8_bytes = int(el[q].sum() + 2 * el[~q & ~buf].sum() + 4 * scales)
+    wide = np.array(ck.float32) & ~buf
+    fp8_bytes = int(el[q].sum() + 2 * el[~q & ~buf & ~wide].sum() + 4 * el[wide].sum() + 4 * scales)
     return {"weight_elements": weights, "fp8_scale_elements": scales,
             "tensors": len(ck.names) + (int(q.sum()) if fp8 else 0), "fp8_bytes": fp8_bytes}
 
@@ -201,7 +208,7 @@ def trainer_layouts(cfg: Mapping[str, Any], trainers: int, layout: str = "hsdp:8
     names = ck.names
     n = len(names)
     dt = np.full(n, DTYPE_CODE[dtype], np.int16)
-    for i in np.nonzero(np.array(ck.buffer))[0]:
+    for i in np.nonzero(np.array(ck.float32))[0]:
         dt[i] = DTYPE_CODE["float32"]
     table = TensorTable(names, shp, nd, dt)
     itemsize = np.where(dt == DTYPE_CODE["float32"], 4, 2).astype(np.int64)
@@ -310,8 +317,8 @@ def inference_layouts(cfg: Mapping[str, Any], gpus: int, replica_gpus: int, dtyp
                 gsh.append((-(-gsh[i][0] // block[0]), -(-gsh[i][1] // block[1])))
                 ndl.append(2)
                 dts.append(DTYPE_CODE["float32"])
-    for i, b in enumerate(ck.buffer):
-        if b:
+    for i, wide in enumerate(ck.float32):
+        if wide:
             dts[i] = DTYPE_CODE["float32"]
     table = TensorTable(names, np.array(gsh, np.int64), np.array(ndl, np.int8), np.array(dts, np.int16))
     idx = table.index()
@@ -435,8 +442,9 @@ def inference_layouts(cfg: Mapping[str, Any], gpus: int, replica_gpus: int, dtyp
 def _experts(rows: _Rows, m: str, E: int, K: int, r: int, ep: bool, idx: dict[str, int],
              gsh: list[tuple[int, ...]], scale_id: dict[int, int], esize: Any,
              block: tuple[int, int]) -> None:
-    """vLLM FusedMoE: w13_weight [E_local, 2*I_local, H] = per expert [gate; up], w2_weight
-    [E_local, H, I_local]; whole experts per rank with EP, every expert's TP slice without."""
+    """vLLM FusedMoE (its experts in a ``routed_experts`` submodule): w13_weight [E_local, 2*I_local, H]
+    = per expert [gate; up], w2_weight [E_local, H, I_local]; whole experts per rank with EP, every
+    expert's TP slice without."""
     g0 = idx[f"{m}experts.0.gate_proj.weight"]
     inter, H = gsh[g0]
     if ep:
@@ -452,12 +460,13 @@ def _experts(rows: _Rows, m: str, E: int, K: int, r: int, ep: bool, idx: dict[st
     fp8 = g0 in scale_id
     es = esize(g0)
     bm, bn = block
-    k13 = rows.new_key(m + "experts.w13_weight", ne * 2 * il * H * es)
-    k2 = rows.new_key(m + "experts.w2_weight", ne * H * il * es)
+    fused = m + "experts.routed_experts."
+    k13 = rows.new_key(fused + "w13_weight", ne * 2 * il * H * es)
+    k2 = rows.new_key(fused + "w2_weight", ne * H * il * es)
     if fp8:
         sr, sc = -(-il // bm), -(-H // bn)
-        k13s = rows.new_key(m + "experts.w13_weight" + SCALE, ne * 2 * sr * sc * 4)
-        k2s = rows.new_key(m + "experts.w2_weight" + SCALE, ne * sc * sr * 4)
+        k13s = rows.new_key(fused + "w13_weight" + SCALE, ne * 2 * sr * sc * 4)
+        k2s = rows.new_key(fused + "w2_weight" + SCALE, ne * sc * sr * 4)
     for j, e in enumerate(experts):
         x = f"{m}experts.{e}."
         tg, tu, td = idx[x + "gate_proj.weight"], idx[x + "up_proj.weight"], idx[x + "down_proj.weight"]
