@@ -336,6 +336,7 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
     throw TransportError("peer " + uid + ": malformed address (doorbell does not match its NICs)");
   }
   std::string label = "peer " + uid.substr(0, 8) + " (";
+  peer->nic_paths = fabric_nics_;
   for (size_t i = 0; i < fabric_nics_; ++i) {
     peer->path_failed[i] = false;
     const int rn = static_cast<int>(i % addresses.size());

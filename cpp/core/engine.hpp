@@ -139,6 +139,10 @@ struct Peer {
   std::string uid;    // the remote engine's identity (hex)
   std::string label;  // printable, for error messages
   std::vector<uint64_t> paths;     // lane-level peer handle per lane (insert_peer)
+  // paths[0, nic_paths) go through our NICs; a cuda lane's comes after them. Its path_failed entry only
+  // says whether copy engines reach the peer (set at connect for a peer on another host or GPU-less),
+  // which is no NIC failure: what reports failed NIC paths reads the first nic_paths entries.
+  size_t nic_paths = 0;
   std::vector<int> remote_nic;     // remote NIC paired with local NIC i
   // Per lane: whether the path through it failed (writes move to the other NICs; a probe restores
   // it), and when it last completed a write (steady-clock ns): a stalled path is taken for failed only

@@ -120,6 +120,34 @@ def _host_diagnostics() -> str:
             f"torch {torch.__version__}")
 
 
+def test_peer_the_copy_engines_cannot_reach_has_no_failed_path() -> None:
+    """An engine with a cuda lane writing to a peer without one (a CPU-memory engine, or one on another
+    host) goes over its NICs: that is the peer's lane, not a failure. ``failed_paths`` lists NIC paths
+    only, all healthy, before and after writes (it once listed the cuda lane's "not reachable" as a
+    failed path, which the landing tests took for a failure on every GPU host: issue 15 case 10)."""
+    import numpy as np
+
+    gpu_engine = ws.TransferEngine()  # a cuda lane on this host's GPU, and its NICs
+    cpu_engine = ws.TransferEngine(transport="fabric")
+    try:
+        assert gpu_engine.transport == "fabric+cuda"
+        peer = gpu_engine.connect(cpu_engine.address)
+        assert peer.lane == "fabric"
+        nics = len(peer.failed_paths)
+        assert nics >= 1 and peer.failed_paths == [False] * nics
+        src = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8)
+        dst = np.full(4 << 20, 0xA5, dtype=np.uint8)
+        region, target = gpu_engine.register(src), cpu_engine.register(dst)
+        t = gpu_engine.write(region, 0, peer, target.descriptor, 0, src.nbytes, imm=7)
+        t.wait(30)
+        cpu_engine.counter(7).wait(t.imm_count, 30)
+        assert bytes(dst) == bytes(src)
+        assert peer.failed_paths == [False] * nics and peer.last_error == ""
+    finally:
+        gpu_engine.close()
+        cpu_engine.close()
+
+
 def test_copy_engine_writes_into_expandable_segments(ray_session) -> None:
     """A destination whose tensors come from PyTorch's expandable segments (CUDA virtual-memory mappings,
     which cuIpcGetMemHandle refuses): the cuda lane exports them as one file descriptor per physical

@@ -186,7 +186,7 @@ NB_MODULE(_core, m) {
       .def_ro("cuda", &ws::Peer::cuda)
       .def_prop_ro("failed_paths", [](ws::Peer& p) {
         std::vector<bool> out;
-        for (size_t i = 0; i < p.paths.size(); ++i) out.push_back(p.path_failed[i].load());
+        for (size_t i = 0; i < p.nic_paths; ++i) out.push_back(p.path_failed[i].load());
         return out;
       })
       .def_prop_ro("last_error", [](ws::Peer& p) {
