@@ -55,11 +55,12 @@ from weightsync.integrations.vllm import BACKEND
 from weightsync.integrations.vllm.layouts import (
     CheckpointTensor,
     Refresh,
+    Reprocess,
     VllmLayout,
-    derive_layout,
-    fp8_checkpoint,
+    landing_layout,
     post_load_conversions,
     post_load_refreshes,
+    reprocessable_layers,
 )
 from weightsync.integrations.vllm.verify import MASK64, add, box_checksum, to_signed
 from weightsync.runtime.describe import Sharded
@@ -123,6 +124,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         self.checkpoint: dict[str, CheckpointTensor] = {}
         self.last_verification: dict[str, Any] | None = None
         self.refreshes: list[Refresh] = []
+        self.reprocess: list[Reprocess] = []
+        self._torn: str | None = None  # why the live model is not a whole version, after a failed re-run
         self._version = -1
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -145,18 +148,34 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
 
     def derive(self, checkpoint: list[CheckpointTensor]) -> VllmLayout:
         """This worker's layout for the trainers' ``checkpoint``, read off the live model's loaders (an
-        FP8 block-quantized model's weights and scales as its FP8 checkpoint would land); refuses, naming
-        the parameters, a model whose kernels read a format vLLM made from them after loading."""
+        FP8 block-quantized model's weights and scales as its FP8 checkpoint would land).
+
+        Layers whose quantization method converts their weights into a kernel format after loading
+        (FP8 block quantization: ``process_weights_after_loading``) receive the bytes in a checkpoint-
+        format copy the backend keeps, and are re-processed into their live kernel tensors once a whole
+        version has landed (:class:`Reprocess`, as vLLM's in-place reload does); the processing is tried
+        once here, and a method that cannot be re-run on this platform is refused naming the parameter
+        and vLLM's error. Refuses, naming the parameters, a model whose kernels read a format vLLM made
+        from the weights after loading in a way the backend does not re-run."""
         from vllm.config import set_current_vllm_config
 
         quant = getattr(self.vllm_config, "quant_config", None)
         block = getattr(quant, "weight_block_size", None) if quant is not None else None
         with set_current_vllm_config(self.vllm_config):
-            if block:
-                checkpoint = fp8_checkpoint(self.model, checkpoint, tuple(int(x) for x in block))
-            layout = derive_layout(self.model, checkpoint)
-            converted = post_load_conversions(self.model)
-            self.refreshes = [r for r in post_load_refreshes(self.model, self.model_config.dtype)
+            layers = reprocessable_layers(self.model)
+            layout, reprocess, _ = landing_layout(self.model, checkpoint, block, layers)
+            # only layers that receive checkpoint bytes are re-processed (and keep a landing copy)
+            def lands(r: Reprocess) -> bool:
+                return any(f"{r.module}.{n}" in layout.pieces for n in r.landing)
+
+            for r in reprocess:
+                if not lands(r):
+                    for n in r.landing:
+                        layout.landing.pop(f"{r.module}.{n}", None)
+            reprocess = [r for r in reprocess if lands(r)]
+            rerun = [r.layer for r in reprocess]
+            converted = post_load_conversions(self.model, rerun)
+            self.refreshes = [r for r in post_load_refreshes(self.model, self.model_config.dtype, rerun)
                               if any(name in layout.pieces for name in r.inputs)]
         refused = [(name, converted[name]) for name in layout.pieces if name in converted]
         if refused:
@@ -166,6 +185,10 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
                 f"the weightsync backend cannot update this model in place: {shown}{more}. Its kernels "
                 "read a format vLLM made from the loaded weights, so checkpoint bytes written into these "
                 "parameters would not (or not wholly) change what it computes")
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            for r in reprocess:
+                r.check()
+        self.reprocess = reprocess
         return layout
 
     def _dst(self) -> Destination:
@@ -176,7 +199,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
 
     def start_weight_update(self) -> None:
         dst = self._dst()
-        self._version = dst.version
+        if self._torn is None:
+            self._version = dst.version
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         dst = self._dst()
@@ -193,25 +217,43 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
             self.last_verification = self.verify(update_info.checksums)
 
     def after_update(self) -> None:
-        """Re-runs what vLLM derived from the weights after loading (MLA's ``W_UK_T``/``W_UV``), so that
-        the kernels read the version that just landed; a no-op for most models."""
+        """Re-runs what vLLM does to the weights after loading, so that the kernels read the version
+        that just landed: the quantization methods' processing of the layers whose bytes land in
+        checkpoint-format copies (FP8 block quantization), then the derivations of the attention layers
+        (MLA's ``W_UK_T``/``W_UV``, from a re-processed ``kv_b_proj`` too); a no-op for most models.
+
+        Runs inside the update (between start and finish, generation paused by the caller as for any
+        in-place backend): until it runs the kernels still read the previous version whole. If it fails
+        part way, the model is marked torn and ``finish_weight_update`` raises until a later version is
+        re-processed whole."""
         from vllm.config import set_current_vllm_config
 
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            for refresh in self.refreshes:
-                refresh.run()
+        done = ""
+        try:
+            with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                for r in self.reprocess:
+                    done = r.module
+                    r.run()
+                for refresh in self.refreshes:
+                    done = refresh.module
+                    refresh.run()
+        except Exception as err:
+            self._torn = (f"re-processing {done!r} after version {self._version} failed: "
+                          f"{type(err).__name__}: {err}")
+            raise WeightSyncError(f"the model is not a whole version: {self._torn}") from err
+        self._torn = None
 
     def verify(self, checksums: Mapping[str, int]) -> dict[str, Any]:
         """Compares ``checksums`` (per checkpoint tensor, as the trainers hold it) with what this
         worker's parameters hold. Tensors this worker holds only in part (tensor parallelism) or in a
         narrower dtype than the checkpoint's (a lossy cast) are skipped; returns what was checked."""
         assert self.layout is not None
-        params = dict(self.model.named_parameters())
+        params = self.layout.data(self.model)
         sums: dict[str, int] = {}
         held: dict[str, int] = {}
         lossy: set[str] = set()
         for pname, pieces in self.layout.pieces.items():
-            data = params[pname].data
+            data = params[pname]
             for name, gshape, offsets, shape, at in pieces:
                 if name not in self.checkpoint:  # FP8 block scales: made by the senders, not theirs
                     continue
@@ -246,6 +288,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
 
     def finish_weight_update(self) -> None:
         dst = self._dst()
+        if self._torn is not None:
+            raise WeightSyncError(f"group {dst.group!r}: {self._torn}; the model is not a whole version")
         if dst.updating or dst.dirty:
             raise WeightSyncError(f"group {dst.group!r}: an update is still landing or was abandoned half "
                                   f"written (version {dst.version}); the model is not a whole version")

@@ -26,7 +26,8 @@ torch (and vLLM, through the model handed in) are imported lazily: ``import weig
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,27 +66,39 @@ class VllmLayout:
     ``pieces``: per parameter name (``model.named_parameters()``), its pieces. ``fills``: constants the
     loaders write into parameters. ``unused``: checkpoint tensors no parameter of this rank takes (tied
     ``lm_head``, buffers vLLM recomputes, experts of other expert-parallel ranks). ``unloaded``:
-    parameters that receive neither a piece nor a fill (they keep what they hold)."""
+    parameters that receive neither a piece nor a fill (they keep what they hold). ``landing``: for the
+    parameters of layers vLLM converts after loading and the backend re-processes (:class:`Reprocess`),
+    the checkpoint-format tensors the bytes land in instead of the live (kernel-format) parameter."""
 
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     fills: dict[str, list[Fill]] = field(default_factory=dict)
     unused: list[str] = field(default_factory=list)
     unloaded: list[str] = field(default_factory=list)
+    landing: dict[str, Any] = field(default_factory=dict)
 
-    def tensors(self, model: Any) -> dict[str, Placed]:
-        """``{parameter name: Placed}`` over ``model``'s live parameter tensors: the tensors of a
-        ``weightsync.Destination``. Parameter subclasses are described through their ``.data``."""
+    def data(self, model: Any) -> dict[str, Any]:
+        """``{parameter name: tensor}``: where each parameter of the layout receives its bytes (its
+        landing tensor, else the live parameter's ``.data``)."""
         params = dict(model.named_parameters())
-        missing = sorted(set(self.pieces) - set(params))
+        missing = sorted(set(self.pieces) - set(params) - set(self.landing))
         if missing:
             raise LayoutError(f"the layout names parameters the model does not have: {missing[:5]}")
-        return {name: Placed(params[name].data, pieces) for name, pieces in self.pieces.items()}
+        return {name: self.landing[name] if name in self.landing else params[name].data
+                for name in set(self.pieces) | set(self.fills)}
+
+    def tensors(self, model: Any) -> dict[str, Placed]:
+        """``{parameter name: Placed}`` over ``model``'s live parameter tensors (or their landing
+        tensors): the tensors of a ``weightsync.Destination``. Parameter subclasses are described
+        through their ``.data``."""
+        data = self.data(model)
+        return {name: Placed(data[name], pieces) for name, pieces in self.pieces.items()}
 
     def apply_fills(self, model: Any) -> None:
-        """Writes the loaders' constants (e.g. zero padding rows) into ``model``'s live parameters."""
-        params = dict(model.named_parameters())
+        """Writes the loaders' constants (e.g. zero padding rows) into ``model``'s live parameters (or
+        their landing tensors)."""
+        tensors = self.data(model)
         for name, fills in self.fills.items():
-            data = params[name].data
+            data = tensors[name]
             for f in fills:
                 data[tuple(slice(a, a + n) for a, n in zip(f.at, f.shape, strict=True))].fill_(f.value)
 
@@ -445,10 +458,11 @@ class Refresh:
     run: Any  # Callable[[], None]
 
 
-def _plain_mla(module: Any) -> bool:
+def _plain_mla(module: Any, rerun: Collection[Any] = ()) -> bool:
     """Whether ``module`` is vLLM's MLA attention on its plain path: after loading it only computes
     ``W_UK_T``/``W_UV`` from ``kv_b_proj``'s weight (what vLLM re-runs on a reload too), with neither a
-    backend that packs them (AMX, AITER's FP4/FP8 BMM) nor a quantized ``kv_b_proj``."""
+    backend that packs them (AMX, AITER's FP4/FP8 BMM) nor a quantized ``kv_b_proj``, unless that is an
+    FP8 ``kv_b_proj`` the backend re-processes (``rerun``) and MLA dequantizes by its scales."""
     if type(module).__name__ != "MLAAttention" or not hasattr(module, "kv_b_proj"):
         return False
     if any(getattr(module, flag, False) for flag in ("is_amx_bmm_enabled", "is_aiter_triton_fp4_bmm_enabled",
@@ -464,11 +478,17 @@ def _plain_mla(module: Any) -> bool:
     if impl is None or getattr(type(impl), "process_weights_after_loading", base) is not base:
         return False  # the backend converts weights of its own after loading
     kv_b = module.kv_b_proj
-    return type(getattr(kv_b, "quant_method", None)).__name__ == "UnquantizedLinearMethod" and \
+    method = getattr(kv_b, "quant_method", None)
+    if any(kv_b is m for m in rerun):
+        # get_and_maybe_dequant_weights dequantizes Fp8LinearMethod's weights by their scales, as
+        # loaded, except after Marlin's or DeepGEMM's conversions
+        return type(method).__name__ == "Fp8LinearMethod" and not getattr(method, "use_marlin", False) \
+            and not getattr(method, "use_deep_gemm", False)
+    return type(method).__name__ == "UnquantizedLinearMethod" and \
         not _holds_private_copy(getattr(kv_b, "cpu_linear", None))
 
 
-def post_load_refreshes(model: Any, act_dtype: Any) -> list[Refresh]:
+def post_load_refreshes(model: Any, act_dtype: Any, rerun: Collection[Any] = ()) -> list[Refresh]:
     """The derivations vLLM made after loading that can be re-run after an update (MLA's ``W_UK_T`` /
     ``W_UV`` from ``kv_b_proj.weight``, on its plain path): run them once the bytes of a version have
     landed. :func:`post_load_conversions` does not name their inputs."""
@@ -479,7 +499,7 @@ def post_load_refreshes(model: Any, act_dtype: Any) -> list[Refresh]:
         names.setdefault(id(p), name)  # the first name is the one named_parameters() gives
     out = []
     for mname, module in model.named_modules():
-        if _plain_mla(module):
+        if _plain_mla(module, rerun):
             weight = module.kv_b_proj.weight
             out.append(Refresh(mname, (names[id(weight)],),
                                partial(module.process_weights_after_loading, act_dtype)))
@@ -491,7 +511,7 @@ def _present(module: Any) -> list[str]:
     return [name for name, p in module._parameters.items() if p is not None]
 
 
-def post_load_conversions(model: Any) -> dict[str, str]:
+def post_load_conversions(model: Any, rerun: Collection[Any] = ()) -> dict[str, str]:
     """``{parameter name: why}`` for the parameters of ``model`` whose kernels do not read them as the
     loaders wrote them, because vLLM converted them after loading (``process_weights_after_loading``):
 
@@ -507,7 +527,9 @@ def post_load_conversions(model: Any) -> dict[str, str]:
 
     Writing checkpoint bytes into such a parameter would not change what the model computes, or worse:
     only parameters that appear here *and* receive checkpoint bytes matter (intersect with the layout's
-    pieces). Read-only; works on a model with or without its weights processed."""
+    pieces). The layers in ``rerun`` (the backend re-processes them after every update:
+    :func:`reprocessable_layers`) are not named for their quantization method's conversion. Read-only;
+    works on a model with or without its weights processed."""
     from torch import nn
 
     names: dict[int, str] = {}
@@ -528,8 +550,11 @@ def post_load_conversions(model: Any) -> dict[str, str]:
         def is_deferred_attention_layer(layer: Any) -> bool:
             return False
 
+    rerun_ids = {id(m) for m in rerun}
     for mname, module in model.named_modules():
         info = LAYERWISE_INFO.get(module) if isinstance(module, nn.Module) else None
+        if id(module) in rerun_ids:
+            info = None  # re-processed from its landing tensors: its kernel format may differ
         if info is not None:
             for pname, meta in info.restore_metadata[0].items():
                 live = module._parameters.get(pname)
@@ -546,7 +571,7 @@ def post_load_conversions(model: Any) -> dict[str, str]:
             flag(mname, "weight", "vLLM's CPU GEMM reads a copy of it prepacked after loading")
         method = getattr(module, "quant_method", None)
         kind = type(method).__name__
-        if method is not None and kind not in _KEEPS_CHECKPOINT_FORMAT:
+        if method is not None and kind not in _KEEPS_CHECKPOINT_FORMAT and id(module) not in rerun_ids:
             backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
             if kind == "UnquantizedFusedMoEMethod":
                 if backend not in _MOE_BACKENDS_IN_PLACE:
@@ -557,7 +582,7 @@ def post_load_conversions(model: Any) -> dict[str, str]:
                 for pname in _present(module):
                     flag(mname, pname, f"its quantization method {kind} converts it into a kernel "
                                        "format after loading (process_weights_after_loading)")
-        if is_deferred_attention_layer(module) and not _plain_mla(module):
+        if is_deferred_attention_layer(module) and not _plain_mla(module, rerun):
             for p in module.parameters():
                 pname = names.get(id(p))
                 if pname is not None:
@@ -566,5 +591,193 @@ def post_load_conversions(model: Any) -> dict[str, str]:
     return found
 
 
-__all__ = ["SCALE_SUFFIX", "CheckpointTensor", "Fill", "Piece", "Refresh", "VllmLayout", "checkpoint_of",
-           "derive_layout", "fp8_checkpoint", "post_load_conversions", "post_load_refreshes"]
+# --------------------------------------------------------------------------------------------------
+# Layers re-processed after every update (FP8 block quantization and other quantization methods)
+
+
+def _layerwise_info(module: Any) -> Any:
+    """vLLM's reload metadata of ``module`` (its parameters as created, before processing, as meta
+    tensors with their loaders), or None."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return None
+    info = LAYERWISE_INFO.get(module)
+    return info if info is not None and info.restore_metadata[0] else None
+
+
+def reprocessable_layers(model: Any) -> dict[str, Any]:
+    """``{module name: module}`` of the layers whose quantization method converts their weights into a
+    kernel format after loading (``process_weights_after_loading``: FP8 block-quantized linears and
+    experts, other quantized methods) and that vLLM's reload machinery can restore to the format its
+    loaders fill (vLLM recorded their parameters as created). The backend lands the trainers' bytes in a
+    checkpoint-format copy of such a layer and re-runs the method's processing after every update
+    (:class:`Reprocess`), as vLLM's own in-place reload does. Unquantized layers, unquantized fused
+    experts and attention layers are not among them."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    out = {}
+    for mname, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kind = type(method).__name__
+        if not isinstance(method, QuantizeMethodBase) or kind in _KEEPS_CHECKPOINT_FORMAT or \
+                kind == "UnquantizedFusedMoEMethod" or is_deferred_attention_layer(module):
+            continue
+        if _layerwise_info(module) is not None:
+            out[mname] = module
+    return out
+
+
+def _place(layer: Any, params: Mapping[str, Any], buffers: Mapping[str, Any],
+           non_persistent: Collection[str]) -> None:
+    """Makes ``params`` and ``buffers`` the layer's tensors (and only them; None entries, a layer's
+    absent bias, stay registered as None)."""
+    for name in list(layer._parameters) + list(layer._buffers):
+        delattr(layer, name)
+    for name, p in params.items():
+        layer.register_parameter(name, p)
+    for name, b in buffers.items():
+        layer.register_buffer(name, b, persistent=name not in non_persistent)
+
+
+@contextmanager
+def checkpoint_format(layers: Mapping[str, Any]) -> Iterator[dict[str, dict[str, Any]]]:
+    """Inside: each of ``layers`` holds fresh parameters in the format vLLM's loaders fill (its
+    parameters as created, materialized from vLLM's reload metadata, uninitialized), yielded as
+    ``{module name: {parameter name: tensor}}``; on exit the layer's own (kernel-format) tensors are
+    back, untouched. What the model computes is never changed."""
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+
+    saved = []
+    try:
+        made: dict[str, dict[str, Any]] = {}
+        for mname, layer in layers.items():
+            saved.append((layer, dict(layer._parameters), dict(layer._buffers),
+                          set(layer._non_persistent_buffers_set)))
+            info = _layerwise_info(layer)
+            restore_layer_on_meta(layer, info)
+            materialize_layer(layer, info)
+            made[mname] = {n: p for n, p in layer._parameters.items() if p is not None}
+        yield made
+    finally:
+        for layer, params, buffers, non_persistent in saved:
+            _place(layer, params, buffers, non_persistent)
+
+
+@dataclass
+class Reprocess:
+    """A layer whose quantization method converts its weights after loading, re-processed after every
+    update: the trainers' bytes land in ``landing`` (the layer's parameters in the format its loaders
+    fill, a copy the backend keeps: checkpoint FP8 values and scales), and :meth:`run` does what vLLM's
+    in-place reload does with loaded weights: the layer gets fresh checkpoint-format parameters holding
+    a copy of ``landing``, its quantization method's ``process_weights_after_loading`` makes the kernel
+    format of them, and that is copied into the layer's live tensors (same storage, so graphs and
+    registered addresses stay valid) before they are put back. ``landing`` is never changed by it."""
+
+    module: str
+    layer: Any
+    landing: dict[str, Any]  # parameter name in the layer -> checkpoint-format tensor
+
+    def _processed(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The layer's parameters and buffers as its method makes them from ``landing``; the layer
+        keeps them (the caller puts its own back)."""
+        import torch
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+
+        layer = self.layer
+        info = _layerwise_info(layer)
+        restore_layer_on_meta(layer, info)
+        materialize_layer(layer, info)
+        with torch.no_grad():
+            for name, t in self.landing.items():
+                getattr(layer, name).data.copy_(t)
+        if hasattr(layer, "_already_called_process_weights_after_loading"):
+            delattr(layer, "_already_called_process_weights_after_loading")
+        layer.quant_method.process_weights_after_loading(layer)
+        if hasattr(layer, "update_param_tp_status"):
+            layer.update_param_tp_status()
+        return ({n: p for n, p in layer._parameters.items() if p is not None},
+                {n: b for n, b in layer._buffers.items() if b is not None})
+
+    def _kernel_pairs(self, live: tuple[dict[str, Any], dict[str, Any]],
+                      made: tuple[dict[str, Any], dict[str, Any]]) -> list[tuple[Any, Any]]:
+        """(live tensor, processed tensor) for every live parameter and buffer; refuses, naming the
+        tensor, where the processing gives no tensor of the live one's shape and dtype."""
+        pairs = []
+        for kind, have, got in (("parameter", live[0], made[0]), ("buffer", live[1], made[1])):
+            for name, t in have.items():
+                new = got.get(name)
+                if new is None or tuple(new.shape) != tuple(t.shape) or new.dtype != t.dtype:
+                    what = "none" if new is None else f"{tuple(new.shape)} {new.dtype}"
+                    raise LayoutError(
+                        f"{kind} '{self.module}.{name}' {tuple(t.shape)} {t.dtype}: re-running "
+                        f"{type(self.layer.quant_method).__name__}.process_weights_after_loading gives "
+                        f"{what}, so the kernel tensor cannot be updated in place")
+                pairs.append((t, new))
+        return pairs
+
+    def _swap(self, write: bool) -> None:
+        import torch
+
+        layer = self.layer
+        live = (dict(layer._parameters), dict(layer._buffers))
+        non_persistent = set(layer._non_persistent_buffers_set)
+        try:
+            pairs = self._kernel_pairs(({n: p for n, p in live[0].items() if p is not None},
+                                        {n: b for n, b in live[1].items() if b is not None}),
+                                       self._processed())
+            if write:
+                with torch.no_grad():
+                    for t, new in pairs:
+                        t.data.copy_(new)
+        finally:
+            _place(layer, live[0], live[1], non_persistent)
+
+    def check(self) -> None:
+        """Runs the processing once on ``landing`` (at init, before anything is joined) without
+        writing the live tensors: refuses, naming the layer's parameter and vLLM's error, a method that
+        cannot be re-run on this platform or whose result the live tensors cannot take."""
+        try:
+            self._swap(write=False)
+        except LayoutError:
+            raise
+        except Exception as err:
+            pname = next(iter(self.landing), "weight")
+            raise LayoutError(
+                f"parameter '{self.module}.{pname}': vLLM converts it after loading "
+                f"({type(self.layer.quant_method).__name__}), and re-running that processing here fails: "
+                f"{type(err).__name__}: {err}") from err
+
+    def run(self) -> None:
+        """Re-processes the layer from ``landing`` into its live kernel tensors."""
+        self._swap(write=True)
+
+
+def landing_layout(model: Any, checkpoint: Sequence[CheckpointTensor], block: Sequence[int] | None,
+                   layers: Mapping[str, Any]) -> tuple[VllmLayout, list[Reprocess], list[CheckpointTensor]]:
+    """The layout of ``model`` for ``checkpoint`` (an FP8 checkpoint of it with ``block``) with the
+    parameters of ``layers`` (:func:`reprocessable_layers`) landing in checkpoint-format copies, the
+    :class:`Reprocess` of each such layer, and the checkpoint the layout was derived for."""
+    import torch
+
+    with checkpoint_format(layers) as made:
+        if block:
+            checkpoint = fp8_checkpoint(model, checkpoint, tuple(int(x) for x in block))
+        layout = derive_layout(model, checkpoint)
+    reprocess = []
+    for mname, tensors in made.items():
+        landing = {}
+        for pname, p in tensors.items():
+            data = p.data
+            with torch.no_grad():
+                data.zero_()  # defined bytes until the first version lands
+            landing[pname] = data
+            layout.landing[f"{mname}.{pname}" if mname else pname] = data
+        reprocess.append(Reprocess(mname, layers[mname], landing))
+    return layout, reprocess, list(checkpoint)
+
+
+__all__ = ["SCALE_SUFFIX", "CheckpointTensor", "Fill", "Piece", "Refresh", "Reprocess", "VllmLayout",
+           "checkpoint_format", "checkpoint_of", "derive_layout", "fp8_checkpoint", "landing_layout",
+           "post_load_conversions", "post_load_refreshes", "reprocessable_layers"]
