@@ -48,7 +48,7 @@ INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 
 # -- the codec alone ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n,k,w", [(1, 1, 4), (1000, 3, 2), (BLOCK * 2 + 5, 7000, 2), (70000, 1, 4),
-                                   (17, 17, 1), (BLOCK + 1, 1, 8), (BLOCK * 3, 0, 2)])
+                                   (17, 17, 1), (BLOCK + 1, 1, 8), (BLOCK * 3, 0, 2), (96, 96, 2)])
 def test_codec_round_trip(n: int, k: int, w: int) -> None:
     g = torch.Generator().manual_seed(n * 31 + k)
     local = torch.randperm(n, generator=g)[:k].sort().values
@@ -67,8 +67,8 @@ def test_codec_round_trip(n: int, k: int, w: int) -> None:
 
 @pytest.mark.parametrize("n", [64, 1000, 1024, 64 * 7 + 63])
 def test_bitmap_built_and_read_in_slices(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
-    # Slices of 128 words (a model's stream is sliced at 2**26): words changed at both ends of slices, a
-    # slice with none, and the last word; the bytes are those of the unsliced encoding.
+    # Read in slices of 128 words (a model's stream is read in slices of BITMAP_SLICE words): words changed
+    # at both ends of slices, a slice with none, and the last word; the bytes do not depend on the slice.
     import weightsync.runtime.delta as delta
 
     local = torch.tensor(sorted({0, 1, 127, 128, 129, 255, 640, n - 2, n - 1} & set(range(n))),
@@ -82,6 +82,26 @@ def test_bitmap_built_and_read_in_slices(monkeypatch: pytest.MonkeyPatch, n: int
     encode_into(sliced, ENC_BITMAP, local, vals, n)
     assert torch.equal(sliced, whole)
     got_local, got_vals = decode(sliced, ENC_BITMAP, n, int(local.numel()), 2)
+    assert torch.equal(got_local, local) and torch.equal(got_vals, vals)
+
+
+@pytest.mark.parametrize("enc", [ENC_IDX16, ENC_BITMAP])
+def test_encoding_built_a_few_positions_at_a_time(monkeypatch: pytest.MonkeyPatch, enc: int) -> None:
+    # The index section is built SCRATCH positions at a time (2**25 in a push): 3 at a time, across block
+    # and bitmap-word ends, gives the same bytes.
+    import weightsync.runtime.delta as delta
+
+    n = BLOCK * 2 + 100
+    local = torch.tensor([0, 1, 31, 32, 63, BLOCK - 1, BLOCK, BLOCK + 31, 2 * BLOCK + 99], dtype=torch.int64)
+    vals = torch.arange(1, local.numel() + 1, dtype=torch.int16)
+    size = sparse_sizes(n, int(local.numel()), 2)[enc]
+    whole = torch.full((size,), 0xAB, dtype=torch.uint8)
+    encode_into(whole, enc, local, vals, n)
+    monkeypatch.setattr(delta, "SCRATCH", 3)
+    pieces = torch.full((size,), 0xAB, dtype=torch.uint8)
+    encode_into(pieces, enc, local.to(torch.int32), vals, n)
+    assert torch.equal(pieces, whole)
+    got_local, got_vals = decode(pieces, enc, n, int(local.numel()), 2)
     assert torch.equal(got_local, local) and torch.equal(got_vals, vals)
 
 
@@ -335,6 +355,34 @@ def test_every_case_bitwise_on_inplace_and_staged_with_a_reader(team_factory) ->
     time.sleep(0.2)
     assert team.mixed == []
     assert team.reads[2], "the reader applied no version"
+
+
+def test_strided_source_rows_written_directly_and_compared_in_slices(team_factory, monkeypatch) -> None:
+    # As from a GPU source (its cuda lane copies strided rows in 2-D), the source-strided blocks (the TP
+    # destinations' column shards of ``down``) go as direct 2-D writes, not packed into staging: their
+    # changes are picked among the words of the rows they span. The compare runs in slices of 100 words,
+    # which cut tensors anywhere.
+    import dataclasses
+
+    import weightsync.runtime.delta as delta
+    from weightsync.runtime.source import Source
+
+    info = Source._engine_info
+    monkeypatch.setattr(Source, "_engine_info",
+                        lambda self: dataclasses.replace(info(self), pack_strided=False))
+    monkeypatch.setattr(delta, "COMPARE_SLICE", 100)
+    team = team_factory("delta-2d", ["tp0", "tp1", "replica"], ["inplace", "staged", "inplace"])
+    team.push()
+    team.check()
+    assert any(f["strided"].any() for s in team.srcs for ib in s._delta.inboxes.values()
+               for f in ib.flat.values()), "no source-strided direct write: the test misses its point"
+    for v, case in enumerate(CASES, start=1):
+        team.set(step(team.full, case, seed=300 + v))
+        stats = team.push()
+        team.check()
+        assert all(s.delta_destinations == [0, 1, 2] for s in stats), (case, stats)
+        if case == "none":
+            assert all(s.changed_fraction == 0.0 for s in stats)
 
 
 def test_small_inbox_sends_what_does_not_fit_as_planned(team_factory) -> None:

@@ -16,14 +16,14 @@ Who decides what
   where its *entries* lie in the payload area. The destination waits for one header per source, then
   for the sum of their data immediates, applies the sparse entries, flips the version and acks. An inbox
   destination always lands this way (dense versions too), so there is no mixed counting.
-* A source created with ``delta=True`` keeps a copy of what it last pushed (its *reference*, one copy of
-  its local tensors on their device, ``PushStats.delta_ref_bytes``) and the version it holds. Its push
-  compares every local tensor with the reference once (integer views: bitwise, so NaN, -0.0 and
-  denormals count as what they are), and for each destination that granted a ``held`` equal to the
-  reference's version sends, per planned direct write, only the changed elements, in the smallest of
-  two encodings (:func:`choose`), or the write itself where that is smaller (the break-even). Every other
-  destination (new, replaced, failed, behind, after a re-plan: the reference's version is reset then)
-  gets the dense push, header included.
+* A source created with ``delta=True`` keeps a copy of what it last pushed (its *reference*, one flat
+  tensor per word size holding its local tensors' words end to end, on their device,
+  ``PushStats.delta_ref_bytes``) and the version it holds. Its push compares every local tensor with the
+  reference once (integer views: bitwise, so NaN, -0.0 and denormals count as what they are), and for
+  each destination that granted a ``held`` equal to the reference's version sends, per planned direct
+  write, only the changed elements, in the smallest of two encodings (:func:`choose`), or the write
+  itself where that is smaller (the break-even). Every other destination (new, replaced, failed, behind,
+  after a re-plan: the reference's version is reset then) gets the dense push, header included.
 
 Entries and streams
 -------------------
@@ -32,24 +32,40 @@ source into it (key index in the destination's sorted keys, encoding, word size,
 rows, bytes per row, destination pitch, changed count, and for a sparse one its base in its stream), a
 table of :data:`STREAM_DTYPE` rows (one per word size), then the streams. A write is sparse
 (:data:`ENC_STREAM`) when its changes alone would encode smaller than the write; all sparse writes of one
-word size are laid end to end (by destination key: the destination scatters each key's changes with one
-op) and their changed words encoded as one stream, which costs a handful of torch ops per destination
-rather than per write. Dense entries carry no data: their bytes landed where the plan put them (a staged
-destination copies them into its other shadow). A stream of ``n`` words of which ``k`` changed, ``w``
-bytes a word, is encoded as the smaller of:
+word size are laid end to end (direct writes in the order of their words in the source's reference, then
+staged ones) and their changed words encoded as one stream. Dense entries carry no data: their bytes
+landed where the plan put them (a staged destination copies them into its other shadow). A stream of
+``n`` words of which ``k`` changed, ``w`` bytes a word, is encoded as the smaller of:
 
 * :data:`ENC_IDX16`: per 65536-word block an int32 count, then each changed word's index within its
   block as 16 bits, then the ``k`` values: ``4 ceil(n / 65536) + 2k + wk`` bytes;
-* :data:`ENC_BITMAP`: one bit per word, then the values: ``ceil(n / 8) + wk`` bytes (smaller from about
-  6% changed on);
+* :data:`ENC_BITMAP`: one bit per word (bit ``i % 8`` of byte ``i // 8``), then the values:
+  ``ceil(n / 8) + wk`` bytes (smaller from about 6% changed on);
 An entry is :data:`ENC_EMPTY` when nothing in it changed, :data:`ENC_DENSE` when it went as planned.
 
-Everything here is torch ops on the tensors' own device (CPU or GPU).
+How it runs
+-----------
+Everything here is torch ops on the tensors' own device (CPU or GPU), a few large ones per push rather
+than some per tensor or per write, and few host synchronizations (on a GPU each ``nonzero``, ``.cpu()``
+or plain host-to-device copy waits for the device; small tables go up pinned and non-blocking). The
+sender, per word size: one compare into a change mask per :data:`COMPARE_SLICE` words and one
+``nonzero`` over it (the changed words' positions in the reference, sorted, into one buffer); one
+``searchsorted`` of every tensor's and every compared direct write's bounds, and one copy of those
+counts to the host for all word sizes at once; one gather of the new values per tensor. Which writes go
+sparse is then decided on the host from the counts. A destination's stream is its writes' changed
+words, which for direct writes adjacent in the reference are one slice of those positions plus a
+constant: per such run of writes one copy of the values and the positions shifted into a scratch of
+:data:`SCRATCH` words, from which the index section is written (block counts by ``searchsorted``, the
+low 16 bits as a strided copy, or the bitmap by ``index_add_`` of bits into int32 words). After the
+writes the reference takes the changed values with one indexed copy per word size. The receiver decodes
+each stream once (``repeat_interleave`` of the block bases, the low bits copied in) and scatters each
+run of entries of one key and one placement with one indexed copy.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,8 +81,11 @@ ENCODINGS = {ENC_DENSE: "dense", ENC_EMPTY: "empty", ENC_IDX16: "idx16", ENC_BIT
              ENC_STREAM: "stream"}
 WORDS = (1, 2, 4, 8)
 BLOCK = 1 << 16  # words per ENC_IDX16 block (indices inside it fit 16 bits)
-BITMAP_SLICE = 1 << 26  # words a bitmap is built or read in at a time (a multiple of 64: whole bytes)
-_PACK = 0x0102040810204080  # times 8 little-endian 0/1 bytes: their bits in the top byte, first lowest
+BITMAP_SLICE = 1 << 28  # words a bitmap is read in at a time (a multiple of 64: whole bytes)
+# Words compared per nonzero: the change mask (one byte per word) is this big at most, and each slice
+# costs one host synchronization.
+COMPARE_SLICE = 1 << 29
+SCRATCH = 1 << 25  # stream positions encoded at a time (int64: 256 MiB at most)
 ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
 MAX_HEADERS = 1024  # header slots of an inbox: source ranks (weightsync.wire.MAX_SLOTS)
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
@@ -78,6 +97,9 @@ ENTRY_DTYPE = np.dtype([("key", "<i4"), ("enc", "<i4"), ("word", "<i8"), ("dst_o
 STREAM_DTYPE = np.dtype([("word", "<i8"), ("enc", "<i8"), ("n", "<i8"), ("k", "<i8"), ("data", "<i8"),
                          ("reserved", "<i8", (3,))])
 assert HEADER_RECORD.itemsize == 64 and ENTRY_DTYPE.itemsize == 64 and STREAM_DTYPE.itemsize == 64
+# The wire is little-endian, and so are the word views here: an int64's low 16 bits are its first int16,
+# a bitmap's bit i is bit i % 32 of int32 word i // 32.
+assert sys.byteorder == "little", "weightsync's delta codec needs a little-endian host"
 
 
 def streams_at(capacity: int) -> int:
@@ -116,6 +138,18 @@ def _narrow(idx: Any, n: int) -> Any:
     return idx.to(torch.int32) if n < 1 << 31 else idx
 
 
+def _to_device(a: np.ndarray, device: Any) -> Any:
+    """A small host table as a tensor on ``device`` without waiting for the device: a GPU copy from
+    pageable memory synchronizes the stream, one from pinned memory with ``non_blocking`` does not (torch's
+    host allocator keeps the pinned block until the copy is done)."""
+    import torch
+
+    t = torch.from_numpy(np.array(a))  # its own copy: the caller may change ``a``
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def write_word(w_max: int, *offsets: int) -> int:
     """The largest word size up to ``w_max`` (a power of two) dividing every offset, size and pitch of a
     write: its elements are compared and placed in words of that many bytes."""
@@ -150,39 +184,109 @@ def choose(n: int, k: int, w: int) -> tuple[int, int]:
     return enc, size
 
 
+def _choose_many(n: np.ndarray, k: np.ndarray, w: int) -> np.ndarray:
+    """:func:`choose` of many writes at once, as ENC_EMPTY, ENC_DENSE or ENC_STREAM (sparse)."""
+    n, k = n.astype(np.int64), k.astype(np.int64)
+
+    def up(x: np.ndarray) -> np.ndarray:
+        return -(-x // ALIGN) * ALIGN
+
+    sparse = np.minimum(up(4 * -(-n // BLOCK)) + up(2 * k), up(-(-n // 8))) + w * k
+    return np.where(k == 0, ENC_EMPTY, np.where(sparse >= n * w, ENC_DENSE, ENC_STREAM)).astype(np.int32)
+
+
+def _values_at(enc: int, n: int, k: int) -> int:
+    """Where the values start in an encoding of ``k`` changed words out of ``n``."""
+    if enc == ENC_IDX16:
+        return _align(4 * -(-n // BLOCK)) + _align(2 * k)
+    if enc == ENC_BITMAP:
+        return _align(-(-n // 8))
+    raise WeightSyncError(f"internal: no sparse encoding {enc}")
+
+
+class _IndexWriter:
+    """Writes the index section of encoding ``enc`` of ``k`` changed words out of ``n`` at the head of
+    ``out`` (uint8) from their positions (sorted, unique), given in pieces in order (:meth:`add`): a few
+    device ops per :data:`SCRATCH` positions and no host synchronization. ENC_IDX16: the low 16 bits of
+    each position (the first int16 of a little-endian int64) copied as they are, the per-block counts
+    from how many positions lie below each block's end (``searchsorted``); ENC_BITMAP: bits added into
+    int32 words (the bits of one word are distinct powers of two, so adding them is or-ing them; bit 31
+    as the int32 -2**31, two's complement sums wrap alike)."""
+
+    def __init__(self, out: Any, enc: int, n: int, k: int, device: Any) -> None:
+        import torch
+
+        self.out, self.enc, self.n = out, enc, n
+        self.done = 0  # positions written
+        self.fill = 0  # positions in the scratch
+        self.scratch = torch.empty(max(min(k, SCRATCH), 1), dtype=torch.int64, device=device)
+        if enc == ENC_IDX16:
+            self.nb = -(-n // BLOCK)
+            self.ends = torch.arange(1, self.nb + 1, device=device, dtype=torch.int64) * BLOCK
+            self.below = torch.zeros(self.nb, dtype=torch.int64, device=device)
+            o = _align(4 * self.nb)
+            self.low = out[o:o + 2 * k].view(torch.int16)
+        elif enc == ENC_BITMAP:
+            section = out[: _align(-(-n // 8))]
+            section.zero_()
+            self.bits = section.view(torch.int32)
+            self.one = torch.ones((), dtype=torch.int32, device=device)
+        else:
+            raise WeightSyncError(f"internal: no sparse encoding {enc}")
+
+    def add(self, positions: Any, shift: int) -> None:
+        """The next positions: ``positions + shift`` (any integer dtype)."""
+        import torch
+
+        a, m = 0, int(positions.numel())
+        while a < m:
+            c = min(m - a, int(self.scratch.numel()) - self.fill)
+            dst = self.scratch[self.fill:self.fill + c]
+            if positions.dtype == torch.int64:
+                torch.add(positions[a:a + c], shift, out=dst)
+            else:  # widened first: the sum may not fit the narrower type
+                dst.copy_(positions[a:a + c])
+                if shift:
+                    dst += shift
+            self.fill += c
+            a += c
+            if self.fill == self.scratch.numel():
+                self._flush()
+
+    def _flush(self) -> None:
+        import torch
+
+        if not self.fill:
+            return
+        pos = self.scratch[:self.fill]
+        if self.enc == ENC_IDX16:
+            self.low[self.done:self.done + self.fill].copy_(pos.view(torch.int16)[0::4])
+            self.below += torch.searchsorted(pos, self.ends)
+        else:
+            self.bits.index_add_(0, pos >> 5, torch.bitwise_left_shift(self.one, (pos & 31).to(torch.int32)))
+        self.done += self.fill
+        self.fill = 0
+
+    def close(self) -> None:
+        import torch
+
+        self._flush()
+        if self.enc == ENC_IDX16:
+            counts = self.out[: 4 * self.nb].view(torch.int32)
+            counts[:1].copy_(self.below[:1])
+            counts[1:].copy_(self.below[1:] - self.below[:-1])
+
+
 def encode_into(out: Any, enc: int, local: Any, values: Any, n: int) -> None:
-    """Writes the ``enc`` encoding of changed words ``local`` (sorted int64 indices into the write's ``n``
+    """Writes the ``enc`` encoding of changed words ``local`` (sorted indices into the write's ``n``
     words) with ``values`` (their new words) into ``out`` (uint8, exactly ``sparse_sizes(...)[enc]``
-    bytes)."""
-    import torch
+    bytes, starting at a multiple of 4 bytes)."""
 
     k, w = int(local.numel()), values.element_size()
-    if enc == ENC_IDX16:
-        nb = -(-n // BLOCK)
-        counts = torch.zeros(nb, dtype=torch.int64, device=local.device)  # (bincount would sync on a GPU)
-        counts.scatter_add_(0, local >> 16, torch.ones_like(local))
-        out[: 4 * nb].view(torch.int32).copy_(counts)
-        low = local & 0xFFFF
-        o = _align(4 * nb)
-        out[o:o + 2 * k].view(torch.int16).copy_(low - ((low >> 15) << 16))  # as signed 16 bits
-        o += _align(2 * k)
-    elif enc == ENC_BITMAP:
-        nbytes = -(-n // 8)
-        # Slice by slice of BITMAP_SLICE words: one flag byte per word and its int64 products for the whole
-        # stream would be about 3 n bytes of temporaries (gigabytes for a model's stream on a GPU).
-        starts = torch.arange(0, n, BITMAP_SLICE, device=local.device, dtype=local.dtype)
-        cut = [*torch.searchsorted(local, starts).tolist(), k]
-        for i, lo in enumerate(range(0, n, BITMAP_SLICE)):
-            m = min(BITMAP_SLICE, n - lo)
-            bits = torch.zeros(-(-m // 64) * 64, dtype=torch.uint8, device=local.device)
-            bits[local[cut[i]:cut[i + 1]] - lo] = 1
-            # 8 flags (one byte each) to one byte: byte i of the product's top byte is flag i (no carries)
-            packed = ((bits.view(torch.int64) * _PACK) >> 56) & 0xFF
-            mb = -(-m // 8)
-            out[lo // 8:lo // 8 + mb].copy_(packed.to(torch.uint8)[:mb])
-        o = _align(nbytes)
-    else:
-        raise WeightSyncError(f"internal: no sparse encoding {enc}")
+    writer = _IndexWriter(out, enc, n, k, local.device)
+    writer.add(local, 0)
+    writer.close()
+    o = _values_at(enc, n, k)
     out[o:o + w * k].view(values.dtype).copy_(values)
 
 
@@ -193,23 +297,24 @@ def decode(buf: Any, enc: int, n: int, k: int, w: int) -> tuple[Any, Any]:
 
     if enc == ENC_IDX16:
         nb = -(-n // BLOCK)
-        counts = buf[: 4 * nb].view(torch.int32).to(torch.int64)
+        counts = buf[: 4 * nb].view(torch.int32)
         o = _align(4 * nb)
-        low = buf[o:o + 2 * k].view(torch.int16).to(torch.int64) & 0xFFFF
-        blocks = torch.repeat_interleave(torch.arange(nb, device=buf.device), counts, output_size=k)
-        local = (blocks << 16) | low
-        o += _align(2 * k)
+        # each block's base once per changed word in it (low 16 bits zero), then the low bits copied in
+        bases = torch.arange(nb, device=buf.device, dtype=torch.int64) * BLOCK
+        local = torch.repeat_interleave(bases, counts, output_size=k)
+        local.view(torch.int16)[0::4].copy_(buf[o:o + 2 * k].view(torch.int16))
     elif enc == ENC_BITMAP:
         nbytes = -(-n // 8)
         shifts = torch.arange(8, dtype=torch.uint8, device=buf.device)
         parts = []
-        for lo in range(0, nbytes, BITMAP_SLICE // 8):  # bounded temporaries, as in encode_into
+        # Bounded temporaries (one byte per word of a slice); each nonzero is one host synchronization.
+        for lo in range(0, nbytes, BITMAP_SLICE // 8):
             bits = (buf[lo:min(lo + BITMAP_SLICE // 8, nbytes)].unsqueeze(1) >> shifts) & 1
             parts.append(torch.nonzero(bits.reshape(-1)).reshape(-1) + 8 * lo)
         local = parts[0] if len(parts) == 1 else torch.cat(parts)
-        o = _align(nbytes)
     else:
         raise WeightSyncError(f"internal: no sparse encoding {enc}")
+    o = _values_at(enc, n, k)
     return local, buf[o:o + w * k].view(word_dtype(w))
 
 
@@ -226,6 +331,34 @@ def placed(local: Any, base: int, row_words: int, pitch_words: int, rows: int) -
 _DIRECT_DTYPE = np.dtype([("round", "<i8"), ("pos", "<i8"), ("key", "<i4"), ("dkey", "<i4"), ("word", "<i8"),
                           ("src_off", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"), ("row_bytes", "<i8"),
                           ("src_pitch", "<i8"), ("dst_pitch", "<i8"), ("imms", "<i8")])
+# A compared direct write where its words lie in its word size's reference: its row in ``_Inbox.direct``,
+# its first word and the words from it to its last one (``span``; strided rows: the rows between count),
+# its own words ``n``, and for strided source rows their words and pitch in words.
+_FLAT_DTYPE = np.dtype([("row", "<i8"), ("start", "<i8"), ("span", "<i8"), ("n", "<i8"),
+                        ("row_words", "<i8"), ("pitch_words", "<i8"), ("strided", "?")])
+# What one push found in a compared direct write: its changed words are positions ``lo:hi`` of the
+# reference's changed positions (contiguous writes) or ``at:at + k`` of the strided writes' selection.
+_HIT_DTYPE = np.dtype([("lo", "<i8"), ("hi", "<i8"), ("k", "<i8"), ("at", "<i8")])
+
+
+@dataclass
+class _Space:
+    """The local tensors of one word size laid end to end, in words: the reference holds them so, and a
+    push compares them, finds and gathers their changes and updates the reference once per space."""
+
+    word: int
+    keys: list[str]
+    starts: np.ndarray  # first word of each key, then the total
+    ref: Any = None  # the reference: the keys' words as last pushed (one flat tensor)
+    query: Any = None  # on the device: the keys' starts and every inbox's compared direct writes' bounds
+    # this push: the changed words' positions (sorted int64) and new values, where each key's start in
+    # them, and the strided direct writes' changed words (indices into each write's own words, values)
+    idx: Any = None
+    vals: Any = None
+    cut: np.ndarray | None = None
+    strided_local: Any = None
+    strided_vals: Any = None
+    hint: int = 0  # the last push's count of changed words (how much room the next one's start with)
 
 
 @dataclass
@@ -241,6 +374,7 @@ class _Inbox:
     dkeys: Sequence[str]  # the destination keys this source's writes index (its descriptor table)
     # Direct writes (of the program's rounds), one row each: round, position in it, source key, geometry
     direct: np.ndarray = field(default_factory=lambda: np.zeros(0, _DIRECT_DTYPE))
+    flat: dict[int, np.ndarray] = field(default_factory=dict)  # word size -> its compared ones, by start
     fixed: np.ndarray = field(default_factory=lambda: np.zeros(0, ENTRY_DTYPE))  # the tail: as planned
     fixed_imms: int = 0
     capacity: int = 0  # entries at most per push (direct, staged, tail)
@@ -250,7 +384,7 @@ class _Inbox:
 
 @dataclass
 class _Piece:
-    """A sparse write's changes: entry ``row`` of ``work.rows[block]``; its changed words are
+    """A staged write's changes: entry ``row`` of ``work.rows[block]``; its changed words are
     ``idx + shift`` (sorted, into the write's own ``n`` words of ``word`` bytes) with values ``vals``."""
 
     block: int
@@ -280,9 +414,11 @@ class DeltaWork:
     wire_bytes: int = 0  # bytes this source sends it this version (sparse data, entries, dense writes)
     changed: int = 0  # changed words in the writes compared
     words: int = 0  # words in the writes compared
-    # being built: entry rows so far, the sparse pieces (per word size: words and changes so far), the
-    # immediates and bytes of the writes sent as planned
+    # being built: entry rows so far (block 0: the direct writes), the sparse direct writes per word size
+    # (their _FLAT_DTYPE and _HIT_DTYPE rows, by start), the sparse staged writes, per word size the words
+    # and changed words of its stream so far, the immediates and bytes of the writes sent as planned
     rows: list[np.ndarray] = field(default_factory=list)
+    direct: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     pieces: list[_Piece] = field(default_factory=list)
     streams: dict[int, list[int]] = field(default_factory=dict)  # word size -> [words, changed words]
     planned_imms: int = 0
@@ -294,10 +430,15 @@ def split_payload(total: int, sources: int) -> int:
     return total // max(sources, 1) // ALIGN * ALIGN
 
 
+def _streams_fit(ib: _Inbox, totals: Mapping[int, Sequence[int]]) -> bool:
+    size = data_at(ib.capacity) + sum(_align(stream_size(n, k, w)[1]) for w, (n, k) in totals.items())
+    return size <= ib.share
+
+
 class DeltaSender:
-    """A source's delta state: the reference (what it last pushed: per local key for direct writes, per
-    staging chunk for packed, cast and FP8 writes), its version, and per plan epoch the inboxes of its
-    destinations with their writes."""
+    """A source's delta state: the reference (what it last pushed: per word size for the local tensors,
+    which direct writes read, per staging chunk for packed, cast and FP8 writes), its version, and per
+    plan epoch the inboxes of its destinations with their writes."""
 
     def __init__(self, engine: Any, locals_: Mapping[str, Any], device: Any, rank: int,
                  enabled: bool) -> None:
@@ -306,7 +447,6 @@ class DeltaSender:
         self.device = device
         self.rank = rank
         self.enabled = enabled
-        self.refs: dict[str, Any] | None = None
         self.chunk_refs: dict[int, Any] = {}  # staging chunk -> its bytes as last pushed
         self.chunk_words = np.zeros(0, np.int64)
         self.ref_version = -1  # the version the reference holds (-1: none usable)
@@ -314,8 +454,25 @@ class DeltaSender:
         self.headers = np.zeros(MAX_HEADERS, HEADER_RECORD)  # header outbox, by destination rank
         self.header_region = engine.register(self.headers, name=f"source {rank} delta headers")
         self.words = {k: self._key_word(t) for k, t in locals_.items()}
-        self._changed: dict[str, tuple[Any, Any]] = {}  # this push: key -> (changed word indices, values)
-        self._chunk_changed: dict[int, tuple[Any, Any] | None] = {}  # chunk -> same (None: not compared)
+        self._key_index = {k: i for i, k in enumerate(locals_)}
+        # The reference's layout: per word size its keys end to end (in the order of the local tensors).
+        self._spaces: dict[int, _Space] = {}
+        self._start = np.full(len(locals_), -1, np.int64)  # key index -> its first word in its space
+        for w in WORDS:
+            keys = [k for k in locals_ if self.words[k] == w]
+            if not keys:
+                continue
+            sizes = np.array([int(locals_[k].numel()) for k in keys], np.int64)
+            starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            self._spaces[w] = _Space(w, keys, starts)
+            for k, a in zip(keys, starts[:-1].tolist(), strict=True):
+                self._start[self._key_index[k]] = a
+        self._views = {k: words(locals_[k], w) for w, sp in self._spaces.items() for k in sp.keys}
+        self._referenced = False  # whether the reference holds a push's values (from the first push on)
+        self._compared = False  # whether this push compared the tensors with it
+        self._hits: dict[int, dict[int, np.ndarray]] = {}  # this push: rank -> word size -> _HIT_DTYPE rows
+        self._chunk_changed: dict[int, tuple[Any, Any] | None] = {}  # chunk -> (changed word indices,
+        # values), None: not compared
         self._works: dict[int, DeltaWork] = {}
         self.base = -1  # this push's reference version
         self.encode_seconds = 0.0
@@ -329,7 +486,7 @@ class DeltaSender:
 
     @property
     def ref_bytes(self) -> int:
-        keys = 0 if self.refs is None else sum(int(r.numel()) * r.element_size() for r in self.refs.values())
+        keys = sum(int(sp.ref.numel()) * sp.word for sp in self._spaces.values() if sp.ref is not None)
         return keys + sum(int(r.numel()) for r in self.chunk_refs.values())
 
     def close_regions(self) -> None:
@@ -350,6 +507,8 @@ class DeltaSender:
 
         self.close_regions()
         self.chunk_refs = {}
+        for sp in self._spaces.values():
+            sp.query = None  # the writes' bounds change with the plan
         keys = part.keys
         # A staging chunk is compared in words of its smallest element (FP8 values: bytes).
         cw = np.full(len(part.chunks), 8, np.int64)
@@ -403,9 +562,10 @@ class DeltaSender:
                     if word != kw:
                         word = 0  # not aligned to the key's elements: always as planned
                     dkey = kidx[ib.dkeys[int(r.dst_index[i])]]
-                    rows_.append((ri, i, list(self.locals).index(key), dkey, word, so, do, nr, rb, sp, dp,
+                    rows_.append((ri, i, self._key_index[key], dkey, word, so, do, nr, rb, sp, dp,
                                   self.engine.imm_count(rb, True, nr)))
             ib.direct = np.array(rows_, _DIRECT_DTYPE) if rows_ else np.zeros(0, _DIRECT_DTYPE)
+            ib.flat = self._flat(ib.direct)
             ib.capacity = len(ib.direct) + int((staged["dst_rank"] == d.target.slot).sum()) + len(ib.fixed)
             need = data_at(ib.capacity)  # the entries and the stream table
             if need > share:
@@ -417,32 +577,180 @@ class DeltaSender:
             ib.region = self.engine.register(ib.send, name=f"source {self.rank} delta payload to {rank}")
             self.inboxes[rank] = ib
 
+    def _flat(self, d: np.ndarray) -> dict[int, np.ndarray]:
+        """Per word size, the compared direct writes of ``d`` where they lie in the reference, by start."""
+        out: dict[int, np.ndarray] = {}
+        for w in self._spaces:
+            rows = np.flatnonzero(d["word"] == w)
+            if not len(rows):
+                continue
+            e = d[rows]
+            f = np.zeros(len(rows), _FLAT_DTYPE)
+            f["row"] = rows
+            f["start"] = self._start[e["key"]] + e["src_off"] // w
+            f["strided"] = (e["rows"] > 1) & (e["src_pitch"] != e["row_bytes"])
+            f["span"] = np.where(f["strided"], (e["rows"] - 1) * e["src_pitch"] + e["row_bytes"],
+                                 e["rows"] * e["row_bytes"]) // w
+            f["n"] = e["rows"] * e["row_bytes"] // w
+            f["row_words"] = e["row_bytes"] // w
+            f["pitch_words"] = e["src_pitch"] // w
+            out[w] = f[np.argsort(f["start"], kind="stable")]
+        return out
+
     # -- one push ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """At the push's start: compares every local tensor with the reference (changed word indices and
-        their values are kept for this push), or takes the first reference."""
+        """At the push's start: compares every local tensor with the reference (the changed words'
+        positions and values are kept for this push, and where they fall in every inbox's direct
+        writes), or takes the first reference."""
         import torch
 
         t0 = time.perf_counter()
-        self._changed, self._chunk_changed, self._works = {}, {}, {}
+        self._chunk_changed, self._works, self._hits = {}, {}, {}
+        self._compared = False
         self.base = self.ref_version
         self.ref_version = -1  # until this push has succeeded (its values replace the reference's)
         self.encode_seconds = 0.0
         if not self.enabled:
             return
-        if self.refs is None:
-            self.refs = {k: t.detach().clone() for k, t in self.locals.items() if self.words[k]}
+        if not self._referenced:
+            for w, sp in self._spaces.items():
+                sp.ref = torch.empty(int(sp.starts[-1]), dtype=word_dtype(w), device=self.device)
+            self._referenced = True
             self.base = -1
-        elif self.base >= 0:
-            for key, ref in self.refs.items():
-                w = self.words[key]
-                cur, old = words(self.locals[key], w), words(ref, w)
-                idx = _narrow(torch.nonzero(cur != old).reshape(-1), cur.numel())
-                self._changed[key] = (idx, cur[idx])
+        if self.base >= 0:
+            self._compare()
         else:  # the reference is not of a version anyone holds: it becomes this push's values
-            for key, ref in self.refs.items():
-                ref.copy_(self.locals[key].detach())
+            for sp in self._spaces.values():
+                for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(), strict=True):
+                    sp.ref[a:b].copy_(self._views[key])
         self.encode_seconds = time.perf_counter() - t0
+
+    def _compare(self) -> None:
+        """Every space compared with its reference: the changed positions (one nonzero per slice of
+        COMPARE_SLICE words), then where each key's and each inbox write's changes start among them (one
+        searchsorted per space, one copy to the host for all), the new values (one gather per key) and
+        the strided writes' own changes."""
+        import torch
+
+        cuts = []
+        for sp in self._spaces.values():
+            sp.idx = self._changed_words(sp)
+            if sp.query is None:
+                sp.query = _to_device(self._query(sp), self.device)
+            cuts.append(torch.searchsorted(sp.idx, sp.query))
+        host = torch.cat(cuts).cpu().numpy() if cuts else np.zeros(0, np.int64)
+        at = 0
+        for w, sp in self._spaces.items():
+            q = host[at:at + int(sp.query.numel())]
+            at += int(sp.query.numel())
+            nk = len(sp.keys)
+            sp.cut = q[:nk + 1]
+            sp.vals = torch.empty(int(sp.cut[-1]), dtype=word_dtype(w), device=self.device)
+            for j, key in enumerate(sp.keys):
+                c0, c1, a = int(sp.cut[j]), int(sp.cut[j + 1]), int(sp.starts[j])
+                if c0 < c1:
+                    torch.index_select(self._views[key], 0, sp.idx[c0:c1] - a if a else sp.idx[c0:c1],
+                                       out=sp.vals[c0:c1])
+            pos = nk + 1
+            strided: list[tuple[int, np.ndarray]] = []
+            for rank, ib in self.inboxes.items():
+                f = ib.flat.get(w)
+                if f is None:
+                    continue
+                b = q[pos:pos + 2 * len(f)]
+                pos += 2 * len(f)
+                hits = np.zeros(len(f), _HIT_DTYPE)
+                hits["lo"], hits["hi"] = b[0::2], b[1::2]
+                hits["k"] = hits["hi"] - hits["lo"]
+                self._hits.setdefault(rank, {})[w] = hits
+                if f["strided"].any():
+                    strided.append((rank, np.flatnonzero(f["strided"])))
+            self._select_strided(sp, strided)
+        self._compared = True
+
+    def _changed_words(self, sp: _Space) -> Any:
+        """The sorted positions (int64) of the words of ``sp`` that differ from its reference."""
+        import torch
+
+        total = int(sp.starts[-1])
+        size = max(min(COMPARE_SLICE, total), 1)
+        mask = torch.empty(size, dtype=torch.bool, device=self.device)
+        # The positions go into one buffer as each slice's are found (a concatenation at the end would
+        # hold them twice), sized by the last push's count and grown by the density seen so far.
+        out = torch.empty(min(max(sp.hint, 1024), total), dtype=torch.int64, device=self.device)
+        k = 0
+        for lo in range(0, total, size):
+            hi = min(lo + size, total)
+            first = int(np.searchsorted(sp.starts, lo, side="right")) - 1
+            last = int(np.searchsorted(sp.starts, hi, side="left"))
+            for j in range(first, last):
+                a, b = max(int(sp.starts[j]), lo), min(int(sp.starts[j + 1]), hi)
+                if a < b:
+                    s = int(sp.starts[j])
+                    torch.ne(self._views[sp.keys[j]][a - s:b - s], sp.ref[a:b], out=mask[a - lo:b - lo])
+            nz = torch.nonzero(mask[:hi - lo]).reshape(-1)  # a host synchronization (its size)
+            m = int(nz.numel())
+            if k + m > out.numel():
+                grown = torch.empty(min(total, (k + m) * total // hi + 1024), dtype=torch.int64,
+                                    device=self.device)
+                grown[:k].copy_(out[:k])
+                out = grown
+            torch.add(nz, lo, out=out[k:k + m])
+            k += m
+        sp.hint = k + k // 8
+        return out[:k]
+
+    def _query(self, sp: _Space) -> np.ndarray:
+        """The positions whose place among the changed ones a push looks up: the keys' starts and the
+        total, then per inbox (in order) each compared direct write's first word and the word after its
+        last."""
+        parts = [sp.starts]
+        for ib in self.inboxes.values():
+            f = ib.flat.get(sp.word)
+            if f is not None:
+                parts.append(np.stack([f["start"], f["start"] + f["span"]], 1).reshape(-1))
+        return np.concatenate(parts).astype(np.int64)
+
+    def _select_strided(self, sp: _Space, strided: list[tuple[int, np.ndarray]]) -> None:
+        """The changes of the strided direct writes (source rows with words between them that are not
+        theirs) among the changed words in their span, as indices into their own words, for all inboxes
+        at once: two host synchronizations when any such write has changes in its span."""
+        import torch
+
+        sp.strided_local = sp.strided_vals = None
+        if not strided:
+            return
+        tables = []
+        for rank, rows in strided:
+            f, h = self.inboxes[rank].flat[sp.word][rows], self._hits[rank][sp.word][rows]
+            tables.append(np.stack([h["lo"], h["hi"] - h["lo"], f["start"], f["row_words"],
+                                    f["pitch_words"]]))
+        t = np.concatenate(tables, 1)
+        spans = t[1]
+        total = int(spans.sum())
+        seg = np.concatenate([[0], np.cumsum(spans)]).astype(np.int64)
+        if total:
+            dev = _to_device(np.concatenate([t[0] - seg[:-1], t[2], t[3], t[4], spans]).reshape(5, -1),
+                             self.device)
+            n = t.shape[1]
+            jid = torch.repeat_interleave(torch.arange(n, device=self.device), dev[4], output_size=total)
+            g = torch.arange(total, device=self.device) + dev[0][jid]  # positions in sp.idx
+            sub = sp.idx[g] - dev[1][jid]  # words from the write's first
+            m, pitch = dev[2][jid], dev[3][jid]
+            r = torch.div(sub, pitch, rounding_mode="floor")
+            c = sub - r * pitch
+            sel = torch.nonzero(c < m).reshape(-1)  # a host synchronization
+            first = torch.searchsorted(sel, _to_device(seg, self.device)).cpu().numpy()  # and another
+            sp.strided_local = (r * m + c)[sel]
+            sp.strided_vals = sp.vals[g[sel]]
+        else:
+            first = np.zeros(len(seg), np.int64)
+        i = 0
+        for rank, rows in strided:
+            h = self._hits[rank][sp.word]
+            h["at"][rows] = first[i:i + len(rows)]
+            h["k"][rows] = first[i + 1:i + len(rows) + 1] - first[i:i + len(rows)]
+            i += len(rows)
 
     def chunk(self, c: int, view: Any) -> None:
         """Staging chunk ``c`` is prepared in ``view`` (first time this push: compared with its reference,
@@ -467,21 +775,26 @@ class DeltaSender:
         self.encode_seconds += time.perf_counter() - t0
 
     def begin(self, rank: int, base: int, dense_bytes: int) -> DeltaWork:
-        """Encodes this push's direct writes for inbox destination ``rank``, which can take a delta on
-        version ``base`` (-1: none), into its send buffer; staged writes follow (``staged``)."""
+        """Decides, from the counts the comparison found, which of this push's direct writes into inbox
+        destination ``rank`` (which can take a delta on version ``base``; -1: none) go sparse and which
+        as planned; staged writes follow (``staged``), the payload is encoded at ``finalize``. No device
+        work."""
         t0 = time.perf_counter()
         ib = self.inboxes[rank]
         d = ib.direct
-        delta = self.enabled and base >= 0 and base == self.base
+        delta = self.enabled and base >= 0 and base == self.base and self._compared
         work = DeltaWork(rank, delta, None, dense_bytes)
         enc = np.full(len(d), ENC_DENSE, np.int32)
         counts = np.zeros(len(d), np.int64)
         if delta:
-            for i, (idx, vals, shift, k) in self._select(d, list(self.locals)).items():
-                n = int(d["rows"][i]) * int(d["row_bytes"][i]) // int(d["word"][i])
-                w = int(d["word"][i])
-                piece = _Piece(len(work.rows), i, w, int(d["dkey"][i]), idx, vals, shift, k, n)
-                enc[i], counts[i] = self._take(ib, work, piece), k
+            hits = self._hits.get(rank, {})
+            for w, f in ib.flat.items():
+                k = hits[w]["k"]
+                enc[f["row"]] = _choose_many(f["n"], k, w)
+                counts[f["row"]] = k
+                work.changed += int(k.sum())
+                work.words += int(f["n"].sum())
+            self._fit(ib, work, enc)
         rows = np.zeros(len(d), ENTRY_DTYPE)
         rows["key"] = d["dkey"]
         rows["enc"] = enc
@@ -496,6 +809,9 @@ class DeltaSender:
         work.planned_imms += int(d["imms"][dense].sum())
         work.planned_bytes += int((d["rows"] * d["row_bytes"])[dense].sum())
         if delta:
+            for w, f in ib.flat.items():
+                sparse = enc[f["row"]] == ENC_STREAM
+                work.direct[w] = (f[sparse], self._hits[rank][w][sparse])
             work.keep = {}
             for ri in np.unique(d["round"]).tolist():
                 m = d["round"] == ri
@@ -506,9 +822,32 @@ class DeltaSender:
         self.encode_seconds += time.perf_counter() - t0
         return work
 
+    def _fit(self, ib: _Inbox, work: DeltaWork, enc: np.ndarray) -> None:
+        """The streams' totals of the sparse direct writes (``enc``), within this source's share of the
+        inbox: where all of them do not fit, writes go as planned instead from the first that does not."""
+        totals: dict[int, list[int]] = {}
+        hits = self._hits.get(ib.rank, {})
+        for w, f in ib.flat.items():
+            sparse = enc[f["row"]] == ENC_STREAM
+            if sparse.any():
+                totals[w] = [int(f["n"][sparse].sum()), int(hits[w]["k"][sparse].sum())]
+        if not _streams_fit(ib, totals):
+            totals = {}
+            for w, f in ib.flat.items():
+                for i in np.flatnonzero(enc[f["row"]] == ENC_STREAM).tolist():
+                    t = {x: list(v) for x, v in totals.items()}
+                    nk = t.setdefault(w, [0, 0])
+                    nk[0] += int(f["n"][i])
+                    nk[1] += int(hits[w]["k"][i])
+                    if _streams_fit(ib, t):
+                        totals = t
+                    else:
+                        enc[f["row"][i]] = ENC_DENSE
+        work.streams = totals
+
     def _take(self, ib: _Inbox, work: DeltaWork, piece: _Piece) -> int:
-        """Whether a write's changes travel in its word size's stream (ENC_STREAM; ENC_EMPTY: none
-        changed) or the write goes as planned (ENC_DENSE: its changes would not be smaller, or the
+        """Whether a staged write's changes travel in its word size's stream (ENC_STREAM; ENC_EMPTY:
+        none changed) or the write goes as planned (ENC_DENSE: its changes would not be smaller, or the
         streams would no longer fit this source's share of the inbox)."""
         n, k, w = piece.n, piece.k, piece.word
         work.changed += k
@@ -520,8 +859,7 @@ class DeltaSender:
         t = totals.setdefault(w, [0, 0])
         t[0] += n
         t[1] += k
-        size = data_at(ib.capacity) + sum(_align(stream_size(nn, kk, x)[1]) for x, (nn, kk) in totals.items())
-        if size > ib.share:
+        if not _streams_fit(ib, totals):
             return ENC_DENSE
         work.streams = totals
         work.pieces.append(piece)
@@ -550,9 +888,9 @@ class DeltaSender:
             cw = int(self.chunk_words[c])
             so, nb, do = src_off.astype(np.int64), nbytes.astype(np.int64), dst_off.astype(np.int64)
             ok = (so % cw == 0) & (nb % cw == 0) & (do % cw == 0)
-            bounds = torch.tensor(np.stack([so // cw, (so + nb) // cw], 1).reshape(-1), device=idx.device,
-                                  dtype=idx.dtype)
-            cut = torch.searchsorted(idx, bounds).tolist()
+            bounds = _to_device(np.stack([so // cw, (so + nb) // cw], 1).reshape(-1).astype(
+                np.int32 if idx.dtype == torch.int32 else np.int64), self.device)
+            cut = torch.searchsorted(idx, bounds).tolist()  # one host synchronization per chunk
             for i in np.flatnonzero(ok).tolist():
                 lo, hi = cut[2 * i], cut[2 * i + 1]
                 piece = _Piece(len(work.rows), i, cw, int(keys[i]), idx[lo:hi], vals[lo:hi],
@@ -575,8 +913,10 @@ class DeltaSender:
         return keep
 
     def finalize(self, rank: int) -> DeltaWork:
-        """The payload of ``rank`` complete: its entries (the tail's last) written at the head of the
-        send buffer; returns the work with its final figures."""
+        """The payload of ``rank`` complete: per word size its stream (the sparse direct writes in the
+        order of their words in the reference, then the staged ones) encoded into the send buffer, the
+        entries (the tail's last) and the stream table at its head; returns the work with its final
+        figures."""
         import torch
 
         t0 = time.perf_counter()
@@ -585,33 +925,40 @@ class DeltaSender:
         streams = np.zeros(len(WORDS), STREAM_DTYPE)
         streams["word"] = WORDS
         at = data_at(ib.capacity)
-        # Per word size, the sparse writes' changes laid end to end, by destination key (the destination
-        # then scatters each key's changes at once), each write at its base in the stream.
         for j, w in enumerate(WORDS):
-            pieces = sorted((p for p in work.pieces if p.word == w), key=lambda p: (p.key, p.block, p.row))
-            if not pieces:
+            f, h = work.direct.get(w, (np.zeros(0, _FLAT_DTYPE), np.zeros(0, _HIT_DTYPE)))
+            pieces = [p for p in work.pieces if p.word == w]
+            if not len(f) and not pieces:
                 continue
-            n, k = work.streams[w]
-            base, shifts = 0, []
-            for p in pieces:
-                work.rows[p.block][p.row]["data"] = base
-                shifts.append(p.shift + base)
-                base += p.n
-            dev = pieces[0].idx.device
-            counts = torch.tensor([p.k for p in pieces], device=dev)
-            local = torch.repeat_interleave(torch.tensor(shifts, device=dev), counts, output_size=k)
-            local += torch.cat([p.idx for p in pieces])
+            ns = np.concatenate([f["n"], np.array([p.n for p in pieces], np.int64)])
+            ks = np.concatenate([h["k"], np.array([p.k for p in pieces], np.int64)])
+            bases = np.cumsum(ns) - ns
+            n, k = int(ns.sum()), int(ks.sum())
+            work.rows[0]["data"][f["row"]] = bases[:len(f)]
+            for p, b in zip(pieces, bases[len(f):].tolist(), strict=True):
+                work.rows[p.block][p.row]["data"] = b
             enc, size = stream_size(n, k, w)
-            encode_into(ib.send[at:at + size], enc, local, torch.cat([p.vals for p in pieces]), n)
+            out = ib.send[at:at + size]
+            o = _values_at(enc, n, k)
+            values = out[o:o + w * k].view(word_dtype(w))
+            index = _IndexWriter(out, enc, n, k, self.device)  # the changed words' positions in the stream
+            o = 0
+            if len(f):
+                o = self._direct_changes(self._spaces[w], f, h, bases[:len(f)], index, values)
+            for p, b in zip(pieces, bases[len(f):].tolist(), strict=True):
+                index.add(p.idx, p.shift + b)
+                values[o:o + p.k].copy_(p.vals)
+                o += p.k
+            index.close()
             streams[j] = (w, enc, n, k, at, (0, 0, 0))
             at += _align(size)
         s0 = streams_at(ib.capacity)
-        ib.send[s0:s0 + streams.nbytes].copy_(torch.from_numpy(streams.view(np.uint8)))
+        ib.send[s0:s0 + streams.nbytes].copy_(_to_device(streams.view(np.uint8), self.device))
         entries = np.concatenate([*work.rows, ib.fixed])
         if len(entries) > ib.capacity:
             raise WeightSyncError(f"internal: {len(entries)} delta entries for destination {rank}, room for "
                                   f"{ib.capacity}")
-        ib.send[: len(entries) * ENTRY_DTYPE.itemsize].copy_(torch.from_numpy(entries.view(np.uint8)))
+        ib.send[: len(entries) * ENTRY_DTYPE.itemsize].copy_(_to_device(entries.view(np.uint8), self.device))
         work.entries = len(entries)
         work.payload_bytes = at
         work.imms = work.planned_imms + ib.fixed_imms + self.engine.imm_count(at)
@@ -621,41 +968,33 @@ class DeltaSender:
         self.encode_seconds += time.perf_counter() - t0
         return work
 
-    def _select(self, d: np.ndarray, keys: list[str]) -> dict[int, tuple[Any, Any, int, int]]:
-        """Per direct write of ``d`` that is compared: its changed words out of its key's (``idx + shift``
-        are their indices into its own words, in order), their values, and how many."""
-        import torch
-
-        out: dict[int, tuple[Any, Any, int, int]] = {}
-        for ki in np.unique(d["key"]).tolist():
-            key = keys[ki]
-            if key not in self._changed:
+    @staticmethod
+    def _direct_changes(sp: _Space, f: np.ndarray, h: np.ndarray, bases: np.ndarray, index: _IndexWriter,
+                        values: Any) -> int:
+        """The sparse direct writes' changes (``f``, ``h``: by start) first in the stream: their positions
+        (the write's base plus the word's index in it) to ``index``, their values at the head of
+        ``values``. Writes that follow each other in the reference form one run whose positions are one
+        slice of the reference's changed positions plus a constant: one add and one copy per run. Returns
+        how many."""
+        o = 0
+        i, m = 0, len(f)
+        while i < m:
+            if f["strided"][i]:
+                a, k = int(h["at"][i]), int(h["k"][i])
+                index.add(sp.strided_local[a:a + k], int(bases[i]))
+                values[o:o + k].copy_(sp.strided_vals[a:a + k])
+                o += k
+                i += 1
                 continue
-            idx, vals = self._changed[key]
-            rows = np.flatnonzero((d["key"] == ki) & (d["word"] > 0))
-            if not len(rows):
-                continue
-            w = d["word"][rows]
-            start = d["src_off"][rows] // w
-            span = ((d["rows"][rows] - 1) * d["src_pitch"][rows] + d["row_bytes"][rows]) // w
-            bounds = torch.tensor(np.stack([start, start + span], 1).reshape(-1), device=idx.device,
-                                  dtype=idx.dtype)
-            cut = torch.searchsorted(idx, bounds).tolist()
-            for j, i in enumerate(rows.tolist()):
-                lo, hi = cut[2 * j], cut[2 * j + 1]
-                nr = int(d["rows"][i])
-                m = int(d["row_bytes"][i]) // int(w[j])
-                p = int(d["src_pitch"][i]) // int(w[j])
-                if nr > 1 and p != m:  # strided rows: the words between them are not this write's
-                    sub = idx[lo:hi] - int(start[j])
-                    r = sub // p
-                    c = sub - r * p
-                    inside = c < m
-                    sub, v = (r * m + c)[inside], vals[lo:hi][inside]
-                    out[i] = (sub, v, 0, int(sub.numel()))
-                else:
-                    out[i] = (idx[lo:hi], vals[lo:hi], -int(start[j]), hi - lo)
-        return out
+            j = i + 1
+            while j < m and not f["strided"][j] and f["start"][j] == f["start"][j - 1] + f["n"][j - 1]:
+                j += 1
+            lo, hi = int(h["lo"][i]), int(h["hi"][j - 1])
+            index.add(sp.idx[lo:hi], int(bases[i]) - int(f["start"][i]))
+            values[o:o + hi - lo].copy_(sp.vals[lo:hi])
+            o += hi - lo
+            i = j
+        return o
 
     def header(self, rank: int, epoch: int, version: int, work: DeltaWork) -> None:
         ib = self.inboxes[rank]
@@ -663,32 +1002,26 @@ class DeltaSender:
                               work.changed, ib.capacity)
 
     def finish(self, version: int, ok: bool) -> None:
-        """After the push: the changed values become the reference; usable from the next push on if this
-        one succeeded."""
+        """After the push: the changed values become the reference (one indexed copy per word size);
+        usable from the next push on if this one succeeded."""
         t0 = time.perf_counter()
-        if self.refs is not None:
-            for key, (idx, vals) in self._changed.items():
-                words(self.refs[key], self.words[key])[idx] = vals
+        for sp in self._spaces.values():
+            if self._compared and sp.idx is not None:
+                sp.ref[sp.idx] = sp.vals
+            sp.idx = sp.vals = sp.strided_local = sp.strided_vals = None
         for c, changed in self._chunk_changed.items():
             if changed is not None:
                 words(self.chunk_refs[c], int(self.chunk_words[c]))[changed[0]] = changed[1]
-        self._changed, self._chunk_changed = {}, {}
+        self._chunk_changed, self._hits, self._compared = {}, {}, False
         if self.device.type == "cuda":
             import torch
 
             torch.cuda.current_stream(self.device).synchronize()
-        self.ref_version = version if ok and self.enabled and self.refs is not None else -1
+        self.ref_version = version if ok and self.enabled and self._referenced else -1
         self.encode_seconds += time.perf_counter() - t0
 
 
 # -- the destination's side ------------------------------------------------------------------------------
-def _per_word(col: np.ndarray, counts: Any, total: int) -> Any:
-    """A per-entry column repeated for each of the entry's ``counts`` changed words (on their device)."""
-    import torch
-
-    return torch.repeat_interleave(torch.tensor(col, device=counts.device), counts, output_size=total)
-
-
 class DeltaReceiver:
     """A destination's delta inbox and what its shadows hold."""
 
@@ -726,20 +1059,28 @@ class DeltaReceiver:
         self._entries = []
 
     def read_headers(self, sources: Sequence[int], epoch: int, version: int) -> int:
-        """The data immediates the version's headers announce (all of them arrived)."""
+        """The data immediates the version's headers announce (all of them arrived); the entries and
+        streams of every source come to the host in one copy."""
+        import torch
+
         total = 0
         self._entries = []
+        heads: list[tuple[int, int, int, int]] = []
         for r in sources:
             h = self.headers[r]
             if int(h["version"]) != version or int(h["epoch"]) != epoch:
                 raise WeightSyncError(f"delta header of source {r} names version {int(h['version'])} of plan "
                                       f"epoch {int(h['epoch'])}, not {version} of {epoch}")
             total += int(h["imms"])
-            n = int(h["entries"])
-            off = int(h["offset"])
-            # entries, then (past the room for all of them) the streams: one copy of both
-            room = int(h["room"])
-            head = self.payload[off:off + data_at(room)].cpu().numpy()
+            # entries, then (past the room for all of them) the streams
+            heads.append((int(h["offset"]), int(h["entries"]), int(h["room"]), data_at(int(h["room"]))))
+        if not heads:
+            return total
+        host = torch.cat([self.payload[off:off + size] for off, _, _, size in heads]).cpu().numpy()
+        at = 0
+        for off, n, room, size in heads:
+            head = host[at:at + size]
+            at += size
             entries = head[:n * ENTRY_DTYPE.itemsize].view(ENTRY_DTYPE).copy()
             streams = head[streams_at(room):data_at(room)].view(STREAM_DTYPE).copy()
             self._entries.append((entries, streams, off))
@@ -753,8 +1094,9 @@ class DeltaReceiver:
         self.apply_seconds = time.perf_counter() - t0
 
     def _scatter_all(self, shadow: int) -> None:
-        """Per source and word size: decodes its stream once, then scatters each key's changes at once
-        (a strided write's alone)."""
+        """Per source and word size: decodes its stream once, then scatters each run of its entries that
+        go into one key with one placement (contiguous ones whose stream and destination offsets differ
+        by the same amount, or strided ones) with one indexed copy."""
         import torch
 
         for entries, streams, off in self._entries:
@@ -763,30 +1105,37 @@ class DeltaReceiver:
                 if k == 0:
                     continue
                 virt, vals = decode(self.payload[off + int(st["data"]):], int(st["enc"]), int(st["n"]), k, w)
-                ents = entries[(entries["enc"] == ENC_STREAM) & (entries["word"] == w)]
+                ents = entries[(entries["enc"] == ENC_STREAM) & (entries["word"] == w)
+                               & (entries["count"] > 0)]
                 ents = ents[np.argsort(ents["data"], kind="stable")]
                 ends = np.cumsum(ents["count"])
                 starts = ends - ents["count"]
                 strided = (ents["rows"] > 1) & (ents["pitch"] != ents["row_bytes"])
-                dev = virt.device
-                # contiguous writes: the stream's index plus one shift per write gives the target's word
-                counts = torch.tensor(ents["count"], device=dev)
-                shift = _per_word(ents["dst_off"] // w - ents["data"], counts, k)
-                for key in np.unique(ents["key"]).tolist():
-                    target = words(self.buffers[self.keys[key]][shadow], w)
-                    mine = np.flatnonzero(ents["key"] == key)  # one run of the stream: sorted by key
-                    a, b = int(starts[mine[0]]), int(ends[mine[-1]])
-                    if not strided[mine].any():
-                        target[virt[a:b] + shift[a:b]] = vals[a:b]
-                        continue
-                    cnt = torch.tensor(ents["count"][mine], device=dev)
-                    e = ents[mine]
-                    row = np.where(strided[mine], e["row_bytes"] // w, e["rows"] * e["row_bytes"] // w)
-                    local = virt[a:b] - _per_word(e["data"], cnt, b - a)
-                    m = _per_word(row, cnt, b - a)
-                    r = local // m
-                    pitch = _per_word(e["pitch"] // w, cnt, b - a)
-                    target[_per_word(e["dst_off"] // w, cnt, b - a) + r * pitch + (local - r * m)] = vals[a:b]
+                # a contiguous entry's word at stream position p goes to word p + shift of its key
+                shift = ents["dst_off"] // w - ents["data"]
+                key = ents["key"]
+                brk = np.ones(len(ents), bool)
+                brk[1:] = (key[1:] != key[:-1]) | (strided[1:] != strided[:-1]) | \
+                    (~strided[1:] & (shift[1:] != shift[:-1]))
+                first = np.flatnonzero(brk).tolist()
+                for i, j in zip(first, [*first[1:], len(ents)], strict=True):
+                    target = words(self.buffers[self.keys[int(key[i])]][shadow], w)
+                    a, b = int(starts[i]), int(ends[j - 1])
+                    seg = virt[a:b]  # decode's own tensor: made the target's word indices in place
+                    if not strided[i]:
+                        seg += int(shift[i])
+                    else:
+                        e = ents[i:j]
+                        t = _to_device(np.stack([e["count"], e["data"], e["row_bytes"] // w, e["pitch"] // w,
+                                                 e["dst_off"] // w]), self.device)
+                        jid = torch.repeat_interleave(torch.arange(j - i, device=self.device), t[0],
+                                                      output_size=b - a)
+                        seg -= t[1][jid]  # index into the entry's own words
+                        m = t[2][jid]
+                        r = torch.div(seg, m, rounding_mode="floor")
+                        seg -= r * m
+                        seg += t[4][jid] + r * t[3][jid]
+                    target[seg] = vals[a:b]
 
     def completed(self, version: int, shadow: int) -> None:
         self.holds[shadow] = version
