@@ -24,6 +24,13 @@ over TCP loopback at least 5x faster than dense.
 
     python scripts/bench_delta.py                      # 2 GPUs, Llama-3-8B shapes
     python scripts/bench_delta.py --device cpu         # small shapes, TCP loopback (runs anywhere)
+    python scripts/bench_delta.py --micro --device cpu --model llama-500m   # CPU encode/apply only
+
+``--micro``: the source and the destination in this process (threads; only the coordinator is a Ray
+actor), one delta group, the same Adam steps; it prints the sender's encode and the receiver's apply
+seconds per push (what ``PushStats`` reports) and checks the bytes after every push. It is the figure to
+watch while working on weightsync/runtime/delta.py: on a busy CPU the TCP pushes of the full benchmark
+vary by more than the encode does.
 """
 
 from __future__ import annotations
@@ -50,26 +57,67 @@ import weightsync as ws  # noqa: E402
 from scripts.bench_async import NO_MULTICAST, _device, _sync, digest  # noqa: E402
 
 
+def adam_step(master: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], gen: torch.Generator,
+              lr: float, dev: torch.device) -> float:
+    """One Adam step of every master on random gradients; the BF16 copy rounded again. Returns the
+    fraction of BF16 values that changed (counted here, independently of the push)."""
+    changed = total = 0
+    for name, w in weights.items():
+        p = torch.nn.Parameter(master[name].to(dev, non_blocking=True))
+        p.grad = torch.randn(p.shape, generator=gen, device=dev, dtype=torch.float32)
+        torch.optim.Adam([p], lr=lr).step()
+        new = p.detach().to(w.dtype)
+        changed += int((new.view(torch.int16) != w.view(torch.int16)).sum())
+        total += w.numel()
+        w.copy_(new)
+        master[name].copy_(p.detach(), non_blocking=True)
+        del p, new
+    _sync(dev)
+    return changed / total
+
+
+def model_config(model: str) -> dict[str, Any]:
+    from scripts.bench_worker import CONFIGS
+
+    return MICRO_CONFIGS[model] if model in MICRO_CONFIGS else CONFIGS[model]
+
+
+# Llama shapes between llama-small (0.225 GB) and Llama-3-8B for CPU figures: 0.49e9 parameters (0.98 GB
+# in bf16), 75 tensors.
+MICRO_CONFIGS = {
+    "llama-500m": {"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 8,
+                   "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+                   "intermediate_size": 5632, "vocab_size": 32000, "tie_word_embeddings": False},
+}
+
+
+def init_weights(model: str, dev: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The fp32 masters (in pinned host memory on a GPU: 32 GB for 8B parameters) and their BF16 copy on
+    ``dev``, Hugging Face names in checkpoint order."""
+    from scripts.bench_worker import DTYPE, checkpoint_tensors
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    master: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in checkpoint_tensors(model_config(model)):
+        m = torch.randn(shape, generator=g, device=dev, dtype=torch.float32) * 0.02
+        if name.endswith("norm.weight"):
+            m += 1.0  # RMSNorm scales start at 1
+        weights[name] = m.to(DTYPE)
+        if dev.type == "cuda":
+            host = torch.empty(shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(m)
+            m = host
+        master[name] = m
+    return master, weights
+
+
 class Trainer:
     """fp32 masters, their BF16 copy (the pushed tensors), and one source per group."""
 
     def __init__(self, groups: dict[str, str], model: str) -> None:
-        from scripts.bench_worker import CONFIGS, DTYPE, checkpoint_tensors
-
         self.dev = _device()
-        g = torch.Generator(device=self.dev).manual_seed(1)
-        self.master: dict[str, torch.Tensor] = {}  # in (pinned) host memory: 32 GB for 8B parameters
-        self.weights: dict[str, torch.Tensor] = {}
-        for name, shape in checkpoint_tensors(CONFIGS[model]):
-            m = torch.randn(shape, generator=g, device=self.dev, dtype=torch.float32) * 0.02
-            if name.endswith("norm.weight"):
-                m += 1.0  # RMSNorm scales start at 1
-            self.weights[name] = m.to(DTYPE)
-            if self.dev.type == "cuda":
-                host = torch.empty(shape, dtype=torch.float32, pin_memory=True)
-                host.copy_(m)
-                m = host
-            self.master[name] = m
+        self.master, self.weights = init_weights(model, self.dev)
         self.srcs = {kind: ws.Source(group, rank=0, tensors=self.weights, timeout=300, delta=kind == "delta")
                      for kind, group in groups.items()}
         self.gen = torch.Generator(device=self.dev).manual_seed(2)
@@ -83,21 +131,7 @@ class Trainer:
         return out
 
     def adam_step(self, lr: float) -> dict[str, float]:
-        """One Adam step of every master on random gradients; the BF16 copy rounded again. Returns the
-        fraction of BF16 values that changed (counted here, independently of the push)."""
-        changed = total = 0
-        for name, w in self.weights.items():
-            p = torch.nn.Parameter(self.master[name].to(self.dev, non_blocking=True))
-            p.grad = torch.randn(p.shape, generator=self.gen, device=self.dev, dtype=torch.float32)
-            torch.optim.Adam([p], lr=lr).step()
-            new = p.detach().to(w.dtype)
-            changed += int((new.view(torch.int16) != w.view(torch.int16)).sum())
-            total += w.numel()
-            w.copy_(new)
-            self.master[name].copy_(p.detach(), non_blocking=True)
-            del p, new
-        _sync(self.dev)
-        return {"changed_fraction": changed / total}
+        return {"changed_fraction": adam_step(self.master, self.weights, self.gen, lr, self.dev)}
 
     def push(self, kind: str, version: int) -> dict[str, Any]:
         _sync(self.dev)
@@ -121,10 +155,10 @@ class Rollout:
     """Two full replicas in vLLM's fused layout, one per group (the delta one with an inbox)."""
 
     def __init__(self, groups: dict[str, str], model: str, inbox: float) -> None:
-        from scripts.bench_worker import CONFIGS, DTYPE, as_ws, rollout_params
+        from scripts.bench_worker import DTYPE, as_ws, rollout_params
 
         self.dev = _device()
-        self.params = rollout_params(CONFIGS[model], 1, 0)
+        self.params = rollout_params(model_config(model), 1, 0)
         self.local: dict[str, dict[str, torch.Tensor]] = {}
         self.dsts: dict[str, ws.Destination] = {}
         nbytes = sum(torch.Size(p.shape).numel() * 2 for p in self.params)
@@ -279,6 +313,88 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def micro(args: argparse.Namespace) -> dict[str, Any]:
+    """``--micro``: one source and one fused destination in this process; per learning rate and step, the
+    push's encode and apply seconds (PushStats) and its changed fraction; the bytes checked after every
+    push."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from scripts.bench_worker import DTYPE, as_ws, local_view, rollout_params
+
+    if args.device != "cpu":
+        # one process: a cuda lane would have to open its own CUDA IPC handles; on GPUs the full benchmark
+        # reports the same encode and apply seconds
+        raise SystemExit("--micro runs on CPU (--device cpu); on GPUs run the benchmark without --micro")
+    dev = torch.device("cpu")
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=args.verbose,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
+    os.environ.setdefault("WEIGHTSYNC_SECRET", secrets.token_hex(16))
+    name = f"bench-delta-micro-{os.getpid()}"
+    group = ws.Group.create(name, num_sources=1, num_destinations=1)
+    results: list[dict[str, Any]] = []
+    src = dst = None
+    try:
+        master, weights = init_weights(args.model, dev)
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        params = rollout_params(model_config(args.model), 1, 0)
+        local = {p.key: torch.full(p.shape, float("nan"), dtype=DTYPE, device=dev) for p in params}
+        with ThreadPoolExecutor(2) as ex:
+            fs = ex.submit(ws.Source, name, rank=0, tensors=weights, timeout=300, delta=True)
+            named = {p.key: as_ws(p, local[p.key]) for p in params}
+            fd = ex.submit(ws.Destination, name, rank=0, tensors=named, mode="inplace", timeout=300,
+                           push_timeout=300, delta_bytes=int(nbytes * args.inbox))
+            src, dst = fs.result(timeout=600), fd.result(timeout=600)
+        print(f"micro: {args.model} {nbytes / 1e9:.3f} GB in {len(weights)} tensors on {dev}, 1 source -> 1 "
+              f"fused destination in one process; inbox {args.inbox:.0%} of the model", flush=True)
+        gen = torch.Generator(device=dev).manual_seed(2)
+
+        def push(version: int) -> ws.PushStats:
+            stats = ws.push(src, version, timeout=300)
+            assert dst.wait(version, timeout=300) == version
+            for p in params:
+                for pc in p.pieces:
+                    got, want = local_view(local[p.key], pc), weights[pc[0]]
+                    if not torch.equal(got.reshape(want.shape).view(torch.int16), want.view(torch.int16)):
+                        raise SystemExit(f"version {version}: {p.key} ({pc[0]}) differs from the source's")
+            return stats
+
+        version = 1
+        push(version)  # dense: no reference yet
+        for lr in args.lrs:
+            rows = []
+            for n in range(args.warmup + args.steps):
+                frac = adam_step(master, weights, gen, lr, dev)
+                version += 1
+                s = push(version)
+                if not s.delta_destinations:
+                    raise SystemExit(f"version {version} was not sent as a delta")
+                if n >= args.warmup:
+                    rows.append({"changed_fraction": frac, "push_s": s.seconds, "encode_s": s.encode_seconds,
+                                 "apply_s": s.apply_seconds, "wire_bytes": s.wire_bytes,
+                                 "dense_bytes": s.dense_bytes})
+            res = {"lr": lr, "changed_fraction": _med([r["changed_fraction"] for r in rows]),
+                   "push_ms": _med([r["push_s"] for r in rows]) * 1e3,
+                   "encode_ms": _med([r["encode_s"] for r in rows]) * 1e3,
+                   "apply_ms": _med([r["apply_s"] for r in rows]) * 1e3,
+                   "encode_all_ms": [round(r["encode_s"] * 1e3, 1) for r in rows],
+                   "apply_all_ms": [round(r["apply_s"] * 1e3, 1) for r in rows],
+                   "wire_gb": _med([r["wire_bytes"] for r in rows]) / 1e9, "dense_gb": nbytes / 1e9}
+            results.append(res)
+            print(f"  lr {lr:g}: {res['changed_fraction']:.2%} changed; push {res['push_ms']:.1f} ms, encode "
+                  f"{res['encode_ms']:.1f} ms {res['encode_all_ms']}, apply {res['apply_ms']:.1f} ms "
+                  f"{res['apply_all_ms']}; wire {res['wire_gb']:.4f} of {res['dense_gb']:.3f} GB (bytes "
+                  "checked)", flush=True)
+    finally:
+        for p in (src, dst):
+            if p is not None:
+                p.close()
+        group.shutdown()
+        ray.shutdown()
+    return {"micro": True, "device": str(dev), "model": args.model, "model_bytes": nbytes,
+            "steps": args.steps, "results": results, "torch_threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -292,6 +408,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the delta inbox, a fraction of the model bytes")
     ap.add_argument("--out", default="", help="write the JSON result here too")
     ap.add_argument("--verbose", action="store_true", help="show the actors' logs")
+    ap.add_argument("--micro", action="store_true",
+                    help="source and destination in this process: encode and apply seconds only")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     for key, on_gpu, on_cpu in (("model", "llama-3-8b", "llama-small"), ("steps", 5, 3)):
@@ -302,6 +420,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.micro:
+        out = micro(args)
+        print(json.dumps(out), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     out = run(args)
     print()
     print(f"{out['card']}, {out['model']} ({out['model_bytes'] / 1e9:.3f} GB), 1 trainer -> 1 fused replica, "
