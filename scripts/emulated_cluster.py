@@ -66,6 +66,7 @@ class Setup:
     cut: bool = False
     round_mib: float = 256.0      # the group's round_bytes
     relay: bool = False
+    relay_chunk_mib: float = 64.0  # the group's relay_chunk_bytes (the chain's pipeline step)
     # filled in by the launcher
     hosts: list[str] = field(default_factory=list)
     nic_names: list[str] = field(default_factory=list)
@@ -315,7 +316,8 @@ def driver(setup: Setup) -> dict[str, Any]:
             raise RuntimeError(f"only {len(ray.nodes())} of {want_nodes} Ray nodes joined")
         time.sleep(0.5)
     group = ws.Group.create("emulated", setup.trainers, setup.rollouts, relay=setup.relay,
-                            round_bytes=int(setup.round_mib * (1 << 20)))
+                            round_bytes=int(setup.round_mib * (1 << 20)),
+                            relay_chunk_bytes=int(setup.relay_chunk_mib * (1 << 20)))
     T = ray.remote(num_cpus=0)(Trainer)
     R = ray.remote(num_cpus=0)(Rollout)
     # Engines first (they join the group): destinations and sources may come up in any order.
@@ -526,20 +528,26 @@ def simulate(setup: Setup, **cost_kw: Any) -> dict[str, Any]:
     the corrected one ("engine": each NIC its own port with the engine's pieces on it, TCP's header
     bytes, this engine's per-write cost)."""
     from weightsync.plan.planner import plan
-    from weightsync.plan.simulate import CostModel
+    from weightsync.plan.simulate import CostModel, simulate_relay
     from weightsync.plan.simulate import simulate as sim
 
     src, dst = layouts(setup)
     s_hosts = [setup.trainer_host(r) for r in range(setup.trainers)]
     d_hosts = [setup.rollout_host(r) for r in range(setup.rollouts)]
-    p = plan(src, dst, source_hosts=s_hosts, destination_hosts=d_hosts,
-             round_bytes=int(setup.round_mib * (1 << 20)))
-    out: dict[str, Any] = {"writes": len(p)}
+    relay = setup.relay and setup.tp == 1 and setup.replicas > 1
+    if relay:  # the sources write into the chain's head (rollout 0); the members forward, in rank order
+        p = plan(src, dst[:1], source_hosts=s_hosts, destination_hosts=d_hosts[:1],
+                 round_bytes=int(setup.round_mib * (1 << 20)))
+    else:
+        p = plan(src, dst, source_hosts=s_hosts, destination_hosts=d_hosts,
+                 round_bytes=int(setup.round_mib * (1 << 20)))
+    out: dict[str, Any] = {"writes": len(p), "relay": relay}
     tcp = {"wire_efficiency": TCP_WIRE_EFFICIENCY, "msg_overhead_us": ENGINE_WRITE_US}
     models = {"ideal": {}, "tcp": tcp, "engine": {**tcp, "striping": "engine"}}
     for name, kw in models.items():
         cost = CostModel(nic_gbps=setup.rate_mbit / 1000.0, nics_per_gpu=setup.nics_per_gpu, **kw, **cost_kw)
-        r = sim(p, s_hosts, d_hosts, cost)
+        r = (simulate_relay(p, s_hosts, d_hosts, cost, int(setup.relay_chunk_mib * (1 << 20))) if relay
+             else sim(p, s_hosts, d_hosts, cost))
         out[name] = {"sim_s": r.sim_s, "bound_s": r.bound_s, "bytes_total": r.bytes_total, "flows": r.flows,
                      "nic_bytes_in": None if r.nic_bytes_in is None else r.nic_bytes_in.tolist(),
                      "cost_model": asdict(cost)}
@@ -553,8 +561,12 @@ def compare(setup: Setup, measured: dict[str, Any]) -> dict[str, Any]:
     pushes = measured["pushes"]
     total = [p["seconds"] for p in pushes]
     data = [max(p["write_seconds"]) for p in pushes]
-    control = [t - d for t, d in zip(total, data, strict=True)]
     sim = simulate(setup)
+    if sim["relay"]:
+        # Through a relay chain the version reaches the tail well after the sources' writes into the
+        # head ended: the data phase is all of the push after the grants (the acks are in it too).
+        data = [t - max(p["grant_seconds"]) for t, p in zip(total, pushes, strict=True)]
+    control = [t - d for t, d in zip(total, data, strict=True)]
 
     def med(xs: list[float]) -> float:
         return float(statistics.median(xs))
@@ -586,13 +598,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-mib", type=float, default=d.round_mib)
     ap.add_argument("--cut", action="store_true", help="one more push with NIC 0 of host 0 cut mid-push")
     ap.add_argument("--relay", action="store_true", help="relay (only where the destinations are replicas)")
+    ap.add_argument("--relay-chunk-mib", type=float, default=d.relay_chunk_mib,
+                    help="relay: the largest write a chain member forwards at once")
     a = ap.parse_args(argv)
     if a.driver:
         setup = Setup(**json.loads(Path(a.driver).read_text()))
         print(json.dumps(driver(setup)))
         return 0
     keys = ("trainer_hosts", "trainers_per_host", "rollout_hosts", "replicas", "tp", "nics_per_gpu",
-            "rate_mbit", "mib", "pushes", "delay_ms", "queue_ms", "round_mib", "cut", "relay")
+            "rate_mbit", "mib", "pushes", "delay_ms", "queue_ms", "round_mib", "cut", "relay",
+            "relay_chunk_mib")
     setup = Setup(**{k: getattr(a, k) for k in keys})
     # SIGTERM (timeout, kill): unwind like Ctrl-C, so that launch's cleanup removes what it made
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from weightsync.plan import plan
-from weightsync.plan.simulate import CostModel, run_model, simulate
+from weightsync.plan.simulate import CostModel, run_model, simulate, simulate_relay
 from weightsync.runtime.describe import Sharded, describe_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,3 +126,23 @@ def test_engine_striping_finds_an_unbalanced_destination_nic() -> None:
     more = simulate(p, [0], [1],
                     CostModel(**base, striping="engine", wire_efficiency=0.5, push_overhead_s=0.1))
     assert more.sim_s == pytest.approx(2 * eng.sim_s + 0.1, rel=0.02)
+
+
+def test_relay_chain_is_store_and_forward_per_chunk() -> None:
+    """One source pushes 4 MiB into the head of a chain of three hosts (one 1 Gbit/s NIC each). With
+    1 MiB chunks each hop adds one chunk's time after the head has the last one (6 chunk times in all);
+    with the whole 4 MiB as one chunk nothing overlaps (3 x 4 chunk times); the bound is the model
+    once at one NIC's rate either way."""
+    g = np.zeros((1024, 1024), np.float32)  # 4 MiB
+    p = plan([describe_tensors({"w": g})], [describe_tensors({"w": np.zeros_like(g)})],
+             source_hosts=[0], destination_hosts=[1])
+    cost = CostModel(nic_gbps=1.0, nics_per_gpu=1, msg_overhead_us=0.0)
+    t = (1 << 20) / (1e9 / 8)  # one MiB at the link's rate
+    piped = simulate_relay(p, [0], [1, 2, 3], cost, chunk_bytes=1 << 20)
+    assert piped.sim_s == pytest.approx(6 * t, rel=1e-6)
+    assert piped.bound_s == pytest.approx(4 * t, rel=1e-6)
+    whole = simulate_relay(p, [0], [1, 2, 3], cost, chunk_bytes=4 << 20)
+    assert whole.sim_s == pytest.approx(12 * t, rel=1e-6)
+    # a hop inside a host goes over NVLink: the head's host forwarding to its neighbour costs ~nothing
+    same = simulate_relay(p, [0], [1, 1, 2], cost, chunk_bytes=1 << 20)
+    assert 5 * t < same.sim_s < 5.01 * t

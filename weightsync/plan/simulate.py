@@ -277,6 +277,45 @@ def simulate(p: Plan, source_hosts: Sequence[int], destination_hosts: Sequence[i
         apply_s_max=float(apply_s.max(initial=0.0)), nic_bytes_in=nic_in)
 
 
+def simulate_relay(p: Plan, source_hosts: Sequence[int], chain_hosts: Sequence[int],
+                   cost: CostModel | None = None, chunk_bytes: int = 64 << 20) -> SimResult:
+    """A fan-out through a relay chain (``Group.create(relay=True)``): ``p`` plans the sources' writes
+    into the chain's head (one destination, on ``chain_hosts[0]``); every member forwards each chunk (the
+    head's incoming data writes cut at ``chunk_bytes``, in the plan's order) to the next once all of it
+    landed, over its NICs (NVLink where both are on one host). Store and forward, one chunk at a time
+    per hop: member k has chunk c at ``max(member k has chunk c-1, member k-1 has chunk c) + its hop
+    time``; the head has chunk c when the sources' push into it (``simulate``) has carried the bytes up to
+    its end, at an even rate. ``sim_s`` is when the tail has the last chunk, plus ``push_overhead_s``;
+    ``bound_s`` the slowest link carrying the model once. Gathers and delta pushes are not modelled."""
+    cost = cost or CostModel()
+    head = simulate(p, source_hosts, list(chain_hosts[:1]),
+                    CostModel(**{**asdict(cost), "push_overhead_s": 0.0}))
+    nbytes = (p.ops["rows"] * p.ops["row_bytes"]).astype(np.float64)
+    cap = float(max(int(chunk_bytes), 1))
+    pieces = np.maximum(np.ceil(nbytes / cap), 1).astype(np.int64)
+    size = np.repeat(nbytes / pieces, pieces)  # a write's chunks, equal (split_writes cuts whole rows)
+    total = float(size.sum())
+    hosts = np.asarray(chain_hosts, np.int64)
+    hop_bw = np.where(hosts[1:] == hosts[:-1], cost.nvlink_bps, cost.nic_bps)  # member k-1 -> k
+    have = head.sim_s * np.cumsum(size) / max(total, 1e-300)  # the head has chunk c
+    for bw in hop_bw:
+        hop = size / bw + cost.msg_overhead_us * 1e-6 * np.ceil(size / max(cost.max_piece, 1))
+        nxt = np.empty_like(have)
+        free = 0.0  # the previous member's egress, and this one's ingress: one chunk at a time
+        for c in range(len(size)):
+            free = max(free, have[c]) + hop[c]
+            nxt[c] = free
+        have = nxt
+    sim_s = float(have[-1]) if len(have) else 0.0
+    bound = max([head.bound_s] + [total / float(bw) for bw in hop_bw])
+    return SimResult(
+        bound_s=bound, sim_s=sim_s + cost.push_overhead_s, ratio=(sim_s + cost.push_overhead_s) / bound
+        if bound else 0.0, bytes_total=head.bytes_total, bytes_out=head.bytes_out,
+        bytes_in=np.full(len(hosts), total).astype(np.int64), writes_out=head.writes_out,
+        gather_bytes=head.gather_bytes, gather_s_max=head.gather_s_max, quant_s_max=head.quant_s_max,
+        flows=head.flows, nic_bytes_in=head.nic_bytes_in)
+
+
 def engine_nic_bytes(ops: np.ndarray, nbytes: np.ndarray, src: np.ndarray, nics: int,
                      stripe_threshold: int = 1 << 20, max_piece: int = 16 << 20) -> np.ndarray:
     """Bytes of every op on each of the source's ``nics`` NICs, as the engine places them: a write (a
