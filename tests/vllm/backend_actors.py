@@ -68,6 +68,48 @@ class VllmWorker:
     def last_verification(self) -> Any:
         return self.engine.last_verification
 
+    def sleep_and_wake(self, level: int) -> None:
+        """What vLLM's sleep mode does to the weights where it frees their memory (GPU workers with the
+        CuMem allocator), emulated: vLLM's CPU worker ignores sleep (cpu_worker.py: "sleep mode is not
+        supported on CPU"). Every parameter gets new storage (``param.data = ...``, as a reload or
+        expert rebalancing that swaps tensors does too); level 1 keeps the values (offloaded, restored),
+        level 2 discards them (NaN until the next update). The old storage is kept here, filled with a
+        sentinel, to check that no update writes into it."""
+        import torch
+
+        self.freed = getattr(self, "freed", [])
+        with torch.no_grad():
+            for p in self.model.parameters():
+                old = p.data
+                new = torch.empty_like(old)
+                if level == 1:
+                    new.copy_(old)
+                else:
+                    new.view(torch.uint8).fill_(0x7F)
+                p.data = new
+                old.view(torch.uint8).fill_(0x5A)
+                self.freed.append(old)
+
+    def freed_memory_untouched(self) -> bool:
+        import torch
+
+        return all(bool((t.view(torch.uint8) == 0x5A).all()) for t in self.freed)
+
+    def reregistrations(self) -> int:
+        return int(self.engine.reregistrations)
+
+    def update_after_a_move(self, version: int) -> str:
+        """Moves the parameters as sleep mode does, then receives ``version`` without a new start: the
+        backend's error (the bytes were aimed at the memory registered before the move)."""
+        from weightsync.errors import WeightSyncError
+
+        self.sleep_and_wake(1)
+        try:
+            self._in_config("update_weights", {"version": version, "timeout": 5.0})
+        except WeightSyncError as exc:
+            return str(exc)
+        return ""
+
     def verify_with_swapped_heads(self, checksums: dict[str, int]) -> str:
         """Swaps two rows of layer 0's k_proj part of qkv_proj (what a wrong head mapping does) and
         returns the verification's error."""

@@ -30,6 +30,7 @@ Importing this module imports vLLM: it is loaded by vLLM's factories through
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Iterator, Mapping
@@ -67,6 +68,8 @@ from weightsync.runtime.describe import Sharded
 from weightsync.runtime.destination import Destination
 from weightsync.runtime.source import PushStats, Source
 
+log = logging.getLogger("weightsync.vllm")
+
 # --------------------------------------------------------------------------------------------------
 # vLLM side
 
@@ -100,6 +103,18 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     checksums: dict[str, int] | None = None
 
 
+# What says a registered tensor is still the memory the destination registered: vLLM's sleep mode (on
+# platforms where it frees memory), expert rebalancing and reloads may put new tensors, or new storage,
+# under the parameters' names.
+Fingerprint = tuple[int, int, int, tuple[int, ...], tuple[int, ...], str, str]
+
+
+def _fingerprint(t: torch.Tensor) -> Fingerprint:
+    storage = t.untyped_storage()
+    return (int(t.data_ptr()), int(storage.data_ptr()), int(storage.nbytes()), tuple(t.shape),
+            tuple(t.stride()), str(t.dtype), str(t.device))
+
+
 def _world_rank() -> int:
     """This worker's rank among vLLM's workers of its instance (0 without vLLM's distributed state)."""
     try:
@@ -126,6 +141,9 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         self.refreshes: list[Refresh] = []
         self.reprocess: list[Reprocess] = []
         self._torn: str | None = None  # why the live model is not a whole version, after a failed re-run
+        self._init_info: WeightsyncInitInfo | None = None
+        self._registered: dict[str, Fingerprint] = {}  # parameter name -> what was registered
+        self.reregistrations = 0
         self._version = -1
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -139,12 +157,58 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         self.layout = self.derive(checkpoint)
         self.checkpoint = {ct.name: ct for ct in checkpoint}
         connect(init_info.ray_address, init_info.ray_namespace, timeout=init_info.timeout)
+        self._init_info = init_info
+        self._register()
+
+    def _register(self) -> None:
+        """Joins the group as a ``Destination`` over the layout's tensors as they are now."""
+        assert self.layout is not None and self._init_info is not None
+        info = self._init_info
         self.layout.apply_fills(self.model)
-        self.destination = Destination(init_info.group, init_info.rank_offset + _world_rank(),
-                                       self.layout.tensors(self.model), mode="inplace",
-                                       timeout=init_info.timeout, push_timeout=init_info.push_timeout,
-                                       secret=init_info.secret)
+        tensors = self.layout.tensors(self.model)
+        self.destination = Destination(info.group, info.rank_offset + _world_rank(), tensors,
+                                       mode="inplace", timeout=info.timeout, push_timeout=info.push_timeout,
+                                       secret=info.secret)
+        self._registered = {name: _fingerprint(t.local_tensor) for name, t in tensors.items()}
         self._version = self.destination.version
+
+    def moved(self) -> list[str]:
+        """The registered parameters whose memory vLLM replaced since they were registered (a new tensor
+        or new storage under the name, another shape, or the parameter gone): sleep mode where it frees
+        and re-allocates weights, expert rebalancing or a reload that swaps tensors. Writes aimed at the
+        registered memory would not reach the model (or land in memory it freed)."""
+        if self.layout is None:
+            return []
+        params = dict(self.model.named_parameters())
+        out = []
+        for name, was in self._registered.items():
+            if name in self.layout.landing:
+                continue  # the backend's own copy: vLLM never moves it
+            p = params.get(name)
+            if p is None or _fingerprint(p.data) != was:
+                out.append(name)
+        return out
+
+    def reregister(self) -> list[str]:
+        """Re-registers the model if vLLM moved or freed registered parameters (:meth:`moved`): derives
+        the layout again from the live model (its loaders, the trainers' checkpoint), leaves the group
+        and joins it again under the same rank over the new memory, which makes the coordinator re-plan
+        (the sources push with the new plan from their next push). Returns the parameters that had
+        moved (empty: nothing done). Refuses, as at init, a model the backend cannot update any more."""
+        moved = self.moved()
+        if not moved:
+            return []
+        dst = self._dst()
+        log.warning(
+            "group %r rank %d: vLLM moved or freed %d registered parameters (e.g. %s); registering the "
+            "model again and re-planning", dst.group, dst.rank, len(moved), moved[:3])
+        layout = self.derive(list(self.checkpoint.values()))
+        dst.close()
+        self.destination = None
+        self.layout = layout
+        self._register()
+        self.reregistrations += 1
+        return moved
 
     def derive(self, checkpoint: list[CheckpointTensor]) -> VllmLayout:
         """This worker's layout for the trainers' ``checkpoint``, read off the live model's loaders (an
@@ -198,12 +262,24 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         return self.destination
 
     def start_weight_update(self) -> None:
+        """Before the trainers push: re-registers (and re-plans) first if vLLM moved or freed registered
+        parameters since the last update (:meth:`reregister`), so that no byte of this update is
+        written into memory the model no longer uses."""
+        self._dst()
+        self.reregister()
         dst = self._dst()
         if self._torn is None:
             self._version = dst.version
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         dst = self._dst()
+        moved = self.moved()
+        if moved:
+            raise WeightSyncError(
+                f"vLLM moved or freed {len(moved)} registered parameters (e.g. {moved[:3]}) after this "
+                f"update started: version {update_info.version} was written into memory the model no "
+                "longer uses. Start the next update (start_weight_update) after vLLM is done moving them "
+                "(e.g. after wake_up): the backend registers the new memory then")
         if update_info.version <= self._version:
             raise WeightSyncError(f"version {update_info.version} is not newer than the version this worker "
                                   f"holds ({self._version})")
@@ -319,6 +395,10 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
     timeout: float = 120.0
     push_timeout: float = 60.0
     verify: bool = False
+    # Every rank waits (torch.distributed barrier, where a process group of several ranks is set up) for
+    # the sender's start of the vLLM side before it pushes: a worker that re-registers moved parameters
+    # at start re-plans the group there, and every rank must push with that plan.
+    barrier_after_start: bool = True
     # What the vLLM workers need from their side (WeightsyncInitInfo), passed through unchanged.
     worker_ray_address: str | None = None
     worker_ray_namespace: str | None = None
@@ -477,6 +557,11 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         self._refresh()
         if self.is_sender:
             self.client.start_weight_update()
+        if self.info.barrier_after_start:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()
         stats = self.src.push(version, self.info.push_timeout)
         self.version = version
         self.last_stats = stats
