@@ -50,3 +50,19 @@ def test_a_worker_whose_weights_moved_registers_again_and_is_updated_bit_identic
         for a in [worker, *trainers]:
             ray.kill(a)
         group.shutdown()
+
+
+def test_expert_rebalancing_is_refused_naming_the_experts() -> None:
+    """Expert rebalancing rearranges experts in place, which no memory check sees, and vLLM's loaders place
+    experts by the initial map: a worker with enable_eplb is refused at init, naming w13_weight."""
+    from tests.vllm.test_post_load import backend
+    from weightsync.errors import LayoutError
+    from weightsync.integrations.vllm.layouts import checkpoint_of
+
+    model, vllm_config = models.build(models.QWEN3_MOE)
+    # set on the built model's config: vLLM's CPU platform does not start EPLB itself
+    vllm_config.parallel_config.enable_eplb = True
+    with pytest.raises(LayoutError) as err:
+        backend(model, vllm_config).derive(checkpoint_of(models.hf_state_dict(models.QWEN3_MOE)))
+    assert "'model.layers.0.mlp.experts.routed_experts.w13_weight'" in str(err.value), str(err.value)
+    assert "enable_eplb" in str(err.value)

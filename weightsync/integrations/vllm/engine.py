@@ -238,6 +238,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
                         layout.landing.pop(f"{r.module}.{n}", None)
             reprocess = [r for r in reprocess if lands(r)]
             rerun = [r.layer for r in reprocess]
+        self._refuse_rebalanced_experts(layout)
+        with set_current_vllm_config(self.vllm_config):
             converted = post_load_conversions(self.model, rerun)
             self.refreshes = [r for r in post_load_refreshes(self.model, self.model_config.dtype, rerun)
                               if any(name in layout.pieces for name in r.inputs)]
@@ -254,6 +256,22 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
                 r.check()
         self.reprocess = reprocess
         return layout
+
+    def _refuse_rebalanced_experts(self, layout: VllmLayout) -> None:
+        """Expert rebalancing (``enable_eplb``) moves experts between the physical slots of the fused
+        expert weights at run time, in place, while vLLM's loaders (and so the layout read off them) put
+        every expert in the slot of the initial placement: pushes would write experts where the router
+        no longer looks for them. Refused, naming the parameter."""
+        parallel = getattr(self.vllm_config, "parallel_config", None)
+        if not getattr(parallel, "enable_eplb", False):
+            return
+        experts = sorted(n for n in layout.pieces if n.rsplit(".", 1)[-1].startswith(("w13_", "w2_")))
+        if experts:
+            raise LayoutError(
+                f"parameter {experts[0]!r}: expert rebalancing (enable_eplb) rearranges the experts in "
+                "place at run time, and vLLM's weight loaders place them by the initial expert map, so "
+                "the layout weightsync derives from them would write experts into slots they left; run "
+                "vLLM without enable_eplb to update it with weightsync")
 
     def _dst(self) -> Destination:
         if self.destination is None:
