@@ -48,8 +48,8 @@ How it runs
 Everything here is torch ops on the tensors' own device (CPU or GPU), a few large ones per push rather
 than some per tensor or per write, and few host synchronizations (on a GPU each ``nonzero``, ``.cpu()``
 or plain host-to-device copy waits for the device; small tables go up pinned and non-blocking). The
-sender, per word size: one compare into a change mask per :data:`COMPARE_SLICE` words and one
-``nonzero`` over it (the changed words' positions in the reference, sorted, into one buffer); one
+sender, per word size: per :data:`COMPARE_SLICE` words a change mask (one compare per tensor in it) and
+one ``nonzero`` over it (the changed words' positions in the reference, sorted, into one buffer); one
 ``searchsorted`` of every tensor's and every compared direct write's bounds, and one copy of those
 counts to the host for all word sizes at once; one gather of the new values per tensor. Which writes go
 sparse is then decided on the host from the counts. A destination's stream is its writes' changed
@@ -60,6 +60,13 @@ low 16 bits as a strided copy, or the bitmap by ``index_add_`` of bits into int3
 writes the reference takes the changed values with one indexed copy per word size. The receiver decodes
 each stream once (``repeat_interleave`` of the block bases, the low bits copied in) and scatters each
 run of entries of one key and one placement with one indexed copy.
+
+Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` per :data:`COMPARE_SLICE` words
+of each word size, one copy of the counts, two more when direct writes read strided source rows, one
+wait before the engine reads each destination's payload and one after the reference's update; per
+staged chunk one ``nonzero`` and one copy of counts per inbox destination. The receiver's: one copy of
+the headers' entries, one wait after the scatters, and, for a bitmap stream, one ``nonzero`` per
+:data:`BITMAP_SLICE` words.
 """
 
 from __future__ import annotations
@@ -675,6 +682,11 @@ class DeltaSender:
         total = int(sp.starts[-1])
         size = max(min(COMPARE_SLICE, total), 1)
         mask = torch.empty(size, dtype=torch.bool, device=self.device)
+        if total <= size:  # one slice: its positions as they come
+            for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(), strict=True):
+                if a < b:
+                    torch.ne(self._views[key], sp.ref[a:b], out=mask[a:b])
+            return torch.nonzero(mask[:total]).reshape(-1)  # a host synchronization (its size)
         # The positions go into one buffer as each slice's are found (a concatenation at the end would
         # hold them twice), sized by the last push's count and grown by the density seen so far.
         out = torch.empty(min(max(sp.hint, 1024), total), dtype=torch.int64, device=self.device)
