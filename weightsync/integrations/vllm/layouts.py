@@ -734,10 +734,24 @@ class Reprocess:
         finally:
             _place(layer, live[0], live[1], non_persistent)
 
+    def _state(self) -> list[tuple[Any, dict[str, Any]]]:
+        """Shallow copies of the attributes the processing may set besides tensors: the layer's, its
+        quantization method's and those of the method's helper objects (kernels, which may keep handles
+        or prepacked copies made from the weights they processed)."""
+        layer, method = self.layer, self.layer.quant_method
+        owners = [layer, method] + [v for v in vars(method).values()
+                                    if hasattr(v, "__dict__") and not isinstance(v, type)
+                                    and type(v).__module__.startswith("vllm.")]
+        skip = {"_parameters", "_buffers", "_modules"}
+        return [(o, {k: v for k, v in vars(o).items() if k not in skip}) for o in owners]
+
     def check(self) -> None:
         """Runs the processing once on ``landing`` (at init, before anything is joined) without
-        writing the live tensors: refuses, naming the layer's parameter and vLLM's error, a method that
-        cannot be re-run on this platform or whose result the live tensors cannot take."""
+        writing the live tensors, and puts back whatever it set on the layer and its method (a kernel
+        handle made from the trial's zeros must not replace the live one): refuses, naming the layer's
+        parameter and vLLM's error, a method that cannot be re-run on this platform or whose result the
+        live tensors cannot take."""
+        saved = self._state()
         try:
             self._swap(write=False)
         except LayoutError:
@@ -748,6 +762,12 @@ class Reprocess:
                 f"parameter '{self.module}.{pname}': vLLM converts it after loading "
                 f"({type(self.layer.quant_method).__name__}), and re-running that processing here fails: "
                 f"{type(err).__name__}: {err}") from err
+        finally:
+            for owner, attrs in saved:
+                for k in [k for k in vars(owner) if k not in attrs and k not in
+                          ("_parameters", "_buffers", "_modules")]:
+                    vars(owner).pop(k)
+                vars(owner).update(attrs)
 
     def run(self) -> None:
         """Re-processes the layer from ``landing`` into its live kernel tensors."""
