@@ -166,6 +166,24 @@ def test_an_fp8_model_is_reprocessed_after_each_update_bit_identically(kernel: s
     engine.after_update()
     assert snapshot(target) == started
 
+    # a re-run that fails part way leaves the model marked torn (finish_weight_update raises) until a
+    # later re-run completes
+    from weightsync.errors import WeightSyncError
+
+    failing = engine.reprocess[3]
+
+    def broken() -> None:
+        raise RuntimeError("kernel out of memory")
+
+    object.__setattr__(failing, "run", broken)
+    with pytest.raises(WeightSyncError, match="not a whole version") as err:
+        engine.after_update()
+    assert failing.module in str(err.value) and "kernel out of memory" in str(err.value)
+    assert engine._torn is not None
+    del failing.run
+    engine.after_update()
+    assert engine._torn is None and snapshot(target) == started
+
 
 def test_fp8_experts_are_reprocessed_or_refused_with_vllms_error(kernel: str) -> None:
     if kernel != "torch-block":
