@@ -329,7 +329,11 @@ std::shared_ptr<Peer> Engine::connect(const std::string& uid, const std::string&
   peer->remote_nic.resize(workers_.size());
   peer->path_failed.reset(new std::atomic<bool>[workers_.size()]);
   peer->path_progress_ns.reset(new std::atomic<int64_t>[workers_.size()]);
-  for (size_t i = 0; i < workers_.size(); ++i) peer->path_progress_ns[i] = 0;
+  peer->nic_load.reset(new std::atomic<int64_t>[workers_.size()]);
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    peer->path_progress_ns[i] = 0;
+    peer->nic_load[i] = 0;
+  }
   peer->doorbell_base = doorbell_base;
   peer->doorbell_key = doorbell_key;
   if (doorbell_base.size() != addresses.size() || doorbell_key.size() != addresses.size()) {
@@ -416,6 +420,36 @@ int Engine::pick_nic(Peer& peer, uint64_t hint) {
     if (!peer.path_failed[i].load()) return static_cast<int>(i);
   }
   return -1;
+}
+
+int Engine::place(Piece* p, uint64_t hint) {
+  Peer& peer = *p->dst->peer;
+  const size_t n = fabric_nics_;
+  int best = -1;
+  int64_t best_load = 0;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = (hint + k) % n;
+    if (peer.path_failed[i].load()) continue;
+    const int64_t load = peer.nic_load[i].load(std::memory_order_relaxed);
+    if (best < 0 || load < best_load) {
+      best = static_cast<int>(i);
+      best_load = load;
+    }
+  }
+  if (best >= 0) {
+    const uint64_t bytes = std::max<uint64_t>(p->len, 1) * (p->rows > 1 ? p->rows : 1);
+    peer.nic_load[best].fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+    p->load_nic = best;
+    p->load_bytes = bytes;
+  }
+  return best;
+}
+
+void Engine::unload(Piece* p) {
+  if (p->load_nic < 0) return;
+  p->dst->peer->nic_load[p->load_nic].fetch_sub(static_cast<int64_t>(p->load_bytes), std::memory_order_relaxed);
+  p->load_nic = -1;
+  p->load_bytes = 0;
 }
 
 namespace {
@@ -793,7 +827,7 @@ void Engine::make_pieces(const WriteOp& op, const std::shared_ptr<TransferState>
       per_nic.back().push_back(p);
       continue;
     }
-    const int nic = fixed_nic >= 0 ? fixed_nic : pick_nic(*dst->peer, start + k);
+    const int nic = fixed_nic >= 0 ? fixed_nic : place(p, start + k);
     p->nic = nic;
     per_nic[nic < 0 ? workers_.size() : static_cast<size_t>(nic)].push_back(p);
   }
@@ -833,6 +867,7 @@ void Engine::post_trailer(Piece* t) {
 }
 
 void Engine::piece_done(Piece* p, int nic) {
+  unload(p);
   if (p->stage == 1) {
     send_staged(p);  // in its slot now: on to a NIC
     return;
@@ -878,6 +913,7 @@ void Engine::send_signals(Piece* copy) {
 }
 
 void Engine::piece_failed(Piece* p, const std::string& why) {
+  unload(p);
   if (p->stage_slot >= 0) release_slot(p);
   p->transfer->piece_failed(p->transfer->what() + " failed: " + why);
   if (p->group) group_member_done(p, false);
@@ -885,6 +921,7 @@ void Engine::piece_failed(Piece* p, const std::string& why) {
 }
 
 void Engine::abandon(Piece* p, const std::string& why) {
+  unload(p);
   p->transfer->piece_failed(p->transfer->what() + " failed: " + why);
   if (p->group) group_member_done(p, false);
   p->stale = true;
@@ -914,7 +951,8 @@ void Engine::reroute(Piece* p, int failed_nic, const std::string& why) {
                         workers_[failed_nic]->lane().nic_name() + ", and that path failed (" + why + ")");
     return;
   }
-  int nic = pick_nic(peer, static_cast<uint64_t>(failed_nic) + 1);
+  unload(p);
+  int nic = place(p, static_cast<uint64_t>(failed_nic) + 1);
   if (nic < 0) {
     piece_failed(p, peer.label + " is unreachable on every NIC (last: " + why + ")");
     return;

@@ -149,6 +149,10 @@ struct Peer {
   // while another path to the same peer made progress (then the NIC, not the peer, is the problem).
   std::unique_ptr<std::atomic<bool>[]> path_failed;
   std::unique_ptr<std::atomic<int64_t>[]> path_progress_ns;
+  // Per NIC: bytes of data pieces placed on it for this peer and not finished yet (Engine::place). A
+  // piece goes to the least loaded healthy NIC, so a peer's bytes split evenly over its NICs whatever
+  // else turns the engine's counters, and a slower NIC gets less.
+  std::unique_ptr<std::atomic<int64_t>[]> nic_load;
   size_t remote_nics = 0;
   bool cuda = false;                 // same host, both engines have a cuda lane
   bool cuda_imm = false;             // the cuda lane delivers immediates itself (shared-memory ring)
@@ -219,6 +223,8 @@ struct Piece {
   uint64_t announce_id = 0;  // its name's piece id, kept across retries (0: none yet)
   int announce_slot = -1;    // the send buffer of its announce on the worker it is posted on
   uint64_t posted_len = 0;   // bytes it holds of its NIC's window while posted
+  int load_nic = -1;         // the NIC whose Peer::nic_load counts its bytes (Engine::place), -1: none
+  uint64_t load_bytes = 0;
   uint64_t announce_span = 0;  // landing: the bytes from dst_off its announce stands for
 };
 
@@ -564,6 +570,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void start();
   uint64_t piece_size(uint64_t nbytes) const;
   int pick_nic(Peer& peer, uint64_t hint);
+  // A data piece's NIC: the healthy one with the least of the peer's bytes placed and not finished
+  // (ties: from `hint` on); charges the piece's bytes to it. -1: none healthy.
+  int place(Piece* p, uint64_t hint);
+  void unload(Piece* p);  // the piece left its NIC (done, failed, abandoned or moved)
   void send_signals(Piece* copy);
   void group_member_done(Piece* p, bool ok);
   void post_trailer(Piece* t);

@@ -100,7 +100,7 @@ void Engine::send_staged(Piece* p) {
   p->pin = staging_->pin;
   p->src_off = uint64_t(p->stage_slot) * staging_->slot_bytes;
   const int nic = p->fixed_nic >= 0 && !p->dst->peer->path_failed[p->fixed_nic].load() ? p->fixed_nic
-                                                                                      : pick_nic(*p->dst->peer, rr_++);
+                                                                                      : place(p, rr_++);
   if (nic < 0) {
     piece_failed(p, p->dst->peer->label + " became unreachable on every NIC");
     return;

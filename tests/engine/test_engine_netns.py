@@ -48,6 +48,35 @@ def test_striped_write_uses_both_nics(hosts) -> None:
     assert min(per_nic) > 0.3 * size  # both links carried a real share
 
 
+def test_whole_pieces_split_a_peers_bytes_evenly_over_its_nics(hosts) -> None:
+    """Writes up to the stripe threshold go whole to one NIC. Submitted together, 1 MiB writes each
+    followed by a 4 KiB one: a NIC picked by a counter that every write turns put all the large ones on
+    one NIC (16 MiB against 64 KiB); the least loaded NIC of the peer gets each, so both carry about
+    half, every byte right."""
+    _h, src, dst = hosts
+    big, small, pairs = MiB, 4096, 16
+    stride = big + small
+    s_id, _ = src.call("alloc", size=pairs * stride, seed=24)
+    d_id, d_desc = dst.call("alloc", size=pairs * stride)
+    before = [s["bytes"] for s in src.call("stats")]
+    transfers = []
+    for k in range(pairs):
+        for off, n in ((k * stride, big), (k * stride + big, small)):
+            transfers.append(src.call("write_async", region=s_id, src_off=off, peer=src.peer,
+                                      descriptor=d_desc, dst_off=off, size=n, imm=5))
+    total = 0
+    for t in transfers:
+        imm_count, _seconds = src.call("wait", transfer=t, timeout=60)
+        total += imm_count
+    dst.call("counter_wait", imm=5, n=total, timeout=30)
+    want = digest(random_bytes(pairs * stride, 24))
+    assert dst.call("digest", region=d_id, off=0, size=pairs * stride) == want
+    per_nic = [s["bytes"] - b for s, b in zip(src.call("stats"), before, strict=True)]
+    print(f"per-NIC bytes {per_nic}")
+    assert sum(per_nic) == pairs * stride
+    assert min(per_nic) > 0.4 * pairs * stride, per_nic
+
+
 def test_link_down_mid_transfer_still_delivers(hosts) -> None:
     h, src, dst = hosts
     size = 96 * MiB

@@ -85,27 +85,29 @@ def test_cli_prints_json_last(tmp_path: Path) -> None:
 
 
 def test_engine_nic_bytes_follows_the_pieces() -> None:
-    """Pieces as the engine cuts them: a write up to the stripe threshold whole on the next NIC, a longer
-    one in equal 4 KiB-aligned pieces over all NICs, a 2-D write's rows one piece each; one counter per
-    source, in posting order."""
+    """Pieces as the engine cuts them: a write up to the stripe threshold whole, a longer one in equal
+    4 KiB-aligned pieces over all NICs, a 2-D write's rows one piece each; each piece on the NIC with
+    the fewest bytes of that (source, destination) so far, ties to the next NIC after the last."""
     from weightsync.plan.ops import OP_DTYPE
     from weightsync.plan.simulate import engine_nic_bytes
 
-    ops = np.zeros(5, OP_DTYPE)
-    ops["rows"] = [1, 1, 1, 3, 1]
-    ops["row_bytes"] = [1 << 20, 1 << 20, (3 << 20) + 5, 1000, 7]
-    ops["src_rank"] = [0, 0, 0, 0, 1]
+    ops = np.zeros(6, OP_DTYPE)
+    ops["rows"] = [1, 1, 1, 3, 1, 1]
+    ops["row_bytes"] = [1 << 20, 1 << 20, (3 << 20) + 5, 1000, 7, 9]
+    ops["src_rank"] = [0, 0, 0, 0, 1, 0]
+    ops["dst_rank"] = [0, 0, 0, 0, 0, 1]
     ops["dst_pitch"] = ops["row_bytes"]
     ops["dst_pitch"][3] = 4096  # rows apart at the destination: one write each
     nbytes = (ops["rows"] * ops["row_bytes"]).astype(np.float64)
     got = engine_nic_bytes(ops, nbytes, ops["src_rank"].astype(np.int64), 2)
     assert got.sum(axis=1) == pytest.approx(nbytes)
-    assert got[0].tolist() == [1 << 20, 0]           # piece 0 -> NIC 0
-    assert got[1].tolist() == [0, 1 << 20]           # piece 1 -> NIC 1
+    assert got[0].tolist() == [1 << 20, 0]           # both empty: NIC 0
+    assert got[1].tolist() == [0, 1 << 20]           # the less loaded
     piece = -(-((3 << 20) + 6) // 2 // 4096) * 4096  # 2 pieces (a multiple of 2 NICs), 4 KiB aligned
-    assert got[2].tolist() == [piece, (3 << 20) + 5 - piece]  # pieces 2, 3 -> NIC 0, 1
-    assert got[3].tolist() == [2000, 1000]           # rows are pieces 4, 5, 6 -> 0, 1, 0
-    assert got[4].tolist() == [7, 0]                 # another source: its own counter
+    assert got[2].tolist() == [piece, (3 << 20) + 5 - piece]  # a tie: NIC 0 (after 1), then the other
+    assert got[3].tolist() == [0, 3000]              # NIC 1 holds 8187 bytes less: all three rows
+    assert got[4].tolist() == [7, 0]                 # another source: loads of its own
+    assert got[5].tolist() == [9, 0]                 # another destination: loads of its own
 
 
 def test_engine_striping_finds_an_unbalanced_destination_nic() -> None:

@@ -29,10 +29,11 @@ docs/BENCHMARKS.md, "Emulated cluster vs simulator"), three corrections, off by 
 cluster-scale figures keep their model:
 
 - ``striping="engine"``: a GPU's NICs are separate ports, and each write lands on them as the engine
-  places it: a write (or a 2-D write's row) up to ``stripe_threshold`` whole on the next NIC of a
-  round-robin counter the source's writes share, a longer one cut into equal pieces over all NICs. With
-  few writes of about the threshold a destination's NICs get unequal shares (three 1 MiB writes: 2 MiB
-  on one NIC, 1 MiB on the other) and the busiest NIC, not the GPU's total bandwidth, sets the time;
+  places it: a write (or a 2-D write's row) up to ``stripe_threshold`` whole on the
+  NIC with the fewest of that destination's bytes placed on it and not finished, a longer one cut into
+  equal pieces over all NICs. With few writes of about the threshold a destination's NICs still get
+  unequal shares (three 1 MiB writes: 2 MiB on one NIC, 1 MiB on the other) and the busiest NIC, not
+  the GPU's total bandwidth, sets the time;
 - ``wire_efficiency``: the payload's share of a link's rate (TCP/IPv4 over Ethernet at MTU 1500 with
   timestamps: 1448 of every 1514 bytes);
 - ``push_overhead_s``: what a push costs besides its writes (the grant round trip before them, the
@@ -78,7 +79,7 @@ class CostModel:
     # cluster vs simulator"); the defaults keep the ideal model of the cluster-scale figures.
     striping: str = "ideal"        # "ideal": a GPU's NICs are one port; "engine": each NIC its own port,
     stripe_threshold: int = 1 << 20  # ... every write cut into the engine's pieces (a write up to this
-    max_piece: int = 16 << 20      # ... stays whole) and each piece put on the next NIC, round robin
+    max_piece: int = 16 << 20      # ... stays whole), each piece on the least loaded NIC
     wire_efficiency: float = 1.0   # payload share of a link's rate (TCP/IPv4 over Ethernet: 1448/1514)
     push_overhead_s: float = 0.0   # per push: grant round trip before the writes, acks after them
 
@@ -321,21 +322,23 @@ def engine_nic_bytes(ops: np.ndarray, nbytes: np.ndarray, src: np.ndarray, nics:
     """Bytes of every op on each of the source's ``nics`` NICs, as the engine places them: a write (a
     2-D write whose rows are apart at the destination: each row) up to ``stripe_threshold`` is one piece,
     a longer one equal pieces (a multiple of the NIC count, 4 KiB aligned, at most ``max_piece``); each
-    piece goes to the next NIC of a counter the source's writes share, in the order it posts them (the
-    plan's). The NIC a source's first piece takes depends on what the engine wrote before (the counter
-    also turns for control writes, and the runtime posts each destination's tail after the rest), so
-    this starts every source at NIC 0: one of the placements the engine can make, not necessarily the
-    one of a given push. Returns shape (ops, nics). ``nbytes``: each op's bytes on the wire."""
+    piece goes to the NIC with the fewest of the destination's bytes placed and not yet finished
+    (``Engine::place``), ties to the next NIC after the pair's last. Modelled as a burst, nothing
+    finishing in between: the least loaded NIC is the one with the fewest bytes placed so far for that
+    (source, destination). Returns shape (ops, nics). ``nbytes``: each op's bytes on the wire. One step
+    per piece (a Python loop): meant for the emulated cluster's plans, not for 1T-parameter ones."""
     n = max(int(nics), 1)
     out = np.zeros((len(ops), n))
     if not len(ops):
         return out
+    dst = ops["dst_rank"].astype(np.int64)
     # Rows that land contiguously (dst_pitch == row_bytes) are packed on the sender and go as one write;
     # rows apart at the destination are one write each (a one-sided write cannot scatter).
     rows = np.maximum(ops["rows"].astype(np.int64), 1)
     rows = np.where(ops["dst_pitch"] == ops["row_bytes"], 1, rows)
     L = np.maximum(np.ceil(nbytes / rows), 1).astype(np.int64)  # bytes per write (row) on the wire
     lim = min(int(stripe_threshold), int(max_piece))
+
     def ceil_div(a: np.ndarray, b: Any) -> np.ndarray:
         return (a + b - 1) // b
 
@@ -343,21 +346,20 @@ def engine_nic_bytes(ops: np.ndarray, nbytes: np.ndarray, src: np.ndarray, nics:
     step = np.where(L <= lim, L, np.minimum(ceil_div(ceil_div(L, count), 4096) * 4096, int(max_piece)))
     m = ceil_div(L, step)  # pieces per row
     last = L - (m - 1) * step
-    pieces = rows * m
-    # the counter at each op's first piece: pieces posted before it by the same source
-    csum = np.cumsum(pieces)
-    first = np.r_[True, src[1:] != src[:-1]]
-    base = np.maximum.accumulate(np.where(first, csum - pieces, 0))
-    start = csum - pieces - base
-    k = np.arange(n)
-    # full-size pieces: piece j of the op is on NIC (start + j) % n
-    cnt = pieces[:, None] // n + (((k[None, :] - start[:, None]) % n) < (pieces % n)[:, None])
-    out += cnt * step[:, None]
-    # each row's last piece is (step - last) bytes shorter: row r's is piece r*m + m - 1
-    for t in range(n):  # rows r = t (mod n) put it on the same NIC
-        r_cnt = rows // n + (t < rows % n)
-        nic = (start + m - 1 + t * m) % n
-        np.add.at(out, (np.arange(len(ops)), nic), -(step - last) * r_cnt)
+    load: dict[tuple[int, int], list[float]] = {}
+    turn: dict[tuple[int, int], int] = {}
+    for i in range(len(ops)):
+        pair = (int(src[i]), int(dst[i]))
+        lo = load.setdefault(pair, [0.0] * n)
+        nxt = turn.get(pair, 0)
+        sizes = [float(step[i])] * (int(m[i]) - 1) + [float(last[i])]
+        for _row in range(int(rows[i])):
+            for size in sizes:
+                k = min(range(n), key=lambda j, lo=lo, nxt=nxt: (lo[j], (j - nxt) % n))
+                lo[k] += size
+                out[i, k] += size
+                nxt = (k + 1) % n
+        turn[pair] = nxt
     # the rows' rounding to whole bytes: scale back to the op's bytes
     tot = out.sum(axis=1)
     return out * (nbytes / np.maximum(tot, 1e-300))[:, None]
