@@ -30,7 +30,10 @@ over TCP loopback at least 5x faster than dense.
 actor), one delta group, the same Adam steps; it prints the sender's encode and the receiver's apply
 seconds per push (what ``PushStats`` reports) and checks the bytes after every push. It is the figure to
 watch while working on weightsync/runtime/delta.py: on a busy CPU the TCP pushes of the full benchmark
-vary by more than the encode does.
+vary by more than the encode does. ``--baseline OLD_DELTA.py`` (for instance
+``git show 426276a:weightsync/runtime/delta.py > /tmp/delta_old.py``) adds a second group whose source
+and destination use that file's delta classes, over the same tensors, pushed in alternating order after
+every step: a before/after comparison under the same load.
 """
 
 from __future__ import annotations
@@ -313,12 +316,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _delta_classes(path: str) -> tuple[Any, Any]:
+    """DeltaSender and DeltaReceiver of a delta module file (an older weightsync/runtime/delta.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_delta_baseline", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod.DeltaSender, mod.DeltaReceiver
+
+
 def micro(args: argparse.Namespace) -> dict[str, Any]:
     """``--micro``: one source and one fused destination in this process; per learning rate and step, the
     push's encode and apply seconds (PushStats) and its changed fraction; the bytes checked after every
-    push."""
+    push. With ``--baseline FILE``, a second group over the same trainer tensors whose source and
+    destination use that file's delta classes; each step pushes both, in alternating order."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import weightsync.runtime.destination as dmod
+    import weightsync.runtime.source as smod
     from scripts.bench_worker import DTYPE, as_ws, local_view, rollout_params
 
     if args.device != "cpu":
@@ -326,72 +345,90 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
         # reports the same encode and apply seconds
         raise SystemExit("--micro runs on CPU (--device cpu); on GPUs run the benchmark without --micro")
     dev = torch.device("cpu")
+    kinds = {"tree": (smod.DeltaSender, dmod.DeltaReceiver)}
+    if args.baseline:
+        kinds["baseline"] = _delta_classes(args.baseline)
+    secret = os.environ.setdefault("WEIGHTSYNC_SECRET", secrets.token_hex(16))
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
-    os.environ.setdefault("WEIGHTSYNC_SECRET", secrets.token_hex(16))
-    name = f"bench-delta-micro-{os.getpid()}"
-    group = ws.Group.create(name, num_sources=1, num_destinations=1)
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "WEIGHTSYNC_SECRET": secret}})
     results: list[dict[str, Any]] = []
-    src = dst = None
+    teams: dict[str, tuple[Any, Any, Any, dict[str, torch.Tensor]]] = {}
     try:
         master, weights = init_weights(args.model, dev)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         params = rollout_params(model_config(args.model), 1, 0)
-        local = {p.key: torch.full(p.shape, float("nan"), dtype=DTYPE, device=dev) for p in params}
-        with ThreadPoolExecutor(2) as ex:
-            fs = ex.submit(ws.Source, name, rank=0, tensors=weights, timeout=300, delta=True)
-            named = {p.key: as_ws(p, local[p.key]) for p in params}
-            fd = ex.submit(ws.Destination, name, rank=0, tensors=named, mode="inplace", timeout=300,
-                           push_timeout=300, delta_bytes=int(nbytes * args.inbox))
-            src, dst = fs.result(timeout=600), fd.result(timeout=600)
+        for kind, (sender, receiver) in kinds.items():
+            # the classes a Source and a Destination take are looked up when they are made
+            smod.DeltaSender, dmod.DeltaReceiver = sender, receiver
+            name = f"bench-delta-micro-{kind}-{os.getpid()}"
+            group = ws.Group.create(name, num_sources=1, num_destinations=1)
+            local = {p.key: torch.full(p.shape, float("nan"), dtype=DTYPE, device=dev) for p in params}
+            teams[kind] = (group, None, None, local)
+            with ThreadPoolExecutor(2) as ex:
+                fs = ex.submit(ws.Source, name, rank=0, tensors=weights, timeout=300, delta=True)
+                named = {p.key: as_ws(p, local[p.key]) for p in params}
+                fd = ex.submit(ws.Destination, name, rank=0, tensors=named, mode="inplace", timeout=300,
+                               push_timeout=300, delta_bytes=int(nbytes * args.inbox))
+                teams[kind] = (group, fs.result(timeout=600), fd.result(timeout=600), local)
+        smod.DeltaSender, dmod.DeltaReceiver = kinds["tree"]
         print(f"micro: {args.model} {nbytes / 1e9:.3f} GB in {len(weights)} tensors on {dev}, 1 source -> 1 "
-              f"fused destination in one process; inbox {args.inbox:.0%} of the model", flush=True)
+              f"fused destination in one process ({', '.join(kinds)}); inbox {args.inbox:.0%} of the model",
+              flush=True)
         gen = torch.Generator(device=dev).manual_seed(2)
 
-        def push(version: int) -> ws.PushStats:
+        def push(kind: str, version: int) -> ws.PushStats:
+            _, src, dst, local = teams[kind]
             stats = ws.push(src, version, timeout=300)
             assert dst.wait(version, timeout=300) == version
             for p in params:
                 for pc in p.pieces:
                     got, want = local_view(local[p.key], pc), weights[pc[0]]
                     if not torch.equal(got.reshape(want.shape).view(torch.int16), want.view(torch.int16)):
-                        raise SystemExit(f"version {version}: {p.key} ({pc[0]}) differs from the source's")
+                        raise SystemExit(f"{kind} version {version}: {p.key} ({pc[0]}) differs from the "
+                                         "source's")
             return stats
 
         version = 1
-        push(version)  # dense: no reference yet
+        for kind in kinds:
+            push(kind, version)  # dense: no reference yet
         for lr in args.lrs:
-            rows = []
+            rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+            fractions = []
             for n in range(args.warmup + args.steps):
                 frac = adam_step(master, weights, gen, lr, dev)
                 version += 1
-                s = push(version)
-                if not s.delta_destinations:
-                    raise SystemExit(f"version {version} was not sent as a delta")
+                for kind in (list(kinds) if n % 2 else list(kinds)[::-1]):
+                    s = push(kind, version)
+                    if not s.delta_destinations:
+                        raise SystemExit(f"{kind} version {version} was not sent as a delta")
+                    if n >= args.warmup:
+                        rows[kind].append({"push_s": s.seconds, "encode_s": s.encode_seconds,
+                                           "apply_s": s.apply_seconds, "wire_bytes": s.wire_bytes})
                 if n >= args.warmup:
-                    rows.append({"changed_fraction": frac, "push_s": s.seconds, "encode_s": s.encode_seconds,
-                                 "apply_s": s.apply_seconds, "wire_bytes": s.wire_bytes,
-                                 "dense_bytes": s.dense_bytes})
-            res = {"lr": lr, "changed_fraction": _med([r["changed_fraction"] for r in rows]),
-                   "push_ms": _med([r["push_s"] for r in rows]) * 1e3,
-                   "encode_ms": _med([r["encode_s"] for r in rows]) * 1e3,
-                   "apply_ms": _med([r["apply_s"] for r in rows]) * 1e3,
-                   "encode_all_ms": [round(r["encode_s"] * 1e3, 1) for r in rows],
-                   "apply_all_ms": [round(r["apply_s"] * 1e3, 1) for r in rows],
-                   "wire_gb": _med([r["wire_bytes"] for r in rows]) / 1e9, "dense_gb": nbytes / 1e9}
-            results.append(res)
-            print(f"  lr {lr:g}: {res['changed_fraction']:.2%} changed; push {res['push_ms']:.1f} ms, encode "
-                  f"{res['encode_ms']:.1f} ms {res['encode_all_ms']}, apply {res['apply_ms']:.1f} ms "
-                  f"{res['apply_all_ms']}; wire {res['wire_gb']:.4f} of {res['dense_gb']:.3f} GB (bytes "
-                  "checked)", flush=True)
+                    fractions.append(frac)
+            for kind, r in rows.items():
+                res = {"lr": lr, "kind": kind, "changed_fraction": _med(fractions),
+                       "push_ms": _med([x["push_s"] for x in r]) * 1e3,
+                       "encode_ms": _med([x["encode_s"] for x in r]) * 1e3,
+                       "apply_ms": _med([x["apply_s"] for x in r]) * 1e3,
+                       "encode_all_ms": [round(x["encode_s"] * 1e3, 1) for x in r],
+                       "apply_all_ms": [round(x["apply_s"] * 1e3, 1) for x in r],
+                       "wire_gb": _med([x["wire_bytes"] for x in r]) / 1e9, "dense_gb": nbytes / 1e9}
+                results.append(res)
+                print(f"  lr {lr:g} {kind}: {res['changed_fraction']:.2%} changed; push "
+                      f"{res['push_ms']:.1f} ms, encode {res['encode_ms']:.1f} ms {res['encode_all_ms']}, "
+                      f"apply {res['apply_ms']:.1f} ms {res['apply_all_ms']}; wire {res['wire_gb']:.4f} of "
+                      f"{res['dense_gb']:.3f} GB (bytes checked)", flush=True)
     finally:
-        for p in (src, dst):
-            if p is not None:
-                p.close()
-        group.shutdown()
+        for group, src, dst, _ in teams.values():
+            for p in (src, dst):
+                if p is not None:
+                    p.close()
+            group.shutdown()
         ray.shutdown()
     return {"micro": True, "device": str(dev), "model": args.model, "model_bytes": nbytes,
-            "steps": args.steps, "results": results, "torch_threads": torch.get_num_threads(),
+            "steps": args.steps, "baseline": args.baseline, "results": results,
+            "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
@@ -410,6 +447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="show the actors' logs")
     ap.add_argument("--micro", action="store_true",
                     help="source and destination in this process: encode and apply seconds only")
+    ap.add_argument("--baseline", default="", help="--micro: also push through a second group using the "
+                    "delta classes of this file (an older weightsync/runtime/delta.py), interleaved")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     for key, on_gpu, on_cpu in (("model", "llama-3-8b", "llama-small"), ("steps", 5, 3)):
