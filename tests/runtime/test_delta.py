@@ -114,6 +114,16 @@ def test_choose_break_even() -> None:
     for k in range(1, n, 9973):  # sparse exactly while smaller than the write
         enc, _ = choose(n, k, w)
         assert (enc == ENC_DENSE) == (min(sparse_sizes(n, k, w).values()) >= n * w)
+    # the push decides for all its writes at once: the same choice
+    from weightsync.runtime.delta import ENC_STREAM, _choose_many
+
+    rng = np.random.default_rng(3)
+    for w in (1, 2, 4, 8):
+        ns = rng.integers(1, 3 * BLOCK, 2000)
+        ks = np.minimum(ns, rng.integers(0, 3 * BLOCK, 2000) // rng.integers(1, 200, 2000))
+        want = [choose(int(n_), int(k_), w)[0] for n_, k_ in zip(ns, ks, strict=True)]
+        want = [e if e in (ENC_EMPTY, ENC_DENSE) else ENC_STREAM for e in want]
+        assert _choose_many(ns, ks, w).tolist() == want
 
 
 def test_placed_and_word() -> None:
