@@ -88,6 +88,10 @@ struct TestHooks {
   // announces (core/announce.hpp): no de-duplication. For benchmarks of what announces cost; the engine
   // still receives announces from others.
   bool cq_data_immediates = false;
+  // A failed path's connection is not aborted when the path fails (as where a lane finds no socket of
+  // its own to abort, or has no connections): its writes stay in flight, unresolved, until the drain
+  // time runs out.
+  bool no_path_abort = false;
 };
 
 // What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) and its

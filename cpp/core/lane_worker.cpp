@@ -526,7 +526,7 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
     // piece). Aborting the connection drops what the kernel still holds for it and makes the provider
     // fail the writes at once; where the lane cannot abort, the writes get longer to resolve, and one
     // that does not is abandoned (its transfer fails, no retry).
-    const bool aborted = lane_->abort_path(peer->paths[index_]);
+    const bool aborted = !engine_->test_hooks().no_path_abort && lane_->abort_path(peer->paths[index_]);
     bool elsewhere = false;  // another NIC could take a retry
     for (size_t j = 0; j < engine_->num_nics(); ++j) {
       if (static_cast<int>(j) != index_ && !peer->path_failed[j].load()) elsewhere = true;
