@@ -90,7 +90,7 @@ struct TestHooks {
   bool cq_data_immediates = false;
   // A failed path's connection is not aborted when the path fails (as where a lane finds no socket of
   // its own to abort, or has no connections): its writes stay in flight, unresolved, until the drain
-  // time runs out.
+  // time runs out (LaneWorker::settle_draining).
   bool no_path_abort = false;
 };
 
@@ -291,9 +291,13 @@ class LaneWorker {
   bool sibling_progressed(const Peer& peer, std::chrono::steady_clock::time_point now) const;
   void handle(const Completion& c);
   void fail_path(Peer* peer, const std::string& why);
-  // The writes still draining on a failed path (past its deadline, or with no NIC left to retry on):
-  // their transfers fail (no retry); `why` empty: outcome unknown.
-  void abandon_draining(uint64_t peer_id, PeerQueue& q, std::string why = {});
+  // The writes still draining on a failed path with no NIC left to retry on: their transfers fail.
+  void abandon_draining(uint64_t peer_id, PeerQueue& q, const std::string& why);
+  // The writes still draining on a failed path when its drain time ran out: the path's connection is
+  // closed for good (Lane::close_path), then each is posted again on another NIC, the same piece (or, one
+  // the provider has not handed back, a copy of it with the same announce name); where the lane has no
+  // connection to close, they stay with the provider until it returns them.
+  void settle_draining(uint64_t peer_id);
   void check_stalls();
   void shutdown_pieces();
   void landing_received(const Completion& c);
@@ -334,7 +338,8 @@ class LaneWorker {
     int eagain_streak = 0;
     int conn_errors = 0;  // connections dropped since the last success: while > 0, one write at a time
     // The path failed with writes in flight: they drain (each completes, or comes back as an error and
-    // is posted again elsewhere) until this deadline; whatever is still out then is abandoned.
+    // is posted again elsewhere) until this deadline; whatever is still out then is settled
+    // (settle_draining).
     std::chrono::steady_clock::time_point drain_deadline{};
     bool ready = false;   // listed in ready_
   };

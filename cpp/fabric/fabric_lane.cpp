@@ -344,21 +344,42 @@ uint64_t FabricLane::insert_peer(const std::string& address) {
 }
 
 uint64_t FabricLane::reset_path(uint64_t peer) {
+  reopen(peer);
+  return peer;
+}
+
+bool FabricLane::reopen(uint64_t& peer) {
   auto it = peer_addresses_.find(peer);
-  if (it == peer_addresses_.end()) return peer;
+  if (it == peer_addresses_.end()) return false;
   const std::string address = it->second;
   reset_peer_side(address);
   // Removing the address closes rxm's connection to it (ops still on it complete with errors); the
   // address inserted again connects afresh on the next post.
   fi_addr_t old = peer;
-  if (fi_av_remove(av_, &old, 1, 0) != 0) return peer;
+  if (fi_av_remove(av_, &old, 1, 0) != 0) return false;
   peer_addresses_.erase(it);
   unclaimed_.erase(peer);
   try {
-    return insert_peer(address);
+    peer = insert_peer(address);
   } catch (const TransportError&) {
-    return old;  // not reachable any more: posting to it fails, and the path with it
+    // not reachable any more: posting to the old handle fails, and the path with it
   }
+  return true;
+}
+
+bool FabricLane::close_path(uint64_t& peer) {
+  // Only rxm runs over connections of its own: tcp;ofi_rxm's are kernel sockets, verbs;ofi_rxm's
+  // reliable-connected QPs (a QP destroyed with its connection sends nothing more, not even
+  // retransmissions). Other RDM providers (efa) have none: their writes stay with the provider.
+  if (provider_.find("ofi_rxm") == std::string::npos) return false;
+  if (tcp_) {
+    // A zero linger first, so that closing the connection resets it and drops what the kernel held.
+    for (int fd : path_sockets(peer)) {
+      linger lg{1, 0};
+      setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    }
+  }
+  return reopen(peer);
 }
 
 namespace {
