@@ -372,13 +372,10 @@ bool FabricLane::close_path(uint64_t& peer) {
   // reliable-connected QPs (a QP destroyed with its connection sends nothing more, not even
   // retransmissions). Other RDM providers (efa) have none: their writes stay with the provider.
   if (provider_.find("ofi_rxm") == std::string::npos) return false;
-  if (tcp_) {
-    // A zero linger first, so that closing the connection resets it and drops what the kernel held.
-    for (int fd : path_sockets(peer)) {
-      linger lg{1, 0};
-      setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
-    }
-  }
+  // Reset first, as abort_path does (zero linger, disconnected under the provider): rxm does not close
+  // its connection on fi_av_remove at once, and a socket closed later without the reset went on
+  // delivering what it held after link-up (seen: bytes of a retried write landed over the next version).
+  if (tcp_) abort_path(peer);
   return reopen(peer);
 }
 
