@@ -23,6 +23,7 @@ Example (4 trainer ranks over 2 hosts -> 2 replicas of TP 2 over 2 hosts, 2 NICs
 
 The last line printed is one JSON object. Needs root (namespaces), iproute2 and Ray. Every namespace and
 process it starts is removed at exit (also on failure); processes are ended by pid only.
+``WSEC_KEEP_LOGS=DIR`` copies the nodes' and actors' logs (engine warnings, failed pushes) to DIR first.
 """
 
 from __future__ import annotations
@@ -439,6 +440,12 @@ class Launched:
         if self.cluster is not None:
             self.cluster.remove()
             self.cluster = None
+        keep = os.environ.get("WSEC_KEEP_LOGS")
+        if keep:
+            # The nodes' and actors' logs (engine warnings, failed pushes' reasons) for a run to look into.
+            shutil.copytree(self.temp, keep, dirs_exist_ok=True, symlinks=True,
+                            ignore=lambda d, names: [n for n in names if not (Path(d, n).is_dir()
+                                                     or n.endswith((".log", ".out", ".err", ".json")))])
         shutil.rmtree(self.temp, ignore_errors=True)
 
 

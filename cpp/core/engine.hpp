@@ -88,6 +88,10 @@ struct TestHooks {
   // announces (core/announce.hpp): no de-duplication. For benchmarks of what announces cost; the engine
   // still receives announces from others.
   bool cq_data_immediates = false;
+  // A failed path's connection is not aborted when the path fails (as where a lane finds no socket of
+  // its own to abort, or has no connections): its writes stay in flight, unresolved, until the drain
+  // time runs out (LaneWorker::settle_draining).
+  bool no_path_abort = false;
 };
 
 // What keeps a region's registrations (NIC MRs, its entry in the live table of the cuda lane) and its
@@ -301,9 +305,13 @@ class LaneWorker {
   bool sibling_progressed(const Peer& peer, std::chrono::steady_clock::time_point now) const;
   void handle(const Completion& c);
   void fail_path(Peer* peer, const std::string& why);
-  // The writes still draining on a failed path (past its deadline, or with no NIC left to retry on):
-  // their transfers fail (no retry); `why` empty: outcome unknown.
-  void abandon_draining(uint64_t peer_id, PeerQueue& q, std::string why = {});
+  // The writes still draining on a failed path with no NIC left to retry on: their transfers fail.
+  void abandon_draining(uint64_t peer_id, PeerQueue& q, const std::string& why);
+  // The writes still draining on a failed path when its drain time ran out: the path's connection is
+  // closed for good (Lane::close_path), then each is posted again on another NIC, the same piece (or, one
+  // the provider has not handed back, a copy of it with the same announce name); where the lane has no
+  // connection to close, they stay with the provider until it returns them.
+  void settle_draining(uint64_t peer_id);
   void check_stalls();
   void shutdown_pieces();
   void landing_received(const Completion& c);
@@ -344,7 +352,8 @@ class LaneWorker {
     int eagain_streak = 0;
     int conn_errors = 0;  // connections dropped since the last success: while > 0, one write at a time
     // The path failed with writes in flight: they drain (each completes, or comes back as an error and
-    // is posted again elsewhere) until this deadline; whatever is still out then is abandoned.
+    // is posted again elsewhere) until this deadline; whatever is still out then is settled
+    // (settle_draining).
     std::chrono::steady_clock::time_point drain_deadline{};
     bool ready = false;   // listed in ready_
   };
@@ -530,6 +539,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void piece_done(Piece* p, int nic);
   // Routes a piece whose path (nic, peer) failed to another NIC, or fails it when none is left.
   void reroute(Piece* p, int failed_nic, const std::string& why);
+  // The piece's bytes leave the NIC load they were charged to (Engine::place): it is done, failed,
+  // abandoned, or about to be placed again.
+  void unload(Piece* p);
   void piece_failed(Piece* p, const std::string& why);
   // A piece whose outcome cannot be learnt (still in the provider on a failed path that could not be
   // aborted): its transfer fails now, without a retry (a retry could be counted twice, and the original
@@ -581,7 +593,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // A data piece's NIC: the healthy one with the least of the peer's bytes placed and not finished
   // (ties: from `hint` on); charges the piece's bytes to it. -1: none healthy.
   int place(Piece* p, uint64_t hint);
-  void unload(Piece* p);  // the piece left its NIC (done, failed, abandoned or moved)
   void send_signals(Piece* copy);
   void group_member_done(Piece* p, bool ok);
   void post_trailer(Piece* t);

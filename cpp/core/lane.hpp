@@ -164,6 +164,17 @@ class Lane {
     (void)peer;
     return false;
   }
+  // Ends the path's connection for good, abortively (zero linger: the kernel drops what it still holds
+  // and resets the connection, where a graceful close would go on delivering it, possibly after a retry
+  // and after later writes to the same place), and closes the endpoint the lane has for it, so the
+  // provider hands back every write still posted on it (error completions, found by the next poll).
+  // `peer` becomes the handle for a fresh connection. true when nothing posted on the old connection can
+  // leave this host any more; false where the lane has no connection of its own to end (connectionless
+  // providers): its writes stay with the provider until it returns them.
+  virtual bool close_path(uint64_t& peer) {
+    (void)peer;
+    return false;
+  }
   // The engine key K that peers must prove at connection set-up (raw bytes; see fabric/peer_auth.hpp),
   // for lanes that authenticate their connections; the others ignore it (their peers are gated by the
   // remote keys handed out through the secret-gated coordinator only).

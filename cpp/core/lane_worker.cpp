@@ -561,9 +561,10 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
     // instead: each one completes (it landed: done, counted once) or comes back as an error (out of the
     // provider, and with the connection aborted, out of the kernel too: posted again elsewhere, the same
     // piece). Aborting the connection drops what the kernel still holds for it and makes the provider
-    // fail the writes at once; where the lane cannot abort, the writes get longer to resolve, and one
-    // that does not is abandoned (its transfer fails, no retry).
-    const bool aborted = lane_->abort_path(peer->paths[index_]);
+    // fail the writes at once; where the lane cannot abort, the writes get longer to resolve. One still
+    // out when the drain time runs out is not given up (that lost the destination's version although
+    // another NIC reached it): settle_draining closes the connection for good and posts it again.
+    const bool aborted = !engine_->test_hooks().no_path_abort && lane_->abort_path(peer->paths[index_]);
     bool elsewhere = false;  // another NIC could take a retry
     for (size_t j = 0; j < engine_->num_nics(); ++j) {
       if (static_cast<int>(j) != index_ && !peer->path_failed[j].load()) elsewhere = true;
@@ -589,15 +590,10 @@ void LaneWorker::fail_path(Peer* peer, const std::string& why) {
   forget_if_idle(peer->id);
 }
 
-void LaneWorker::abandon_draining(uint64_t peer_id, PeerQueue& q, std::string why) {
+void LaneWorker::abandon_draining(uint64_t peer_id, PeerQueue& q, const std::string& why) {
   std::vector<Piece*> left;
   for (Piece* p : outstanding_) {
     if (p->dst->peer->id == peer_id) left.push_back(p);
-  }
-  if (why.empty()) {
-    why = "in flight on NIC " + lane_->nic_name() + " when its path to " + q.peer->label +
-          " failed, and its outcome still unknown " + std::to_string(stall_timeout_.count()) +
-          " s later (not retried: it may still land, and be counted, after a copy)";
   }
   for (Piece* p : left) {
     outstanding_.erase(p);
@@ -608,6 +604,108 @@ void LaneWorker::abandon_draining(uint64_t peer_id, PeerQueue& q, std::string wh
   in_flight_ = outstanding_.size();
   q.outstanding = 0;
   q.drain_deadline = Clock::time_point{};
+}
+
+namespace {
+
+// A piece to post again in place of `old`, which the provider has not handed back (it stays with the
+// worker, stale, until the provider does or the endpoint closes): the same write, the same announce name
+// (so its immediate is counted once whichever copy's announce arrives), its transfer and group counting
+// the copy instead of it. The staging slot moves to the copy, which sends from it.
+Piece* retry_copy(Piece* old) {
+  auto* p = new Piece();
+  p->transfer = old->transfer;
+  p->src = old->src;
+  p->pin = old->pin;
+  p->src_off = old->src_off;
+  p->dst = old->dst;
+  p->dst_off = old->dst_off;
+  p->len = old->len;
+  p->has_imm = old->has_imm;
+  p->imm = old->imm;
+  p->imm_repeat = old->imm_repeat;
+  p->rows = old->rows;
+  p->src_pitch = old->src_pitch;
+  p->dst_pitch = old->dst_pitch;
+  p->delivery = old->delivery;
+  p->group = old->group;
+  p->stage = old->stage;
+  p->stage_slot = old->stage_slot;
+  p->stage_ptr = old->stage_ptr;
+  p->nic = old->nic;
+  p->signals = old->signals;
+  p->tagged = old->tagged;
+  p->fixed_nic = old->fixed_nic;
+  p->announce = old->announce;
+  p->data_done = old->data_done;
+  p->announce_id = old->announce_id;
+  p->announce_span = old->announce_span;
+  old->stage_slot = -1;
+  old->stale = true;
+  return p;
+}
+
+}  // namespace
+
+void LaneWorker::settle_draining(uint64_t peer_id) {
+  auto it = queues_.find(peer_id);
+  if (it == queues_.end() || it->second.peer == nullptr) return;
+  Peer* peer = it->second.peer;
+  it->second.drain_deadline = Clock::time_point{};
+  // Why the writes still out are not simply given up (case 7's first rule, which failed their
+  // transfers): since announces, a piece posted again is counted once whichever copy arrives
+  // (core/announce.hpp), so what a retry must still never allow is the first copy's bytes landing after
+  // it, and after later writes to the same place (the next version). Giving the write up does not stop
+  // that either: the push fails that destination and the next version is written while the bytes may
+  // still be on their way. What stops it is ending the connection: with a zero linger the kernel drops
+  // what it still holds and sends nothing more of it (no retransmission, not after link-up either); what
+  // can still land are bytes already at the peer (its progress places them at once) or in the network
+  // (gone within the links' queueing delay), long before a version pushed after this one. On RDMA NICs
+  // the same holds for a reliable connection that is torn down (its QP flushed or destroyed sends nothing
+  // more; packets in the fabric live for a bounded time); a connectionless provider (EFA SRD) returns
+  // every write itself, done or failed, once its own retransmissions are over, and a write it returned
+  // as failed will not be sent again by it.
+  uint64_t path = peer->paths[index_];
+  if (!lane_->close_path(path)) {
+    // Nothing of ours to end: the provider still owns these writes and returns each of them in the end
+    // (done, or failed and then posted again elsewhere); the caller's timeout bounds the wait.
+    log_warning("NIC " + lane_->nic_name() + ": writes to " + peer->label + " still in flight " +
+                std::to_string(stall_timeout_.count()) +
+                " s after its path failed; the lane cannot end the connection, so they wait for the provider");
+    return;
+  }
+  peer->paths[index_] = path;
+  // The provider hands back what was posted on the closed connection: each such write comes back as an
+  // error and is posted again elsewhere by handle(), as itself.
+  std::vector<Completion> returned;
+  for (int round = 0; round < 8; ++round) {
+    returned.clear();
+    lane_->poll(returned, 256);
+    for (const Completion& c : returned) handle(c);
+    if (returned.empty()) break;
+  }
+  std::vector<Piece*> left;
+  for (Piece* p : outstanding_) {
+    if (p->dst->peer->id == peer_id) left.push_back(p);
+  }
+  const std::string why = "in flight on NIC " + lane_->nic_name() + " when its path to " + peer->label +
+                          " failed, and not handed back when the path's connection was closed";
+  for (Piece* p : left) {
+    // Its connection is gone: nothing of it leaves this host any more, whatever the provider still holds.
+    outstanding_.erase(p);
+    outstanding_bytes_ -= p->posted_len;
+    engine_->unload(p);  // its bytes leave this NIC's load; the copy is placed (and charged) anew
+    Piece* copy = retry_copy(p);
+    stale_.push_back(p);
+    rerouted_++;
+    engine_->reroute(copy, index_, why);
+  }
+  in_flight_ = outstanding_.size();
+  it = queues_.find(peer_id);
+  if (it != queues_.end()) {
+    if (!left.empty()) it->second.outstanding = 0;
+    forget_if_idle(peer_id);
+  }
 }
 
 bool LaneWorker::sibling_progressed(const Peer& peer, Clock::time_point now) const {
@@ -624,11 +722,12 @@ bool LaneWorker::sibling_progressed(const Peer& peer, Clock::time_point now) con
 void LaneWorker::check_stalls() {
   const auto now = Clock::now();
   std::vector<std::pair<Peer*, std::string>> failing;
+  std::vector<uint64_t> overdue;  // failed paths whose drain time ran out with writes still out
   for (auto& [peer_id, q] : queues_) {
     if (q.peer == nullptr) continue;
     if (q.peer->path_failed[index_].load()) {
       if (q.outstanding > 0 && q.drain_deadline != Clock::time_point{} && now > q.drain_deadline) {
-        abandon_draining(peer_id, q);
+        overdue.push_back(peer_id);
       }
       continue;
     }
@@ -662,6 +761,7 @@ void LaneWorker::check_stalls() {
     // back-pressure, not a failure. The writes stay posted; the caller's own timeout bounds the wait.
   }
   for (auto& [peer, why] : failing) fail_path(peer, why);
+  for (uint64_t peer_id : overdue) settle_draining(peer_id);
   probe_failed_paths();
 }
 

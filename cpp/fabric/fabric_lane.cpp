@@ -344,21 +344,39 @@ uint64_t FabricLane::insert_peer(const std::string& address) {
 }
 
 uint64_t FabricLane::reset_path(uint64_t peer) {
+  reopen(peer);
+  return peer;
+}
+
+bool FabricLane::reopen(uint64_t& peer) {
   auto it = peer_addresses_.find(peer);
-  if (it == peer_addresses_.end()) return peer;
+  if (it == peer_addresses_.end()) return false;
   const std::string address = it->second;
   reset_peer_side(address);
   // Removing the address closes rxm's connection to it (ops still on it complete with errors); the
   // address inserted again connects afresh on the next post.
   fi_addr_t old = peer;
-  if (fi_av_remove(av_, &old, 1, 0) != 0) return peer;
+  if (fi_av_remove(av_, &old, 1, 0) != 0) return false;
   peer_addresses_.erase(it);
   unclaimed_.erase(peer);
   try {
-    return insert_peer(address);
+    peer = insert_peer(address);
   } catch (const TransportError&) {
-    return old;  // not reachable any more: posting to it fails, and the path with it
+    // not reachable any more: posting to the old handle fails, and the path with it
   }
+  return true;
+}
+
+bool FabricLane::close_path(uint64_t& peer) {
+  // Only rxm runs over connections of its own: tcp;ofi_rxm's are kernel sockets, verbs;ofi_rxm's
+  // reliable-connected QPs (a QP destroyed with its connection sends nothing more, not even
+  // retransmissions). Other RDM providers (efa) have none: their writes stay with the provider.
+  if (provider_.find("ofi_rxm") == std::string::npos) return false;
+  // Reset first, as abort_path does (zero linger, disconnected under the provider): rxm does not close
+  // its connection on fi_av_remove at once, and a socket closed later without the reset went on
+  // delivering what it held after link-up (seen: bytes of a retried write landed over the next version).
+  if (tcp_) abort_path(peer);
+  return reopen(peer);
 }
 
 namespace {

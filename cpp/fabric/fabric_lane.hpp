@@ -52,9 +52,12 @@ class FabricLane final : public Lane {
   uint64_t reset_path(uint64_t peer) override;
   PathState path_state(uint64_t peer, double window_s) override;
   bool abort_path(uint64_t peer) override;
+  bool close_path(uint64_t& peer) override;
 
   int post_write(const WriteRequest& req) override;
   int post(const WriteRequest& req);  // post_write without claiming a connection it may open
+  // reset_path's work: false where the handle is unknown or the provider kept the address.
+  bool reopen(uint64_t& peer);
   size_t poll(std::vector<Completion>& out, size_t max) override;
   void wait(int timeout_ms) override;
   void signal() override;

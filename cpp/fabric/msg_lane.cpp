@@ -756,6 +756,23 @@ bool FabricMsgLane::abort_path(uint64_t peer) {
   return aborted;
 }
 
+bool FabricMsgLane::close_path(uint64_t& peer) {
+  auto it = conns_.find(peer);
+  if (it == conns_.end()) return false;
+  Conn& c = it->second;
+  // A zero linger on its socket first (where abort_path has not disconnected it already): closing the
+  // endpoint then resets the connection and the kernel drops what it still held instead of sending it
+  // after link-up. The provider fails every write still posted on the endpoint as it closes it (errors
+  // in the CQ, which outlives it); the same handle connects afresh on the next post.
+  for (int fd : conn_sockets(c)) {
+    linger lg{1, 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+  }
+  drop_conn(c, Conn::kIdle, 0, FI_ECANCELED, "the path's connection was closed");
+  c.since = Clock::time_point{};
+  return true;
+}
+
 LaneCaps FabricMsgLane::caps() const {
   LaneCaps c;
   c.is_nic = true;

@@ -60,6 +60,7 @@ class FabricMsgLane final : public Lane {
   uint64_t reset_path(uint64_t peer) override;
   PathState path_state(uint64_t peer, double window_s) override;
   bool abort_path(uint64_t peer) override;
+  bool close_path(uint64_t& peer) override;
   void set_auth_key(const std::string& key) override;
   uint64_t auth_refused() const override { return refused_.load(); }
 

@@ -23,7 +23,7 @@ from typing import Any
 
 POISON = 0xA5
 # Arguments of TransferEngine._for_tests (test-only switches): an engine given one is made by it.
-_TEST_HOOKS = {"stage_host_sources", "land_host_regions", "lose_imm_acks"}
+_TEST_HOOKS = {"stage_host_sources", "land_host_regions", "lose_imm_acks", "no_path_abort"}
 _HEAD = struct.Struct("<I")
 
 

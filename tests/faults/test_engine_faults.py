@@ -238,9 +238,12 @@ class _TwoVersions:
 
     size = 8 * MiB
 
-    def __init__(self, procs: list[EngineProc], hosts: TwoHosts, seeds: tuple[int, int]) -> None:
-        kwargs = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
-        self.tx = _start(procs, netns=hosts.a, **kwargs)
+    def __init__(self, procs: list[EngineProc], hosts: TwoHosts, seeds: tuple[int, int],
+                 tx_hooks: dict[str, object] | None = None, provider: str | None = None) -> None:
+        kwargs: dict[str, object] = {"nics": hosts.nic_names, "stall_timeout": 1.0, "max_piece": 4 * MiB}
+        if provider is not None:
+            kwargs["provider"] = provider
+        self.tx = _start(procs, netns=hosts.a, **kwargs, **(tx_hooks or {}))
         self.rx = _start(procs, netns=hosts.b, **kwargs)
         self.v1, _ = self.tx.call("alloc", size=self.size, seed=seeds[0])
         self.v2, _ = self.tx.call("alloc", size=self.size, seed=seeds[1])
@@ -334,6 +337,47 @@ def test_piece_cut_off_mid_write_is_retried_once_and_never_lands_late(procs) -> 
             time.sleep(0.5)
         if pair.failed_paths() != [False, False]:
             failures.append("NIC 1 not restored 20 s after link-up")
+        assert not failures, f"{failures}; failed_paths {pair.failed_paths()}"
+    finally:
+        _close(procs, hosts)
+
+
+@pytest.mark.timeout(90)
+@needs_netns
+@pytest.mark.parametrize("provider", ["tcp", "tcp;ofi_rxm"], ids=["tcp", "rxm"])
+def test_piece_unresolved_after_the_drain_time_is_retried_and_never_lands_late(procs, provider: str) -> None:
+    """NIC 1 (slow) goes down while its 4 MiB piece of version 1 is partly sent, and its connection is
+    not aborted when the path fails (test hook ``no_path_abort``: as where a lane finds no socket of its
+    own to abort), so the piece is still in flight, unresolved, when the drain time runs out. That
+    piece used to be given up (its transfer failed, never retried: a push lost the destination although
+    NIC 0 reached it; the emulated cluster's NIC cut). It must be retried on NIC 0 once its connection is
+    closed for good, and then: version 1 completes, counted exactly imm_count times, with all its bytes
+    in place; and once version 2 completed and NIC 1 came back up, nothing of version 1 that the old
+    connection held lands over it (a graceful close would deliver it after link-up). Both TCP lanes: the
+    authenticated MSG lane and rxm (which did not close its connection on its own in time: version 1's
+    bytes landed over version 2 until the lane reset the socket first)."""
+    hosts = TwoHosts(rates_mbit=[400, 16], prefix="wsf", latency_ms=400).create()
+    try:
+        pair = _TwoVersions(procs, hosts, (75, 76), tx_hooks={"no_path_abort": True},
+                            provider=provider)
+        t, n1 = pair.write(pair.v1, imm=1)
+        time.sleep(0.5)  # NIC 1 has sent about a quarter of its piece
+        hosts.set_link(1, up=False)
+        try:
+            pair.tx.call("wait", transfer=t, timeout=30)
+        except ProcError as exc:
+            pytest.fail(f"version 1 failed although NIC 0 reaches the peer: {exc}")
+        pair.rx.call("counter_wait", imm=1, n=n1, timeout=30)
+        v1_at_target = pair.received()
+        assert pair.failed_paths() == [False, True]
+
+        t, n2 = pair.write(pair.v2, imm=2)
+        pair.tx.call("wait", transfer=t, timeout=30)
+        pair.rx.call("counter_wait", imm=2, n=n2, timeout=30)
+        hosts.set_link(1, up=True)
+        time.sleep(4.0)  # whatever the old connection still held would have landed by now
+
+        failures = pair.once_and_never_late(v1_at_target, n1)
         assert not failures, f"{failures}; failed_paths {pair.failed_paths()}"
     finally:
         _close(procs, hosts)

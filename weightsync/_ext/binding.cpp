@@ -257,7 +257,8 @@ NB_MODULE(_core, m) {
       .def_rw("stage_host_sources", &ws::TestHooks::stage_host_sources)
       .def_rw("land_host_regions", &ws::TestHooks::land_host_regions)
       .def_rw("lose_imm_acks", &ws::TestHooks::lose_imm_acks)
-      .def_rw("cq_data_immediates", &ws::TestHooks::cq_data_immediates);
+      .def_rw("cq_data_immediates", &ws::TestHooks::cq_data_immediates)
+      .def_rw("no_path_abort", &ws::TestHooks::no_path_abort);
 
   nb::class_<ws::Engine>(m, "Engine")
       .def_static(

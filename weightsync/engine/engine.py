@@ -442,7 +442,8 @@ class TransferEngine:
 
     @classmethod
     def _for_tests(cls, *args: Any, stage_host_sources: bool = False, land_host_regions: bool = False,
-                   lose_imm_acks: int = 0, cq_data_immediates: bool = False, **kwargs: Any) -> TransferEngine:
+                   lose_imm_acks: int = 0, cq_data_immediates: bool = False, no_path_abort: bool = False,
+                   **kwargs: Any) -> TransferEngine:
         """An engine with the test-only switches of the C++ ``TestHooks`` (never for production):
         ``stage_host_sources`` keeps host sources off the NICs and stages them like GPU memory without
         FI_HMEM (copied with memcpy); ``land_host_regions`` makes host regions landing regions (the ring
@@ -451,12 +452,15 @@ class TransferEngine:
         this engine as failed on their NIC (an acknowledgement lost with a link), so they are retried on
         another NIC. ``cq_data_immediates``: this engine's writes carry their immediates as remote CQ data
         of the write, without announces (no de-duplication; for benchmarks of what announces cost).
-        Other arguments are ``TransferEngine``'s."""
+        ``no_path_abort``: a NIC path that fails keeps its connection (as where a lane finds no socket to
+        abort), so its writes stay unresolved until the drain time runs out. Other arguments are
+        ``TransferEngine``'s."""
         hooks = _ext.TestHooks()
         hooks.stage_host_sources = bool(stage_host_sources)
         hooks.land_host_regions = bool(land_host_regions)
         hooks.lose_imm_acks = int(lose_imm_acks)
         hooks.cq_data_immediates = bool(cq_data_immediates)
+        hooks.no_path_abort = bool(no_path_abort)
         return cls(*args, _test_hooks=hooks, **kwargs)
 
     # --- identity -----------------------------------------------------------------------------------
