@@ -297,10 +297,6 @@ class LaneWorker {
   void mark_ready(uint64_t peer_id, PeerQueue& q);
   void forget_if_idle(uint64_t peer_id);
   bool window_full(uint64_t next_len) const;
-  // The bytes this NIC may have posted and unfinished: window_bytes, less on a slow link (see drained).
-  uint64_t window_cap() const;
-  // Bytes of data placed by a completion: the NIC's drain rate, measured while it is busy.
-  void drained(uint64_t bytes, std::chrono::steady_clock::time_point now);
   // Whether another NIC's path to `peer` completed a write within the stall timeout.
   bool sibling_progressed(const Peer& peer, std::chrono::steady_clock::time_point now) const;
   void handle(const Completion& c);
@@ -363,10 +359,6 @@ class LaneWorker {
   std::unordered_set<Piece*> outstanding_;
   std::vector<Piece*> stale_;  // given-up pieces the provider may still complete
   uint64_t outstanding_bytes_ = 0;
-  // Drain rate of this NIC (bytes/s, 0: not measured yet), from completions while it had bytes out.
-  double drain_bps_ = 0.0;
-  std::chrono::steady_clock::time_point drain_mark_{};  // start of the current measurement (zero: idle)
-  uint64_t drain_bytes_ = 0;
   std::chrono::steady_clock::time_point last_stall_check_{};
 
   // Landing ring (fabric NICs). Receives match messages in the order they were posted, and buffers

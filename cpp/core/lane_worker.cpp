@@ -13,15 +13,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int kIdleWaitMs = 20;  // longest an idle worker sleeps before looking at its queues again
 constexpr auto kStallCheckEvery = std::chrono::milliseconds(50);
-// A NIC keeps at most about this much of its own drain time posted. An announce (the immediate of a
-// piece, sent once the piece's bytes are placed) waits behind whatever is posted on its connection
-// before it: with the whole 64 MiB window posted on a 100 Mbit/s link, every immediate of a push arrived
-// at its very end, and a relay chain could forward nothing before its head had everything. Far above
-// any link's round trip, so the window still covers the bandwidth-delay product.
-constexpr double kQueueTargetS = 0.02;
-constexpr uint64_t kMinWindowBytes = 1ull << 20;      // never less (a slow start must still pipeline)
-constexpr uint64_t kInitialWindowBytes = 4ull << 20;  // before the first measurement
-constexpr auto kDrainSample = std::chrono::milliseconds(10);
 }  // namespace
 
 LaneWorker::LaneWorker(Engine* engine, int index, std::unique_ptr<Lane> lane,
@@ -205,25 +196,7 @@ void LaneWorker::forget_if_idle(uint64_t peer_id) {
 
 bool LaneWorker::window_full(uint64_t next_len) const {
   return outstanding_.size() >= window_ops_ ||
-         (outstanding_bytes_ > 0 && outstanding_bytes_ + next_len > window_cap());
-}
-
-uint64_t LaneWorker::window_cap() const {
-  if (!caps_.is_nic) return window_bytes_;  // copy engines: no announces queue behind their copies
-  if (drain_bps_ <= 0.0) return std::min(window_bytes_, kInitialWindowBytes);
-  const auto by_rate = static_cast<uint64_t>(drain_bps_ * kQueueTargetS);
-  return std::min(window_bytes_, std::max(kMinWindowBytes, by_rate));
-}
-
-void LaneWorker::drained(uint64_t bytes, Clock::time_point now) {
-  if (drain_mark_ == Clock::time_point{}) return;  // not posted since idle (cannot happen)
-  drain_bytes_ += bytes;
-  const auto dt = now - drain_mark_;
-  if (dt < kDrainSample) return;
-  const double sample = double(drain_bytes_) / std::chrono::duration<double>(dt).count();
-  drain_bps_ = drain_bps_ > 0.0 ? 0.75 * drain_bps_ + 0.25 * sample : sample;
-  drain_mark_ = now;
-  drain_bytes_ = 0;
+         (outstanding_bytes_ > 0 && outstanding_bytes_ + next_len > window_bytes_);
 }
 
 void LaneWorker::post_pending() {
@@ -338,10 +311,6 @@ bool LaneWorker::post_queue(PeerQueue& q, Clock::time_point now) {
     }
     p->nic = index_;
     p->posted_len = p->announce_slot >= 0 ? 0 : p->len;
-    if (outstanding_bytes_ == 0 && p->posted_len > 0 && drain_mark_ == Clock::time_point{}) {
-      drain_mark_ = now;  // busy from here: what completes from now on measures the drain rate
-      drain_bytes_ = 0;
-    }
     outstanding_.insert(p);
     outstanding_bytes_ += p->posted_len;
     in_flight_ = outstanding_.size();
@@ -455,8 +424,6 @@ void LaneWorker::handle(const Completion& completion) {
       peer->path_progress_ns[index_] =
           std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
     }
-    if (caps_.is_nic && p->len > 0 && !p->data_done) drained(p->len, now);
-    if (outstanding_bytes_ == 0) drain_mark_ = Clock::time_point{};  // idle: the gap is no drain time
     if (p->announce && !p->data_done) {
       // Its bytes are placed: now its immediate, as an announce, next on this path (a landing piece's
       // announce must follow its bytes through this NIC's ring at the receiver).
