@@ -531,9 +531,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void piece_done(Piece* p, int nic);
   // Routes a piece whose path (nic, peer) failed to another NIC, or fails it when none is left.
   void reroute(Piece* p, int failed_nic, const std::string& why);
-  // The piece's bytes leave the NIC load they were charged to (Engine::place): it is done, failed,
-  // abandoned, or about to be placed again.
-  void unload(Piece* p);
   void piece_failed(Piece* p, const std::string& why);
   // A piece whose outcome cannot be learnt (still in the provider on a failed path that could not be
   // aborted): its transfer fails now, without a retry (a retry could be counted twice, and the original
@@ -585,6 +582,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // A data piece's NIC: the healthy one with the least of the peer's bytes placed and not finished
   // (ties: from `hint` on); charges the piece's bytes to it. -1: none healthy.
   int place(Piece* p, uint64_t hint);
+  // The piece's bytes leave the NIC load they were charged to (place): it is done, failed, abandoned,
+  // or about to be placed again.
+  void unload(Piece* p);
   void send_signals(Piece* copy);
   void group_member_done(Piece* p, bool ok);
   void post_trailer(Piece* t);

@@ -578,36 +578,21 @@ namespace {
 // A piece to post again in place of `old`, which the provider has not handed back (it stays with the
 // worker, stale, until the provider does or the endpoint closes): the same write, the same announce name
 // (so its immediate is counted once whichever copy's announce arrives), its transfer and group counting
-// the copy instead of it. The staging slot moves to the copy, which sends from it.
+// the copy instead of it. What belongs to the old posting (the provider's context, its place in a
+// queue, its announce buffer and window bytes, its connection errors) starts afresh; the staging slot
+// and the NIC load its bytes were charged to move to the copy, which sends from the slot and is placed
+// again.
 Piece* retry_copy(Piece* old) {
-  auto* p = new Piece();
-  p->transfer = old->transfer;
-  p->src = old->src;
-  p->pin = old->pin;
-  p->src_off = old->src_off;
-  p->dst = old->dst;
-  p->dst_off = old->dst_off;
-  p->len = old->len;
-  p->has_imm = old->has_imm;
-  p->imm = old->imm;
-  p->imm_repeat = old->imm_repeat;
-  p->rows = old->rows;
-  p->src_pitch = old->src_pitch;
-  p->dst_pitch = old->dst_pitch;
-  p->delivery = old->delivery;
-  p->group = old->group;
-  p->stage = old->stage;
-  p->stage_slot = old->stage_slot;
-  p->stage_ptr = old->stage_ptr;
-  p->nic = old->nic;
-  p->signals = old->signals;
-  p->tagged = old->tagged;
-  p->fixed_nic = old->fixed_nic;
-  p->announce = old->announce;
-  p->data_done = old->data_done;
-  p->announce_id = old->announce_id;
-  p->announce_span = old->announce_span;
+  auto* p = new Piece(*old);
+  p->tctx = LaneContext{};
+  p->stale = false;
+  p->seq = 0;
+  p->conn_errors = 0;
+  p->announce_slot = -1;
+  p->posted_len = 0;
   old->stage_slot = -1;
+  old->load_nic = -1;
+  old->load_bytes = 0;
   old->stale = true;
   return p;
 }
@@ -661,7 +646,6 @@ void LaneWorker::settle_draining(uint64_t peer_id) {
     // Its connection is gone: nothing of it leaves this host any more, whatever the provider still holds.
     outstanding_.erase(p);
     outstanding_bytes_ -= p->posted_len;
-    engine_->unload(p);  // its bytes leave this NIC's load; the copy is placed (and charged) anew
     Piece* copy = retry_copy(p);
     stale_.push_back(p);
     rerouted_++;
