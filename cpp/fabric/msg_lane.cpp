@@ -344,16 +344,22 @@ uint64_t FabricMsgLane::reset_path(uint64_t peer) {
   return peer;
 }
 
+int FabricMsgLane::open_endpoint(fi_info* info, fid_ep** ep) {
+  *ep = nullptr;
+  int rc = fi_endpoint(domain_fid_, info, ep, nullptr);
+  if (rc == 0) rc = fi_ep_bind(*ep, &eq_->fid, 0);
+  if (rc == 0) rc = fi_ep_bind(*ep, &cq_->fid, FI_TRANSMIT | FI_RECV);
+  if (rc == 0) rc = fi_ep_bind(*ep, &srx_->fid, 0);
+  if (rc == 0) rc = fi_enable(*ep);
+  return rc;
+}
+
 void FabricMsgLane::start_connect(uint64_t handle, Conn& c) {
   std::string sa;
   std::array<uint8_t, 16> server_id{};
   split_address(c.address, &sa, &server_id);  // checked by insert_peer
   fid_ep* ep = nullptr;
-  int rc = fi_endpoint(domain_fid_, info_, &ep, nullptr);
-  if (rc == 0) rc = fi_ep_bind(ep, &eq_->fid, 0);
-  if (rc == 0) rc = fi_ep_bind(ep, &cq_->fid, FI_TRANSMIT | FI_RECV);
-  if (rc == 0) rc = fi_ep_bind(ep, &srx_->fid, 0);
-  if (rc == 0) rc = fi_enable(ep);
+  int rc = open_endpoint(info_, &ep);
   if (rc == 0) {
     c.request = auth_.make_request(0, lane_id_, server_id, sa);
     const std::string data = c.request.pack();
@@ -396,11 +402,7 @@ void FabricMsgLane::on_connreq(fi_eq_cm_entry* entry, size_t len) {
   } else {
     // Authenticated: only now does the peer get an endpoint, bound to the shared receives.
     fid_ep* ep = nullptr;
-    int rc = fi_endpoint(domain_fid_, info, &ep, nullptr);
-    if (rc == 0) rc = fi_ep_bind(ep, &eq_->fid, 0);
-    if (rc == 0) rc = fi_ep_bind(ep, &cq_->fid, FI_TRANSMIT | FI_RECV);
-    if (rc == 0) rc = fi_ep_bind(ep, &srx_->fid, 0);
-    if (rc == 0) rc = fi_enable(ep);
+    int rc = open_endpoint(info, &ep);
     if (rc == 0) {
       const std::string proof = auth_.server_proof(req, lane_id_);
       rc = fi_accept(ep, proof.data(), proof.size());

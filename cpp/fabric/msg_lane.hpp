@@ -92,6 +92,10 @@ class FabricMsgLane final : public Lane {
   void on_connreq(fi_eq_cm_entry* entry, size_t len);
   void refuse(fi_info* info, AuthRefusal why);
   void start_connect(uint64_t handle, Conn& c);
+  // An endpoint for `info` (ours to connect, or a peer's request to accept), bound to the event queue,
+  // the completion queue and the shared receives, and enabled. 0 or a libfabric error; *ep is set when
+  // one was made (the caller closes it on error).
+  int open_endpoint(fi_info* info, fid_ep** ep);
   // Closes the connection's endpoint (its posted writes come back as errors from the provider) and fails
   // the writes still queued for it with `queued_error` (an FI_E* code) and `why`.
   void drop_conn(Conn& c, Conn::State state, int error, int queued_error = FI_ECANCELED,
