@@ -415,6 +415,8 @@ class Launched:
         return p
 
     def close(self) -> None:
+        from tests.support.peer import pid_alive
+
         # Everything running in our namespaces was started by this run (Ray's raylets, workers, GCS).
         pids: set[int] = set()
         if self.cluster is not None:
@@ -429,7 +431,7 @@ class Launched:
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + 5
-            while sig == signal.SIGTERM and time.monotonic() < deadline and any(_alive(p) for p in pids):
+            while sig == signal.SIGTERM and time.monotonic() < deadline and any(pid_alive(p) for p in pids):
                 time.sleep(0.1)
         for p in self.procs:
             try:
@@ -447,14 +449,6 @@ class Launched:
                             ignore=lambda d, names: [n for n in names if not (Path(d, n).is_dir()
                                                      or n.endswith((".log", ".out", ".err", ".json")))])
         shutil.rmtree(self.temp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _ray_bin() -> str:

@@ -24,6 +24,7 @@ import torch
 
 import weightsync as ws
 from tests.faults._group_procs import Rollout, Trainer, differs, row_versions, version_tensors
+from tests.support.peer import pid_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -86,11 +87,7 @@ def _kill_and_wait(actor: Any) -> None:
     pid = ray.get(actor.pid.remote(), timeout=30)
     ray.kill(actor)
     deadline = time.monotonic() + 30
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    while pid_alive(pid):
         assert time.monotonic() < deadline, f"process {pid} still runs"
         time.sleep(0.05)
 

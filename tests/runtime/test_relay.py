@@ -13,6 +13,7 @@ import torch
 
 import weightsync as ws
 from tests.runtime.group_actors import ReplicaRollout, ReplicaTrainer, replica_tensors
+from tests.support.peer import pid_alive
 from weightsync.plan.lower import split_writes
 from weightsync.plan.writes import K_DATA, K_GATHER, WRITE_DTYPE
 
@@ -103,14 +104,6 @@ def test_relay_off_and_auto_direct(ray_cluster) -> None:
         _stop(group, trainers + rollouts)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_relay_dead_member_is_dropped_and_the_rest_of_the_chain_completes(ray_cluster) -> None:
     """A replica in the middle of the chain dies during a push: the source names it, the coordinator
     re-plans without it, and the next push reaches every member of the new plan whole."""
@@ -121,7 +114,7 @@ def test_relay_dead_member_is_dropped_and_the_rest_of_the_chain_completes(ray_cl
         pid = ray.get(rollouts[1].__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
         ray.kill(rollouts[1])
         deadline = time.monotonic() + 30
-        while _alive(pid):  # the process gone (not only marked dead) before the push starts
+        while pid_alive(pid):  # the process gone (not only marked dead) before the push starts
             assert time.monotonic() < deadline, f"replica 1 (pid {pid}) still runs"
             time.sleep(0.05)
         stats = ray.get(trainers[0].push.remote(1, 12.0), timeout=60)  # > the engine stall timeout (5 s)

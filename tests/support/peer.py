@@ -37,6 +37,15 @@ def _write(stream: Any, obj: Any) -> None:
     stream.flush()
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a zombie counts until reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def digest(buf: np.ndarray) -> str:
     return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
 
