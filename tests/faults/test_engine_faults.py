@@ -263,6 +263,29 @@ class _TwoVersions:
     def failed_paths(self) -> list[bool]:
         return self.tx.call("failed_paths", peer=self.peer)
 
+    def cut_mid_v1_then_v2(self, hosts: TwoHosts) -> tuple[str, int]:
+        """Version 1 written, NIC 1 set down while its piece is partly sent, version 1 must still
+        complete (NIC 0 reaches the peer) with NIC 1's path failed; then version 2 written, NIC 1 set up
+        again, and time for whatever the old connection still held to land. Returns what the receiver
+        held when version 1's counter reached its target, and version 1's imm_count."""
+        t, n1 = self.write(self.v1, imm=1)
+        time.sleep(0.5)  # NIC 1 has sent about a quarter of its piece
+        hosts.set_link(1, up=False)
+        try:
+            self.tx.call("wait", transfer=t, timeout=30)
+        except ProcError as exc:
+            pytest.fail(f"version 1 failed although NIC 0 reaches the peer: {exc}")
+        self.rx.call("counter_wait", imm=1, n=n1, timeout=30)
+        v1_at_target = self.received()
+        assert self.failed_paths() == [False, True]
+
+        t, n2 = self.write(self.v2, imm=2)
+        self.tx.call("wait", transfer=t, timeout=30)
+        self.rx.call("counter_wait", imm=2, n=n2, timeout=30)
+        hosts.set_link(1, up=True)
+        time.sleep(4.0)  # whatever the old connection still held would have landed by now
+        return v1_at_target, n1
+
     def once_and_never_late(self, v1_at_target: str, n1: int) -> list[str]:
         """What case 7 requires once version 2 completed and the slow NIC had time to drain: version 1's
         counter reached its target only with all its bytes in place, it got exactly imm_count
@@ -315,20 +338,7 @@ def test_piece_cut_off_mid_write_is_retried_once_and_never_lands_late(procs) -> 
     hosts = TwoHosts(rates_mbit=[400, 16], prefix="wsf", latency_ms=400).create()
     try:
         pair = _TwoVersions(procs, hosts, (73, 74))
-        t, n1 = pair.write(pair.v1, imm=1)
-        time.sleep(0.5)  # NIC 1 has sent about a quarter of its piece
-        hosts.set_link(1, up=False)
-        pair.tx.call("wait", transfer=t, timeout=30)
-        pair.rx.call("counter_wait", imm=1, n=n1, timeout=30)
-        v1_at_target = pair.received()
-        assert pair.failed_paths() == [False, True]
-
-        t, n2 = pair.write(pair.v2, imm=2)
-        pair.tx.call("wait", transfer=t, timeout=30)
-        pair.rx.call("counter_wait", imm=2, n=n2, timeout=30)
-        hosts.set_link(1, up=True)
-        time.sleep(4.0)  # whatever the old connection still held would have landed by now
-
+        v1_at_target, n1 = pair.cut_mid_v1_then_v2(hosts)
         failures = pair.once_and_never_late(v1_at_target, n1)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and pair.failed_paths() != [False, False]:
@@ -360,23 +370,7 @@ def test_piece_unresolved_after_the_drain_time_is_retried_and_never_lands_late(p
     try:
         pair = _TwoVersions(procs, hosts, (75, 76), tx_hooks={"no_path_abort": True},
                             provider=provider)
-        t, n1 = pair.write(pair.v1, imm=1)
-        time.sleep(0.5)  # NIC 1 has sent about a quarter of its piece
-        hosts.set_link(1, up=False)
-        try:
-            pair.tx.call("wait", transfer=t, timeout=30)
-        except ProcError as exc:
-            pytest.fail(f"version 1 failed although NIC 0 reaches the peer: {exc}")
-        pair.rx.call("counter_wait", imm=1, n=n1, timeout=30)
-        v1_at_target = pair.received()
-        assert pair.failed_paths() == [False, True]
-
-        t, n2 = pair.write(pair.v2, imm=2)
-        pair.tx.call("wait", transfer=t, timeout=30)
-        pair.rx.call("counter_wait", imm=2, n=n2, timeout=30)
-        hosts.set_link(1, up=True)
-        time.sleep(4.0)  # whatever the old connection still held would have landed by now
-
+        v1_at_target, n1 = pair.cut_mid_v1_then_v2(hosts)
         failures = pair.once_and_never_late(v1_at_target, n1)
         assert not failures, f"{failures}; failed_paths {pair.failed_paths()}"
     finally:
