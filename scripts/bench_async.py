@@ -84,6 +84,69 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.current_stream(dev).synchronize()
 
 
+class ClockSampler:
+    """The GPU's SM clock, power draw and clock-limit reasons, sampled every ``period`` seconds by NVML
+    while a mode runs: a step slowed by a push under it at the same kernel count is either waiting for
+    memory (clock unchanged) or running at a lower clock (power or thermal limit). Inert where NVML is
+    missing (CPU runs)."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        import threading
+
+        self.period = period
+        self.samples: list[tuple[float, float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handle = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            props = torch.cuda.get_device_properties(0)
+            bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+        except Exception:  # no NVML (CPU) or an older torch without PCI ids: no samples
+            self._handle = None
+
+    def start(self) -> None:
+        import threading
+
+        self.samples = []
+        if self._handle is None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        nv, h = self._nvml, self._handle
+        while not self._stop.wait(self.period):
+            try:
+                reasons = nv.nvmlDeviceGetCurrentClocksEventReasons(h)
+            except Exception:
+                reasons = 0
+            self.samples.append((float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                                 nv.nvmlDeviceGetPowerUsage(h) / 1e3, int(reasons)))
+
+    def stop(self) -> dict[str, Any]:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+        if not self.samples:
+            return {}
+        nv = self._nvml
+        power_cap = getattr(nv, "nvmlClocksEventReasonSwPowerCap", 0x4)
+        thermal = getattr(nv, "nvmlClocksEventReasonSwThermalSlowdown", 0x20) | \
+            getattr(nv, "nvmlClocksEventReasonHwSlowdown", 0x8)
+        n = len(self.samples)
+        return {"sm_mhz": statistics.median(s[0] for s in self.samples),
+                "power_w": statistics.median(s[1] for s in self.samples),
+                "power_capped": sum(1 for s in self.samples if s[2] & power_cap) / n,
+                "thermal_or_hw": sum(1 for s in self.samples if s[2] & thermal) / n, "samples": n}
+
+
 class Trainer:
     """Holds the whole model (the source's tensors) and trains its first ``layers`` decoder layers."""
 
@@ -114,6 +177,7 @@ class Trainer:
         self.src.guard(self.optimizer)  # no step can change the weights under a push
         self.version = 0
         self.handle: ws.PushHandle | None = None
+        self.clocks = ClockSampler() if self.dev.type == "cuda" else None
 
     def info(self) -> dict[str, Any]:
         out = {"bytes": sum(t.numel() * t.element_size() for t in self.weights.values()),
@@ -156,12 +220,20 @@ class Trainer:
     # -- the three modes --------------------------------------------------------------------------------
     def run(self, mode: str, steps: int, warmup: int) -> dict[str, Any]:
         """``steps`` timed steps (after ``warmup``) of ``mode``: none, blocking or async."""
-        step_s, push_s, wait_s, cpu_s = [], [], [], []
+        step_s, push_s, wait_s, cpu_s, fb_gpu_s = [], [], [], [], []
+        cuda = self.dev.type == "cuda"
         for n in range(warmup + steps):
             _sync(self.dev)
+            if n == warmup and self.clocks is not None:
+                self.clocks.start()
             t0 = time.perf_counter()
             c0 = time.process_time()  # every thread of the process: the push's included
+            if cuda:  # the forward and backward's own time on the GPU, from its first kernel to its last
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record()
             self._forward_backward()
+            if cuda:
+                ev[1].record()
             waited = 0.0
             if mode == "async" and self.handle is not None:
                 _sync(self.dev)  # backward done: what follows is the trainer stalling on the push
@@ -184,12 +256,15 @@ class Trainer:
                 step_s.append(time.perf_counter() - t0)
                 cpu_s.append(time.process_time() - c0)
                 wait_s.append(waited)
+                if cuda:
+                    fb_gpu_s.append(ev[0].elapsed_time(ev[1]) / 1e3)  # synchronized above
+        clocks = self.clocks.stop() if self.clocks is not None else {}
         if self.handle is not None:  # the last push: waited for outside the timed steps
             stats = self.handle.wait(timeout=120)
             self.handle = None
             push_s.append(stats.seconds)
         return {"mode": mode, "version": self.version, "step_s": step_s, "push_s": push_s, "wait_s": wait_s,
-                "cpu_s": cpu_s}
+                "cpu_s": cpu_s, "fb_gpu_s": fb_gpu_s, "clocks": clocks}
 
     def push(self) -> int:
         """One blocking push of the current weights (the warm-up: opens the IPC handles); its version."""
@@ -261,8 +336,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for mode in ("none", "blocking", "async", "none"):  # "none" twice: the baseline drifts otherwise
             r = ray.get(trainer.run.remote(mode, args.steps, args.warmup), timeout=1800)
             if mode == "none" and mode in results:
-                results[mode]["step_s"] += r["step_s"]
-                results[mode]["cpu_s"] += r["cpu_s"]
+                for key in ("step_s", "cpu_s", "fb_gpu_s"):
+                    results[mode][key] += r[key]
             else:
                 results[mode] = r
             if mode != "none":
@@ -276,6 +351,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   (f"  push {_ms(r['push_s']):7.2f} ms" if r["push_s"] else "") +
                   (f"  wait {_ms(r['wait_s']):7.3f} ms (max {max(r['wait_s']) * 1e3:.3f})"
                    if mode == "async" else "") + ("  (bytes checked)" if mode != "none" else ""), flush=True)
+            c = r["clocks"]
+            if r["fb_gpu_s"]:
+                print(f"  {'':9s} forward+backward on the GPU {_ms(r['fb_gpu_s']):8.2f} ms" +
+                      (f"; SM clock {c['sm_mhz']:.0f} MHz, power {c['power_w']:.0f} W, power-capped "
+                       f"{c['power_capped'] * 100:.0f}% of {c['samples']} samples, thermal/hw slowdown "
+                       f"{c['thermal_or_hw'] * 100:.0f}%" if c else ""), flush=True)
     finally:
         for a in actors:
             try:
@@ -296,6 +377,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "wait_ms": _ms(overlapped["wait_s"]), "wait_max_ms": max(overlapped["wait_s"]) * 1e3,
         "cpu_none_ms": _ms(none["cpu_s"]), "cpu_blocking_ms": _ms(blocking["cpu_s"]),
         "cpu_async_ms": _ms(overlapped["cpu_s"]),
+        "fb_gpu_none_ms": _ms(none["fb_gpu_s"]), "fb_gpu_blocking_ms": _ms(blocking["fb_gpu_s"]),
+        "fb_gpu_async_ms": _ms(overlapped["fb_gpu_s"]),
+        "clocks": {mode: r["clocks"] for mode, r in results.items()},
         "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
     }
     out["wait_over_blocking_push"] = out["wait_ms"] / out["push_blocking_ms"]
