@@ -30,6 +30,21 @@ each run), so a run that moves wrong bytes fails instead of reporting a figure. 
 JSON line, and with ``--out DIR`` bench_push.md, bench_push.json and bench_push.png. ``--device cpu``
 runs the same code on CPU actors (gloo, TCP loopback; tiny shapes by default) to check it without GPUs.
 
+``--delta-lr LR`` (issue 21: 1e-6) adds, per scenario right after its weightsync push, the same scenario
+as delta pushes: a group of its own with ``ws.Source(delta=True)`` trainers and rollouts with a delta inbox
+(``--delta-inbox``, a fraction of the rollout's bytes); one warm-up push (dense: no reference yet), then per
+push one Adam step on the trainers (fp32 masters, ``0.02 * randn`` initially; torch.optim.Adam's first
+step on random gradients, as scripts/bench_delta.py; the BF16 shards are the rounded masters, so the
+changes come from a training step and the changed fraction is measured), and the timed delta push (first
+one a warm-up). Printed per scenario: the fraction of BF16 values the step changed (and what the push
+saw), the dense push's median (the weightsync part above: same run, same scenario), the delta push's,
+their ratio (the goal: at most 0.35x), wire bytes against dense bytes, encode and apply seconds (PushStats).
+Rollouts are not poisoned between delta pushes (a delta lands on the version they hold); after every push
+their bytes are compared with the trainers' (gathered and broadcast to them). A fan-out that relays
+(scenario 3) cannot take deltas (weightsync refuses a delta push through a relay chain): its delta push
+writes every replica directly, and the output says so. The budget (``--budget-s``) holds: the part is not
+started after it, and stops after two timed pushes once it is spent.
+
 ``--cpu``: the control plane's own cost on this machine, over TCP loopback.
 
 1. Round trip of a push of a small model (all sources push, every destination has the version and has
@@ -66,6 +81,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import weightsync as ws  # noqa: E402
+from scripts.bench_worker import DTYPE, Worker, bucket_plan  # noqa: E402
 
 # NVLink multicast stays off in every process this benchmark starts (the lent GPU hosts require it).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -319,14 +335,14 @@ class Team:
     """The T + R worker actors of one scenario; restarted after a failed part (a hung collective).
     With ``hosts`` (the CPU section) the workers live in those long-lived actors instead."""
 
-    def __init__(self, spec: dict[str, Any], model: str, device: str, hosts: list[Any] | None = None) -> None:
+    def __init__(self, spec: dict[str, Any], model: str, device: str, hosts: list[Any] | None = None,
+                 worker: type = Worker) -> None:
         self.spec, self.model, self.device, self.hosts = spec, model, device, hosts
+        self.worker = worker
         self.workers: list[Any] = []
         self._started = 0
 
     def start(self, timeout: float) -> list[dict[str, Any]]:
-        from scripts.bench_worker import Worker
-
         self.stop()
         T, R = self.spec["T"], self.spec["R"]
         port = free_port()
@@ -334,12 +350,12 @@ class Team:
         self._started += 1
         if self.hosts is not None:
             keys = [f"team{id(self)}-{self._started}/w{rank}" for rank in range(T + R)]
-            ray.get([self.hosts[rank].make.remote(keys[rank], Worker, *args[rank]) for rank in range(T + R)],
-                    timeout=timeout)
+            ray.get([self.hosts[rank].make.remote(keys[rank], self.worker, *args[rank])
+                     for rank in range(T + R)], timeout=timeout)
             self.workers = [Hosted(self.hosts[rank], keys[rank]) for rank in range(T + R)]
         else:
             opts = {"num_gpus": 1, "num_cpus": 0} if self.device == "cuda" else {"num_cpus": 0}
-            cls = ray.remote(**opts)(Worker)
+            cls = ray.remote(**opts)(self.worker)
             self.workers = [cls.remote(*a) for a in args]
         return ray.get([w.info.remote() for w in self.workers], timeout=timeout)
 
@@ -383,6 +399,205 @@ class Team:
         self.workers = []
 
 
+# ------------------------------------------------------------------------------------------------
+# Delta pushes (issue 21, ``--delta-lr``): the same scenarios with changes from a training step.
+
+ADAM_CHUNK = 1 << 26  # elements of the flat buffer one Adam step takes at a time (fp32: 256 MiB)
+MASTER_HEADROOM = 8 << 30  # GPU bytes left free beside fp32 masters kept on the GPU (encode, apply, Adam)
+VERIFY_BUCKET = 256 << 20  # bytes per gather + broadcast of the check against the sources
+
+
+class DeltaWorker(Worker):
+    """A scenario worker that also pushes deltas: sources with ``delta=True``, rollouts with a delta inbox,
+    and, on trainers, fp32 master weights stepped by Adam with the BF16 shards the rounded masters.
+
+    The masters cover the trainer's flat buffer (every shard a view into it, 256-element aligned) end to
+    end; each step is torch.optim.Adam's first step (fresh moments, as scripts/bench_delta.py does: it
+    moves every value by about ``lr``) on random gradients, one chunk of ADAM_CHUNK elements at a time.
+    Adam is elementwise, so stepping chunks of the flat buffer is stepping each tensor. Gradients are zero
+    in the gaps between views, which therefore never change and are not counted. Initial masters are
+    ``0.02 * randn`` (norm scales ``1 + 0.02 * randn``), like scripts/bench_delta.py's: the changed fraction
+    depends on the weights' magnitude against BF16's spacing, so the scale must be a trained model's."""
+
+    def delta_setup(self, group: str, inbox_fraction: float, tuning: dict[str, Any]) -> dict[str, Any]:
+        """As ``ws_setup`` (inplace), with ``delta=True`` sources and an inbox of ``inbox_fraction`` of the
+        rollout's bytes on every destination."""
+        t0 = time.perf_counter()
+        engine_opts = {k: tuning[k] for k in ("cuda_streams", "cuda_batch_bytes") if k in tuning}
+        if "cuda_rounds_in_flight" in tuning:
+            from weightsync.runtime import source as ws_source
+
+            ws_source.ORDERED_ROUNDS_IN_FLIGHT = tuning["cuda_rounds_in_flight"]
+        self.engine = ws.TransferEngine(**engine_opts) if engine_opts else None
+        tensors = {p.key: self._as_ws(p) for p in self.params}
+        if self.trainer:
+            self.src = ws.Source(group, rank=self.rank, tensors=tensors, timeout=300, engine=self.engine,
+                                 delta=True)
+            return {"setup_s": time.perf_counter() - t0}
+        nbytes = sum(t.numel() * t.element_size() for t in self.local.values())
+        inbox = max(int(nbytes * inbox_fraction), 1 << 20)
+        self.dst = ws.Destination(group, rank=self.rank - self.T, tensors=tensors, mode="inplace",
+                                  timeout=300, push_timeout=120, engine=self.engine, delta_bytes=inbox)
+        return {"setup_s": time.perf_counter() - t0, "inbox_bytes": inbox}
+
+    def _as_ws(self, p: Any) -> Any:
+        from scripts.bench_worker import as_ws
+
+        return as_ws(p, self.local[p.key])
+
+    def _delta_layout(self) -> None:
+        """Where the gaps between views and the norm scales lie in the flat buffer."""
+        gaps, norms, end = [], [], 0
+        for key, off, shape in self.views:
+            gaps.append(np.arange(end, off, dtype=np.int64))
+            end = off + int(np.prod(shape))
+            if key.endswith("norm.weight"):
+                norms.append((off, end))
+        gaps.append(np.arange(end, self.flat.numel(), dtype=np.int64))
+        self.gaps = np.concatenate(gaps)
+        self.gaps_dev = torch.from_numpy(self.gaps).to(self.dev)
+        self.norms = norms
+        self.real_elements = sum(int(np.prod(shape)) for _, _, shape in self.views)
+
+    def _initial_master(self, c0: int, c1: int) -> torch.Tensor:
+        """Elements [c0, c1) of the initial masters (the same values on every call)."""
+        g = torch.Generator(device=self.dev)
+        g.manual_seed(zlib.crc32(f"master/{self.rank}/{c0}".encode()))
+        m = torch.randn(c1 - c0, generator=g, device=self.dev, dtype=torch.float32).mul_(0.02)
+        for a, b in self.norms:
+            if a < c1 and b > c0:
+                m[max(a, c0) - c0:min(b, c1) - c0] += 1.0
+        self._zero_gaps(m, c0, c1)
+        return m
+
+    def _zero_gaps(self, t: torch.Tensor, c0: int, c1: int) -> None:
+        lo, hi = np.searchsorted(self.gaps, [c0, c1])
+        if hi > lo:
+            t[self.gaps_dev[lo:hi] - c0] = 0
+
+    def delta_init(self) -> None:
+        """Trainers: the BF16 shards become the initial masters rounded (the masters are not kept yet: the
+        first push allocates the source's reference, and where the masters fit is decided after it)."""
+        if not self.trainer:
+            return
+        self._delta_layout()
+        n = self.flat.numel()
+        for c0 in range(0, n, ADAM_CHUNK):
+            c1 = min(n, c0 + ADAM_CHUNK)
+            self.flat[c0:c1].copy_(self._initial_master(c0, c1))
+        self.master: torch.Tensor | None = None
+        self.grad_gen = torch.Generator(device=self.dev)
+        self.grad_gen.manual_seed(zlib.crc32(f"grad/{self.rank}".encode()))
+        self._sync()
+
+    def delta_masters(self) -> dict[str, Any]:
+        """Trainers: the fp32 masters, on the GPU where they fit beside what is there now (the shards,
+        the source's reference and inbox payloads) with MASTER_HEADROOM to spare, else in pinned host
+        memory (they come to the GPU a chunk at a time)."""
+        if not self.trainer:
+            return {}
+        n = self.flat.numel()
+        where = self.dev
+        if self.cuda:
+            free, _ = torch.cuda.mem_get_info()
+            if free < 4 * n + MASTER_HEADROOM:
+                where = torch.device("cpu")
+        t0 = time.perf_counter()
+        self.master = torch.empty(n, dtype=torch.float32, device=where,
+                                  pin_memory=self.cuda and where.type == "cpu")
+        for c0 in range(0, n, ADAM_CHUNK):
+            c1 = min(n, c0 + ADAM_CHUNK)
+            self.master[c0:c1].copy_(self._initial_master(c0, c1), non_blocking=True)
+        self._sync()
+        return {"master_on": "GPU" if where.type == "cuda" else ("pinned host" if self.cuda else "host"),
+                "master_bytes": 4 * n, "master_s": time.perf_counter() - t0}
+
+    def delta_step(self, lr: float) -> dict[str, Any]:
+        """Trainers: one Adam step of the masters on random gradients, the shards the rounded masters.
+        Returns the BF16 values the step changed (counted here, apart from the push) and the total."""
+        if not self.trainer:
+            return {"changed": 0, "total": 0}
+        assert self.master is not None, "delta_masters first"
+        t0 = time.perf_counter()
+        n = self.flat.numel()
+        changed = torch.zeros((), dtype=torch.int64, device=self.dev)
+        for c0 in range(0, n, ADAM_CHUNK):
+            c1 = min(n, c0 + ADAM_CHUNK)
+            host = self.master.device != self.dev
+            p = torch.nn.Parameter(self.master[c0:c1].to(self.dev, non_blocking=True))
+            grad = torch.randn(c1 - c0, generator=self.grad_gen, device=self.dev, dtype=torch.float32)
+            self._zero_gaps(grad, c0, c1)  # a zero gradient leaves Adam's first step at zero
+            p.grad = grad
+            torch.optim.Adam([p], lr=lr).step()
+            new = p.detach().to(DTYPE)
+            w = self.flat[c0:c1]
+            changed += (new.view(torch.int16) != w.view(torch.int16)).sum()
+            w.copy_(new)
+            if host:  # on the GPU the parameter is a view of the masters: stepped in place
+                self.master[c0:c1].copy_(p.detach(), non_blocking=True)
+            del p, grad, new
+        self._sync()
+        return {"changed": int(changed), "total": self.real_elements, "step_s": time.perf_counter() - t0}
+
+    def verify_sources(self) -> dict[str, Any]:
+        """Rollouts: every parameter byte equals the trainers' shards now. The trainers all-gather each
+        bucket of checkpoint tensors (VERIFY_BUCKET bytes), trainer 0 broadcasts it to the rollouts, which
+        compare every piece they hold with it (the broadcast baseline's path, comparing instead of
+        copying): a check against the sources' bytes, which after Adam steps no rollout can recompute."""
+        dist = self.dist
+        buckets = bucket_plan(self.cfg, VERIFY_BUCKET)
+        buf = torch.empty(max(sum(n for _, _, n in b) for b in buckets), dtype=torch.uint8, device=self.dev)
+        bad: list[str] = []
+        checked = 0
+        for bucket in buckets:
+            total = sum(n for _, _, n in bucket)
+            if self.trainer:
+                off = 0
+                for name, _, n in bucket:
+                    shard = self.local[name].view(-1).view(torch.uint8)
+                    out = buf[off:off + n]
+                    if self.T == 1:
+                        out.copy_(shard)
+                    elif self.cuda:
+                        dist.all_gather_into_tensor(out, shard, group=self.trainer_pg)
+                    else:  # gloo has no all_gather_into_tensor
+                        dist.all_gather(list(out.chunk(self.T)), shard, group=self.trainer_pg)
+                    off += n
+                if self.rank == 0:
+                    dist.broadcast(buf[:total], src=0, group=self.bcast_pg)
+                continue
+            dist.broadcast(buf[:total], src=0, group=self.bcast_pg)
+            off = 0
+            names, differs = [], []
+            for name, shape, n in bucket:
+                full = buf[off:off + n].view(DTYPE).view(shape)
+                for view, src_box in self.consumers.get(name, ()):
+                    names.append(name)
+                    differs.append((view.view(torch.int16) != full[src_box].view(torch.int16)).any())
+                    checked += view.numel() * view.element_size()
+                off += n
+            if differs:  # one host sync per bucket
+                bad += [nm for nm, d in zip(names, torch.stack(differs).tolist(), strict=True) if d]
+        self._sync()
+        del buf
+        if self.cuda:
+            torch.cuda.empty_cache()
+        return {"ok": not bad, "bytes": checked, "bad": bad[:5], "nbad": len(bad)}
+
+    def delta_close(self) -> None:
+        self.ws_close()
+        self.master = None
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def _delta_worker() -> type:
+    # The class as scripts.bench_push's, not __main__'s: Ray then sends the actors a reference to it.
+    from scripts.bench_push import DeltaWorker as cls
+
+    return cls
+
+
 def _run_part(team: Team, fn: Any, timeout: float, deadline: float | None = None) -> dict[str, Any]:
     """One measured part; a failure is reported in the results and the team restarted for the next.
     A part that would start after ``deadline`` (time.monotonic) is skipped: the run must end in time."""
@@ -419,7 +634,7 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
           f"{out['bound_s'] * 1e3:.2f} ms ({tr['must_bytes'] / 1e9:.2f} GB at {bw_gbps:.1f} GB/s)",
           flush=True)
     tmo = args.call_timeout
-    team = Team(spec, model, args.device, hosts)
+    team = Team(spec, model, args.device, hosts, _delta_worker() if args.delta_lr is not None else Worker)
     t_start = time.perf_counter()
     out["workers"] = team.start(tmo)
     out["start_s"] = time.perf_counter() - t_start
@@ -460,6 +675,89 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
         finally:
             group.shutdown()
 
+    def delta() -> dict[str, Any]:
+        """The scenario as delta pushes (``--delta-lr``; DeltaWorker): a warm-up push (dense: the sources
+        have no reference yet), then per push one Adam step on the trainers and the delta push, timed as
+        above (the slowest source's ``push()``); the first delta push is a warm-up too. The rollouts are
+        not poisoned in between (a delta lands on the version they hold); after every push their bytes
+        are checked against the trainers'."""
+        res: dict[str, Any] = {"lr": args.delta_lr, "inbox_fraction": args.delta_inbox, "times": [],
+                               "changed_fraction": [], "push_changed_fraction": [], "wire_bytes": [],
+                               "dense_bytes": [], "encode_s": [], "apply_s": [], "step_s": [],
+                               "not_delta": [], "verified_bytes": 0}
+        name = f"bench-s{num}-delta-{os.getpid()}"
+        group = ws.Group.create(name, num_sources=T, num_destinations=R, **args.group_opts)
+        try:
+            setup = team.call("delta_setup", name, args.delta_inbox, args.tuning, timeout=tmo)
+            if group.status().get("relay"):
+                # weightsync.runtime.source refuses a delta push through a relay chain; the scenario's
+                # destinations are then written directly, and the comparison says so.
+                res["relay_note"] = ("delta pushes do not run through a relay chain (weightsync refuses "
+                                     "them), so this delta push writes every replica directly "
+                                     "(relay=False) while the dense push relays")
+                print(f"    delta: {res['relay_note']}", flush=True)
+                team.call("ws_close", timeout=tmo)
+                group.shutdown()
+                name += "-direct"
+                group = ws.Group.create(name, num_sources=T, num_destinations=R, relay=False,
+                                        **args.group_opts)
+                setup = team.call("delta_setup", name, args.delta_inbox, args.tuning, timeout=tmo)
+            res["inbox_bytes"] = [x["inbox_bytes"] for x in setup[T:]]
+            team.call("delta_init", timeout=tmo, who=team.trainers)
+
+            def push_checked() -> list[dict[str, Any]]:
+                nonlocal version
+                version += 1
+                stats = team.call("ws_push", version, timeout=tmo, who=team.trainers)
+                team.call("ws_wait", version, timeout=tmo, who=team.rollouts)
+                if any(s["failed_destinations"] for s in stats):
+                    raise RuntimeError(f"push {version} failed: {[s['failed_destinations'] for s in stats]}")
+                out_ = team.call("verify_sources", timeout=tmo)[T:]
+                bad = [(j, o["bad"], o["nbad"]) for j, o in enumerate(out_) if not o["ok"]]
+                if bad:
+                    raise RuntimeError(f"version {version}: rollout bytes differ from the trainers' "
+                                       f"(rollout, first tensors, count): {bad}")
+                res["verified_bytes"] += sum(o["bytes"] for o in out_)
+                return stats
+
+            res["first_dense_s"] = max(s["seconds"] for s in push_checked())
+            res["masters"] = team.call("delta_masters", timeout=tmo, who=team.trainers)
+            for i in range(args.pushes + 1):  # the first delta push is a warm-up, not counted
+                if len(res["times"]) >= 2 and time.monotonic() > args.deadline:
+                    res["cut"] = f"stopped after {len(res['times'])} timed pushes: the run's budget is spent"
+                    print(f"    delta: {res['cut']}", flush=True)
+                    break
+                steps = team.call("delta_step", args.delta_lr, timeout=tmo, who=team.trainers)
+                stats = push_checked()
+                if i == 0:
+                    res["first_s"] = max(s["seconds"] for s in stats)
+                    continue
+                res["times"].append(max(s["seconds"] for s in stats))
+                res["changed_fraction"].append(sum(x["changed"] for x in steps)
+                                               / sum(x["total"] for x in steps))
+                seen = [s["changed_fraction"] for s in stats if s["changed_fraction"] >= 0]
+                res["push_changed_fraction"].append(statistics.fmean(seen) if seen else None)
+                res["wire_bytes"].append(sum(s["wire_bytes"] for s in stats))
+                res["dense_bytes"].append(sum(s["dense_bytes"] for s in stats))
+                res["encode_s"].append(max(s["encode_seconds"] for s in stats))
+                res["apply_s"].append(max(s["apply_seconds"] for s in stats))
+                res["step_s"].append(max(x["step_s"] for x in steps))
+                # destinations a source wrote this version without a delta (none expected)
+                res["not_delta"].append(sum(len(set(s["destinations"]) - set(s["delta_destinations"]))
+                                            for s in stats))
+            team.call("delta_close", timeout=tmo)
+        finally:
+            group.shutdown()
+        res["median_s"] = statistics.median(res["times"])
+        for key in ("changed_fraction", "wire_bytes", "dense_bytes", "encode_s", "apply_s", "step_s"):
+            res[f"{key}_median"] = statistics.median(res[key])
+        seen = [x for x in res["push_changed_fraction"] if x is not None]
+        res["push_changed_fraction_median"] = statistics.median(seen) if seen else None
+        dense = out.get("weightsync", {}).get("median_s")
+        res["dense_median_s"] = dense
+        res["delta_over_dense"] = res["median_s"] / dense if dense else None
+        return res
+
     def broadcast(bucket_bytes: int) -> dict[str, Any]:
         times, verified = [], 0
         for i in range(args.reps + 1):  # first run: NCCL communicators and buffers, not counted
@@ -473,6 +771,9 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
     try:
         out["weightsync"] = _run_part(team, weightsync, tmo, args.deadline)
         _say("weightsync", out["weightsync"])
+        if args.delta_lr is not None:
+            out["delta"] = _run_part(team, delta, tmo, args.deadline)
+            _say_delta(out["delta"])
         if "a" in args.baselines:
             out["a"] = {}
             for mib in args.buckets_mib:
@@ -529,6 +830,26 @@ def _say(what: str, res: dict[str, Any]) -> None:
               f"({', '.join(f'{t * 1e3:.1f}' for t in res['times'])}), verified", flush=True)
     else:
         print(f"    {what}: {res.get('error', res)}", flush=True)
+
+
+def _say_delta(res: dict[str, Any]) -> None:
+    if "median_s" not in res:
+        print(f"    delta push: {res.get('error', res)}", flush=True)
+        return
+    ratio = res["delta_over_dense"]
+    wire, dense = res["wire_bytes_median"], res["dense_bytes_median"]
+    print(f"    delta push at lr {res['lr']:g}: {res['changed_fraction_median']:.3%} of BF16 values changed; "
+          f"median {res['median_s'] * 1e3:.2f} ms over {len(res['times'])} "
+          f"({', '.join(f'{t * 1e3:.1f}' for t in res['times'])}), dense {_ms(res['dense_median_s'])} ms, "
+          f"delta/dense {'–' if ratio is None else f'{ratio:.3f}x'}; wire {_size(wire)} of {_size(dense)} "
+          f"({wire / dense:.1%}); encode {res['encode_s_median'] * 1e3:.2f} ms, apply "
+          f"{res['apply_s_median'] * 1e3:.2f} ms; verified against the trainers", flush=True)
+    if any(res["not_delta"]):
+        print(f"    delta push: destinations written dense per push: {res['not_delta']}", flush=True)
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
 
 
 def summarize(out: dict[str, Any]) -> None:
@@ -605,6 +926,36 @@ def table(rows: list[dict[str, Any]], bw: dict[str, Any], card: str) -> str:
             if err:
                 bits.append(f"{part} failed: {err[:200]}")
         lines.append(f"- scenario {r['scenario']} ({r['model']}): " + "; ".join(bits))
+    return "\n".join(lines) + "\n"
+
+
+def delta_table(rows: list[dict[str, Any]]) -> str:
+    """The delta pushes (``--delta-lr``) beside each scenario's dense push of the same run; "" if none."""
+    rows = [r for r in rows if "delta" in r]
+    if not rows:
+        return ""
+    lines = ["Delta pushes: per push one Adam step (fresh moments) of fp32 masters on random gradients, the "
+             "BF16 weights the rounded masters; medians in ms; dense = the weightsync column above (same "
+             "run, same team); every delta push verified against the trainers' bytes.", "",
+             "| scenario | lr | BF16 values changed (step / push) | dense push | delta push | delta / dense "
+             "| wire / dense bytes | encode | apply | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        d = r["delta"]
+        if "median_s" not in d:
+            lines.append(f"| {r['scenario']}. {r['what']} | – | – | – | – | – | – | – | – | "
+                         f"{(d.get('error') or '')[:200]} |")
+            continue
+        pf = d.get("push_changed_fraction_median")
+        ratio = d.get("delta_over_dense")
+        note = "; ".join(x for x in (d.get("relay_note"), d.get("cut"),
+                                     f"destinations written dense: {d['not_delta']}" if any(d["not_delta"])
+                                     else None) if x)
+        lines.append(f"| {r['scenario']}. {r['what']} | {d['lr']:g} | {d['changed_fraction_median']:.2%} / "
+                     f"{'–' if pf is None else f'{pf:.2%}'} | {_ms(d.get('dense_median_s'))} | "
+                     f"{_ms(d['median_s'])} | {'–' if ratio is None else f'{ratio:.3f}x'} | "
+                     f"{_size(d['wire_bytes_median'])} / {_size(d['dense_bytes_median'])} | "
+                     f"{_ms(d['encode_s_median'])} | {_ms(d['apply_s_median'])} | {note} |")
     return "\n".join(lines) + "\n"
 
 
@@ -693,6 +1044,8 @@ def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
     result["goals"] = goals(rows)
     print()
     print(table(rows, bw, card))
+    if delta_table(rows):
+        print(delta_table(rows))
     for line in result["goals"]:
         print(line)
     if args.out:
@@ -716,6 +1069,18 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
     x = r.get("speedup_over_checkpoint_engine")
     out.append("goal: scenario 1 faster than checkpoint-engine: "
                + ("not measured" if x is None else f"{x:.2f}x, {'met' if x > 1 else 'NOT met'}"))
+    for r in rows:  # --delta-lr (issue 21: at lr 1e-6)
+        if "delta" not in r:
+            continue
+        d = r["delta"]
+        x = d.get("delta_over_dense")
+        what = f"goal: scenario {r['scenario']} delta push at most 0.35x its dense push"
+        if x is None:
+            out.append(f"{what}: not measured ({(d.get('error') or 'no dense push')[:120]})")
+        else:
+            out.append(f"{what} (lr {d['lr']:g}, {d['changed_fraction_median']:.2%} changed): {x:.3f}x, "
+                       f"{'met' if x <= 0.35 else 'NOT met'}" + (" (direct, not relayed)" if "relay_note" in d
+                                                                  else ""))
     return out
 
 
@@ -724,6 +1089,8 @@ def _write(out: str, rows: list[dict[str, Any]], bw: dict[str, Any], card: str, 
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench_push.md"), "w") as f:
         f.write(table(rows, bw, card))
+        if delta_table(rows):
+            f.write("\n" + delta_table(rows))
     with open(os.path.join(out, "bench_push.json"), "w") as f:
         json.dump(result or {"partial": partial, "card": card, "bound_bandwidth": bw, "scenarios": rows}, f,
                   indent=1, default=str)
@@ -752,6 +1119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--call-timeout", type=float, default=150.0, help="seconds any one step may take")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="start no scenario and no measured part after this many seconds from the start")
+    ap.add_argument("--delta-lr", type=float, default=None,
+                    help="also push each scenario as deltas: per push one Adam step at this learning rate "
+                         "(issue 21: 1e-6), against the scenario's dense push")
+    ap.add_argument("--delta-inbox", type=float, default=0.125,
+                    help="each destination's delta inbox, a fraction of its bytes (with --delta-lr)")
     ap.add_argument("--out", default=None, help="write bench_push.md, bench_push.json, bench_push.png here")
     ap.add_argument("--verbose", action="store_true", help="actors' logs on the driver's terminal")
     ap.add_argument("--cuda-streams", type=int, default=None,
@@ -847,6 +1219,8 @@ def cpu_section(args: argparse.Namespace) -> None:
         card = f"CPU: {platform.node()} ({os.cpu_count()} cores), tcp;ofi_rxm loopback and gloo"
         print()
         print(table([s1], bw, card))
+        if delta_table([s1]):
+            print(delta_table([s1]))
         if args.out:
             _write(args.out, [s1], bw, card, partial=False, result=result)
     print(json.dumps(result, default=str))
