@@ -71,6 +71,7 @@ the headers' entries, one wait after the scatters, and, for a bitmap stream, one
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 import time
@@ -334,6 +335,18 @@ def placed(local: Any, base: int, row_words: int, pitch_words: int, rows: int) -
     return base + r * pitch_words + (local - r * row_words)
 
 
+def _kernels_wanted(device: Any) -> bool:
+    """Whether the sender compares with the Triton kernels (:mod:`weightsync.runtime.delta_kernels`:
+    on CUDA where triton imports, unless ``WEIGHTSYNC_DELTA_KERNELS=0``); triton is not imported for a
+    CPU sender unless the tests force the kernels under Triton's interpreter."""
+    flag = os.environ.get("WEIGHTSYNC_DELTA_KERNELS", "")
+    if flag == "0" or (device.type != "cuda" and flag != "1"):
+        return False
+    from weightsync.runtime import delta_kernels
+
+    return delta_kernels.enabled(device)
+
+
 # -- the source's side -----------------------------------------------------------------------------------
 _DIRECT_DTYPE = np.dtype([("round", "<i8"), ("pos", "<i8"), ("key", "<i4"), ("dkey", "<i4"), ("word", "<i8"),
                           ("src_off", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"), ("row_bytes", "<i8"),
@@ -366,6 +379,8 @@ class _Space:
     strided_local: Any = None
     strided_vals: Any = None
     hint: int = 0  # the last push's count of changed words (how much room the next one's start with)
+    compactor: Any = None  # the GPU kernels' tile tables (weightsync.runtime.delta_kernels), where they run
+    ref_done: bool = False  # this push's compare already put the changed values into the reference
 
 
 @dataclass
@@ -483,6 +498,19 @@ class DeltaSender:
         self._works: dict[int, DeltaWork] = {}
         self.base = -1  # this push's reference version
         self.encode_seconds = 0.0
+        # The compare as Triton kernels on a GPU (weightsync.runtime.delta_kernels), else torch ops; may be
+        # switched between pushes (benchmarks compare the two).
+        self.use_kernels = bool(enabled and _kernels_wanted(device))
+        # this push's encode by phase (seconds): compare (with the gathers, and the reference update where
+        # the kernels ran), begin (host decisions), staged, finalize (streams and index sections), finish
+        # (the reference update of the torch path)
+        self.phases: dict[str, float] = {}
+
+    def _spent(self, phase: str, t0: float) -> None:
+        """The time since ``t0`` to the push's encode and to ``phase``."""
+        dt = time.perf_counter() - t0
+        self.encode_seconds += dt
+        self.phases[phase] = self.phases.get(phase, 0.0) + dt
 
     @staticmethod
     def _key_word(t: Any) -> int:
@@ -617,6 +645,7 @@ class DeltaSender:
         self.base = self.ref_version
         self.ref_version = -1  # until this push has succeeded (its values replace the reference's)
         self.encode_seconds = 0.0
+        self.phases = {}
         if not self.enabled:
             return
         if not self._referenced:
@@ -631,6 +660,7 @@ class DeltaSender:
                 for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(), strict=True):
                     sp.ref[a:b].copy_(self._views[key])
         self.encode_seconds = time.perf_counter() - t0
+        self.phases["compare"] = self.encode_seconds
 
     def _compare(self) -> None:
         """Every space compared with its reference: the changed positions (one nonzero per slice of
@@ -641,7 +671,13 @@ class DeltaSender:
 
         cuts = []
         for sp in self._spaces.values():
-            sp.idx = self._changed_words(sp)
+            sp.vals, sp.ref_done = None, False
+            found = self._changed_words_kernels(sp) if self.use_kernels else None
+            if found is not None:
+                sp.idx, sp.vals = found
+                sp.ref_done = True
+            else:
+                sp.idx = self._changed_words(sp)
             if sp.query is None:
                 sp.query = _to_device(self._query(sp), self.device)
             cuts.append(torch.searchsorted(sp.idx, sp.query))
@@ -652,12 +688,13 @@ class DeltaSender:
             at += int(sp.query.numel())
             nk = len(sp.keys)
             sp.cut = q[:nk + 1]
-            sp.vals = torch.empty(int(sp.cut[-1]), dtype=word_dtype(w), device=self.device)
-            for j, key in enumerate(sp.keys):
-                c0, c1, a = int(sp.cut[j]), int(sp.cut[j + 1]), int(sp.starts[j])
-                if c0 < c1:
-                    torch.index_select(self._views[key], 0, sp.idx[c0:c1] - a if a else sp.idx[c0:c1],
-                                       out=sp.vals[c0:c1])
+            if sp.vals is None:  # the torch path: the new values, one gather per key
+                sp.vals = torch.empty(int(sp.cut[-1]), dtype=word_dtype(w), device=self.device)
+                for j, key in enumerate(sp.keys):
+                    c0, c1, a = int(sp.cut[j]), int(sp.cut[j + 1]), int(sp.starts[j])
+                    if c0 < c1:
+                        torch.index_select(self._views[key], 0, sp.idx[c0:c1] - a if a else sp.idx[c0:c1],
+                                           out=sp.vals[c0:c1])
             pos = nk + 1
             strided: list[tuple[int, np.ndarray]] = []
             for rank, ib in self.inboxes.items():
@@ -674,6 +711,26 @@ class DeltaSender:
                     strided.append((rank, np.flatnonzero(f["strided"])))
             self._select_strided(sp, strided)
         self._compared = True
+
+    def _changed_words_kernels(self, sp: _Space) -> tuple[Any, Any] | None:
+        """:meth:`_changed_words` and the values' gathers as the Triton kernels of
+        :mod:`weightsync.runtime.delta_kernels`, which also put the new values into the reference. None
+        where they cannot compare this space (the torch ops do)."""
+        from weightsync.runtime.delta_kernels import Compactor
+
+        if sp.compactor is None:
+            sp.compactor = Compactor(sp.word, sp.starts, self.device)
+        found = sp.compactor.compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
+        if found is not None:
+            sp.hint = int(found[0].numel()) + int(found[0].numel()) // 8
+        return found
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The kernels' largest scratch of the last compare (slots and counts, from torch's caching
+        allocator on the device; not in ``ref_bytes``)."""
+        return max((sp.compactor.scratch_bytes for sp in self._spaces.values() if sp.compactor is not None),
+                   default=0)
 
     def _changed_words(self, sp: _Space) -> Any:
         """The sorted positions (int64) of the words of ``sp`` that differ from its reference."""
@@ -784,7 +841,7 @@ class DeltaSender:
             cur = words(view, w)
             idx = _narrow(torch.nonzero(cur != words(ref, w)).reshape(-1), cur.numel())
             self._chunk_changed[c] = (idx, cur[idx])
-        self.encode_seconds += time.perf_counter() - t0
+        self._spent("chunk", t0)
 
     def begin(self, rank: int, base: int, dense_bytes: int) -> DeltaWork:
         """Decides, from the counts the comparison found, which of this push's direct writes into inbox
@@ -831,7 +888,7 @@ class DeltaSender:
                 mask[d["pos"][m]] = dense[m]
                 work.keep[int(ri)] = mask
         self._works[rank] = work
-        self.encode_seconds += time.perf_counter() - t0
+        self._spent("begin", t0)
         return work
 
     def _fit(self, ib: _Inbox, work: DeltaWork, enc: np.ndarray) -> None:
@@ -921,7 +978,7 @@ class DeltaSender:
         keep = enc == ENC_DENSE
         work.planned_imms += sum(self.engine.imm_count(int(n)) for n in nbytes[keep].tolist())
         work.planned_bytes += int(nbytes[keep].astype(np.int64).sum())
-        self.encode_seconds += time.perf_counter() - t0
+        self._spent("staged", t0)
         return keep
 
     def finalize(self, rank: int) -> DeltaWork:
@@ -977,7 +1034,7 @@ class DeltaSender:
         work.wire_bytes = at + work.planned_bytes + int(ib.fixed["rows"] @ ib.fixed["row_bytes"])
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
-        self.encode_seconds += time.perf_counter() - t0
+        self._spent("finalize", t0)
         return work
 
     @staticmethod
@@ -1018,9 +1075,10 @@ class DeltaSender:
         usable from the next push on if this one succeeded."""
         t0 = time.perf_counter()
         for sp in self._spaces.values():
-            if self._compared and sp.idx is not None:
+            if self._compared and sp.idx is not None and not sp.ref_done:
                 sp.ref[sp.idx] = sp.vals
             sp.idx = sp.vals = sp.strided_local = sp.strided_vals = None
+            sp.ref_done = False
         for c, changed in self._chunk_changed.items():
             if changed is not None:
                 words(self.chunk_refs[c], int(self.chunk_words[c]))[changed[0]] = changed[1]
@@ -1030,7 +1088,8 @@ class DeltaSender:
 
             torch.cuda.current_stream(self.device).synchronize()
         self.ref_version = version if ok and self.enabled and self._referenced else -1
-        self.encode_seconds += time.perf_counter() - t0
+        self.phases["finish"] = time.perf_counter() - t0
+        self.encode_seconds += self.phases["finish"]
 
 
 # -- the destination's side ------------------------------------------------------------------------------

@@ -1,0 +1,220 @@
+"""The delta sender's compare as Triton kernels (weightsync/runtime/delta_kernels.py) against its torch
+path, bit for bit: the changed words' positions and values each push finds, and the reference after it.
+
+On CPU the kernels run under Triton's interpreter, in a subprocess (``TRITON_INTERPRET`` must be set
+before triton is imported); on a CUDA machine with triton, the same cases run compiled, in this process
+(``python3 -m pytest tests/runtime/test_delta_kernels.py -q``).
+
+One sender holds keys of every word size (1, 2, 4, 8 bytes), several per space, sizes not multiples of a
+tile, and each push changes them in a chosen way: random odd positions, nothing, everything, one element,
+the last element of each key, NaN payloads / -0.0 / denormals, one dense tile among sparse ones. Each
+push is found twice from the same reference: by the kernels (outputs and scratch filled with a poison
+byte first) and by the torch ops; positions, values and the reference after ``finish`` must be equal.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CASES = ("odd", "none", "all", "one", "last", "special", "dense_tile")
+
+
+def _shapes(tile: int, aligned: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Keys of every word size, several per space; ``aligned``: every key's size a multiple of 16
+    elements (its words 16-byte aligned in the reference: the kernels' vector loads), else sizes that
+    are not multiples of a tile or of 16 bytes."""
+    if aligned:
+        return {"emb": ((3, tile + 16), torch.bfloat16), "norm": ((16,), torch.bfloat16),
+                "proj": ((tile // 2 + 32,), torch.float32), "fp8": ((tile + 16,), torch.uint8),
+                "acc": ((tile + 16,), torch.int64), "step": ((2,), torch.float64)}
+    return {"emb": ((3, tile + 7), torch.bfloat16), "q": ((2 * tile,), torch.bfloat16),
+            "norm": ((5,), torch.bfloat16), "proj": ((tile // 2 + 3,), torch.float32),
+            "bias": ((1,), torch.float32), "fp8": ((tile + 1,), torch.uint8), "i8": ((100,), torch.int8),
+            "step": ((3,), torch.float64), "acc": ((tile + 9,), torch.int64)}
+
+
+INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _ints(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INTS[t.element_size()]).reshape(-1)
+
+
+def _change(tensors: dict[str, torch.Tensor], case: str, g: torch.Generator, tile: int) -> None:
+    """Changes the tensors in place (as integers, so every bit pattern is reachable)."""
+    for name, t in tensors.items():
+        iv = _ints(t)
+        n = iv.numel()
+        if case == "odd":
+            k = max(1, n // 37)
+            pos = (torch.randperm(n // 2 + n % 2, generator=g)[:k] * 2 + 1).clamp(max=n - 1)
+            iv[pos] ^= 1
+        elif case == "all":
+            iv ^= 3
+        elif case == "one" and name == "emb":
+            iv[n // 2] ^= 1
+        elif case == "last":
+            iv[n - 1] ^= 1
+        elif case == "special" and t.is_floating_point():
+            f = t.reshape(-1)
+            f[0] = 0.0 if bool(torch.signbit(f[0])) else -0.0  # the other zero
+            f[n // 2] = float("nan")
+            iv[n // 2] ^= 1 << 1  # a NaN of another payload
+            if n > 2:
+                tiny = torch.finfo(t.dtype).tiny
+                f[1] = tiny / 4 if float(f[1]) != tiny / 4 else tiny / 8  # a denormal
+        elif case == "dense_tile" and n > tile:
+            iv[tile:2 * tile if n >= 2 * tile else n] ^= 5  # one tile all changed (overflowed), others few
+            iv[3] ^= 1
+
+
+def check_cases(device: str, slice_tiles: int = 3, aligned: bool = False) -> list[str]:
+    """Every case on ``device``; slices of ``slice_tiles`` tiles (several slices per space). Returns what
+    was checked, one line per push."""
+    import weightsync as ws
+    import weightsync.runtime.delta_kernels as dk
+    from weightsync.runtime.delta import DeltaSender
+
+    dev = torch.device(device)
+    assert dk.enabled(dev), "the kernels are not enabled here"
+    dk.COMPARE_SLICE = slice_tiles * dk.TILE
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    for name, (shape, dtype) in _shapes(dk.TILE, aligned).items():
+        raw = torch.randint(-(1 << 62), 1 << 62, (int(torch.Size(shape).numel()),), generator=g)
+        t = torch.empty(shape, dtype=dtype)
+        _ints(t).copy_(raw.to(_ints(t).dtype))
+        tensors[name] = t.to(dev)
+    engine = ws.TransferEngine(transport="fabric")
+    lines = []
+    try:
+        sender = DeltaSender(engine, tensors, dev, 0, True)
+        assert sender.use_kernels
+        sender.start()  # the first reference: a copy
+        sender.finish(1, True)
+        for sp in sender._spaces.values():
+            sp.hint = 0  # the output buffers grow as they fill
+        version = 1
+        for case in CASES:
+            host = {k: v.cpu() for k, v in tensors.items()}
+            _change(host, case, g, dk.TILE)
+            for k, v in host.items():
+                tensors[k].copy_(v)
+            before = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
+            for sp in sender._spaces.values():
+                if sp.compactor is not None:
+                    sp.compactor.poison = 0xA5
+            version += 1
+            sender.use_kernels = True
+            sender.start()
+            got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()}
+            sender.finish(version, True)
+            after = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
+            # the same push by the torch ops, from the same reference
+            for w, sp in sender._spaces.items():
+                sp.ref.copy_(before[w])
+            sender.use_kernels = False
+            sender.ref_version = version - 1
+            sender.start()
+            for w, sp in sender._spaces.items():
+                idx, vals = got[w]
+                assert idx.dtype == sp.idx.dtype == torch.int64
+                assert torch.equal(idx, sp.idx), (case, w)
+                assert torch.equal(vals, sp.vals), (case, w)
+            sender.finish(version, True)
+            for w, sp in sender._spaces.items():
+                assert torch.equal(after[w], sp.ref), (case, w)
+                cur = torch.cat([_ints(tensors[k]) for k in sp.keys])
+                assert torch.equal(sp.ref, cur.view(sp.ref.dtype)), (case, w)
+            assert sender.ref_version == version
+            for w, sp in sender._spaces.items():  # vector loads exactly where every key is aligned
+                assert sp.compactor.vec == (16 // w if aligned else 1), (w, sp.compactor.vec)
+            lines.append(f"{case}: " + ", ".join(f"w{w} {int(i.numel())}" for w, (i, _) in got.items()))
+        sender.use_kernels = True
+    finally:
+        engine.close()
+    return lines
+
+
+def check_overflow_leaves_reference(device: str) -> None:
+    """The first kernel alone: a sparse tile's changes go into its slot and the reference, an overflowed
+    tile's reference stays as it was (the second kernel compares it again)."""
+    import weightsync.runtime.delta_kernels as dk
+
+    dev = torch.device(device)
+    n = 2 * dk.TILE + 100
+    cur = torch.arange(n, dtype=torch.int32, device=dev)
+    ref = cur.clone()
+    ref[5] += 1  # tile 0: one change
+    ref[dk.TILE:2 * dk.TILE] += 1  # tile 1: all changed (overflowed)
+    ref[n - 1] += 1  # tile 2 (short): its last word
+    old = ref.clone()
+    c = dk.Compactor(4, torch.tensor([0, n]).numpy(), dev)
+    c._tables([cur], ref)
+    compact = dk._compact
+    counts = torch.full((3,), -1, dtype=torch.int32, device=dev)
+    slot_idx = torch.full((3 * dk.SLOT,), -1, dtype=torch.int16, device=dev)
+    slot_val = torch.full((3 * dk.SLOT,), -1, dtype=torch.int32, device=dev)
+    compact[(3,)](*c.tables, ref, counts, slot_idx, slot_val, 0, TILE=dk.TILE, SLOT=dk.SLOT, VEC=c.vec)
+    assert counts.tolist() == [1, dk.TILE, 1]
+    assert int(slot_idx[0]) == 5 and int(slot_val[0]) == 5
+    assert int(slot_idx[2 * dk.SLOT]) == 99 and int(slot_val[2 * dk.SLOT]) == n - 1
+    assert torch.equal(ref[dk.TILE:2 * dk.TILE], old[dk.TILE:2 * dk.TILE])  # overflowed: untouched
+    assert int(ref[5]) == 5 and int(ref[n - 1]) == n - 1
+    idx, vals = c.compare([cur], old, 0)  # both kernels, from the old reference
+    want = torch.cat([torch.tensor([5]), torch.arange(dk.TILE, 2 * dk.TILE), torch.tensor([n - 1])]).to(dev)
+    assert torch.equal(idx, want) and torch.equal(vals, want.to(torch.int32))
+    assert torch.equal(old, cur)
+
+
+_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.runtime.test_delta_kernels import check_cases, check_overflow_leaves_reference
+check_overflow_leaves_reference("cpu")
+for aligned in (False, True):
+    for line in check_cases("cpu", aligned=aligned):
+        print(line)
+print("kernels ok")
+"""
+
+
+def test_kernels_match_the_torch_path_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "WEIGHTSYNC_DELTA_KERNELS": "1"}
+    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(root=ROOT)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "kernels ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    for case in CASES:
+        assert f"{case}:" in r.stdout
+
+
+def _cuda_triton() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return os.environ.get("TRITON_INTERPRET", "") != "1"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_triton(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("slice_tiles,aligned", [(3, False), (1 << 20, False), (3, True), (1 << 20, True)])
+def test_kernels_match_the_torch_path_on_cuda(slice_tiles: int, aligned: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import weightsync.runtime.delta_kernels as dk
+
+    monkeypatch.setattr(dk, "COMPARE_SLICE", dk.COMPARE_SLICE)  # check_cases changes it: restored after
+    monkeypatch.delenv("WEIGHTSYNC_DELTA_KERNELS", raising=False)
+    check_overflow_leaves_reference("cuda")
+    lines: Any = check_cases("cuda", slice_tiles, aligned)
+    assert len(lines) == len(CASES)

@@ -1,0 +1,247 @@
+"""The delta sender's compare on a GPU as two Triton kernels (issue 18): what
+:meth:`weightsync.runtime.delta.DeltaSender._changed_words` and the per-key value gathers produce (the
+sorted int64 positions of a space's changed words and their new values), reading each current tensor and
+the reference once, and updating the reference in the same pass.
+
+A space's keys are cut into tiles of :data:`TILE` words (a key's last tile may be short; a tile never
+spans two keys), in the order of the keys in the space, so the tiles' changes come out sorted.
+
+* ``_compact``, one program per tile: loads the tile's current and reference words (integer views: the
+  compare is bitwise), counts the changed ones and, when at most :data:`SLOT` changed, writes their
+  in-tile indices (int16) and values into the tile's slot of a scratch area and stores them into the
+  reference. A tile with more changes (*overflowed*) only writes its count and leaves its reference
+  words as they were.
+* a ``cumsum`` of the counts (torch), whose last element is read by the host: the slice's changed words
+  (the one host synchronization per slice, as the torch path's ``nonzero``);
+* ``_place``, one program per tile: copies the slot's entries to their final place (position = tile
+  start + in-tile index, value); an overflowed tile compares its words again (its reference is as it
+  was), writes its positions and values directly and updates its reference.
+
+Tiles go in slices of at most :data:`COMPARE_SLICE` words and :data:`SCRATCH_BYTES` of slot scratch (the
+slots: ``SLOT * (2 + w)`` bytes a tile, ``w`` the word size; plus 12 bytes a tile of counts). The scratch
+is allocated per slice from torch's caching allocator on the trainer's device and freed after the push's
+compare (:attr:`Compactor.scratch_bytes`: the largest of the last compare; it is not part of
+``PushStats.delta_ref_bytes``, which counts the reference only).
+
+Used when the device is CUDA and ``triton`` imports, unless ``WEIGHTSYNC_DELTA_KERNELS=0``. With Triton's
+interpreter (``TRITON_INTERPRET=1`` before triton is imported) and ``WEIGHTSYNC_DELTA_KERNELS=1`` the
+kernels also run on CPU tensors (the tests do that); without the interpreter they never run on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+TILE = 4096  # words per tile (in-tile indices fit int16)
+SLOT = 512  # changed words a tile's slot holds (12.5%: more is an overflowed tile, compared twice)
+COMPARE_SLICE = 1 << 29  # words per slice at most (the delta module's slice)
+SCRATCH_BYTES = 256 << 20  # slot scratch per slice at most
+ENV = "WEIGHTSYNC_DELTA_KERNELS"
+assert TILE % SLOT == 0 and TILE <= 1 << 15
+
+try:  # without triton (a CPU host may lack it) the torch path runs and these kernels are never defined
+    import triton
+    import triton.language as tl
+except Exception:
+    triton = None
+
+# Triton's interpreter patches triton.language module-wide while a kernel runs: sources in threads of one
+# process (the tests) launch one at a time there. Compiled launches need no lock.
+_interpreter_lock = threading.Lock()
+
+
+def _launching() -> contextlib.AbstractContextManager[Any]:
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        return _interpreter_lock
+    return contextlib.nullcontext()
+
+
+if triton is not None:
+    @triton.jit
+    def _tile(key_at, key_start, key_end, tile_key, tile_start, ref_ptr, t, TILE: tl.constexpr,
+              VEC: tl.constexpr):
+        """Tile ``t``: its first word in the space, its words, and where its key's current words from it
+        are (``key_at``: each key's address in words from the reference's). ``VEC`` > 1: every key's
+        words and address are aligned to 16 bytes (``VEC`` words), which lets the loads be 16-byte
+        vectors (the host checks it: the compiler cannot see it through the tables)."""
+        key = tl.load(tile_key + t)
+        start = tl.multiple_of(tl.load(tile_start + t), VEC)
+        kstart = tl.multiple_of(tl.load(key_start + key), VEC)
+        n = tl.minimum(tl.load(key_end + key) - start, TILE)
+        at = tl.multiple_of(tl.load(key_at + key), VEC)
+        return start, n, ref_ptr + at + (start - kstart)
+
+    @triton.jit
+    def _compact(key_at, key_start, key_end, tile_key, tile_start, ref_ptr, counts_ptr, slot_idx, slot_val,
+                 t0, TILE: tl.constexpr, SLOT: tl.constexpr, VEC: tl.constexpr):
+        pid = tl.program_id(0)
+        start, n, cur = _tile(key_at, key_start, key_end, tile_key, tile_start, ref_ptr, t0 + pid, TILE,
+                              VEC)
+        o = tl.arange(0, TILE)
+        inside = o < n
+        if n == TILE:  # a whole tile (all but a key's last): loads without a mask can be vectors
+            x = tl.load(cur + o)
+            r = tl.load(ref_ptr + start + o)
+        else:
+            x = tl.load(cur + o, mask=inside, other=0)
+            r = tl.load(ref_ptr + start + o, mask=inside, other=0)
+        changed = (x != r) & inside
+        c = changed.to(tl.int32)
+        count = tl.sum(c, axis=0)
+        tl.store(counts_ptr + pid, count)
+        if (count > 0) & (count <= SLOT):
+            at = pid.to(tl.int64) * SLOT + (tl.cumsum(c, axis=0) - c)
+            tl.store(slot_idx + at, o.to(tl.int16), mask=changed)
+            tl.store(slot_val + at, x, mask=changed)
+            tl.store(ref_ptr + start + o, x, mask=changed)
+
+    @triton.jit
+    def _place(key_at, key_start, key_end, tile_key, tile_start, ref_ptr, counts_ptr, ends_ptr, slot_idx,
+               slot_val, out_idx, out_val, t0, TILE: tl.constexpr, SLOT: tl.constexpr, VEC: tl.constexpr):
+        pid = tl.program_id(0)
+        count = tl.load(counts_ptr + pid)
+        base = tl.load(ends_ptr + pid) - count  # where the tile's changes go in the slice's output
+        start = tl.load(tile_start + t0 + pid)
+        j = tl.arange(0, SLOT)
+        if (count > 0) & (count <= SLOT):
+            m = j < count
+            at = pid.to(tl.int64) * SLOT + j
+            local = tl.load(slot_idx + at, mask=m, other=0).to(tl.int64)
+            tl.store(out_idx + base + j, start + local, mask=m)
+            tl.store(out_val + base + j, tl.load(slot_val + at, mask=m, other=0), mask=m)
+        elif count > SLOT:  # overflowed: its reference is untouched, so compared again here
+            start, n, cur = _tile(key_at, key_start, key_end, tile_key, tile_start, ref_ptr, t0 + pid, TILE,
+                                  VEC)
+            run = base
+            for s in tl.static_range(0, TILE, SLOT):
+                o = s + j
+                inside = o < n
+                x = tl.load(cur + o, mask=inside, other=0)
+                r = tl.load(ref_ptr + start + o, mask=inside, other=0)
+                changed = (x != r) & inside
+                c = changed.to(tl.int32)
+                at = run + (tl.cumsum(c, axis=0) - c)
+                tl.store(out_idx + at, start + o, mask=changed)
+                tl.store(out_val + at, x, mask=changed)
+                tl.store(ref_ptr + start + o, x, mask=changed)
+                run += tl.sum(c, axis=0)
+
+
+def enabled(device: Any) -> bool:
+    """Whether the kernels run for tensors on ``device``: CUDA with triton, unless the environment turns
+    them off; on CPU only when forced under Triton's interpreter (tests)."""
+    flag = os.environ.get(ENV, "")
+    if flag == "0":
+        return False
+    if device.type == "cuda":
+        return triton is not None
+    return flag == "1" and os.environ.get("TRITON_INTERPRET", "") == "1" and triton is not None
+
+
+class Compactor:
+    """One word space's tile tables (built once; rebuilt if a tensor's storage moved) and its compare."""
+
+    def __init__(self, word: int, starts: np.ndarray, device: Any) -> None:
+        self.word = word
+        self.starts = np.asarray(starts, np.int64)
+        self.device = device
+        self.addrs: list[int] = []
+        self.ref_addr = 0
+        self.usable = True  # every key's address is a whole number of words from the reference's
+        self.tables: tuple[Any, ...] = ()
+        self.slices: list[tuple[int, int]] = []  # tile ranges
+        self.vec = 1  # words per 16 bytes where every key's words and address are 16-byte aligned
+        self.slice_ends: list[int] = []
+        self.scratch_bytes = 0
+        # tests: fill the scratch and the outputs with this byte first (an entry left unwritten shows)
+        self.poison: int | None = None
+
+    def _tables(self, views: Sequence[Any], ref: Any) -> None:
+        import torch
+
+        addrs = [int(v.data_ptr()) for v in views]
+        if addrs == self.addrs and ref.data_ptr() == self.ref_addr:
+            return
+        # A key's words are found from the reference's address (a pointer the kernels are given, so the
+        # compiler knows its alignment): the distance in words, which must be whole.
+        dist = np.array(addrs, np.int64) - int(ref.data_ptr())
+        self.usable = not np.any(dist % self.word)
+        sizes = np.diff(self.starts)
+        ntiles = -(-sizes // TILE)
+        tile_key = np.repeat(np.arange(len(sizes), dtype=np.int32), ntiles)
+        first = np.concatenate([[0], np.cumsum(ntiles)])[:-1]
+        within = np.arange(int(ntiles.sum()), dtype=np.int64) - np.repeat(first, ntiles)
+        tile_start = self.starts[:-1][tile_key] + within * TILE
+        dev = self.device
+        self.tables = (torch.from_numpy(dist // self.word).to(dev),
+                       torch.from_numpy(self.starts[:-1].copy()).to(dev),
+                       torch.from_numpy(self.starts[1:].copy()).to(dev),
+                       torch.from_numpy(tile_key).to(dev), torch.from_numpy(tile_start).to(dev))
+        aligned = all(a % 16 == 0 for a in [*addrs, int(ref.data_ptr())]) and \
+            not np.any(self.starts * self.word % 16)
+        self.vec = 16 // self.word if aligned else 1
+        per_slice = max(1, min(COMPARE_SLICE // TILE, SCRATCH_BYTES // (SLOT * (2 + self.word))))
+        total = len(tile_key)
+        self.slices = [(a, min(a + per_slice, total)) for a in range(0, total, per_slice)]
+        # the word after each slice's last (where its last tile ends in the space)
+        self.slice_ends = [int(min(tile_start[b - 1] + TILE, self.starts[tile_key[b - 1] + 1]))
+                           for _, b in self.slices]
+        self.addrs, self.ref_addr = addrs, int(ref.data_ptr())
+
+    def compare(self, views: Sequence[Any], ref: Any, hint: int) -> tuple[Any, Any] | None:
+        """The changed words of the space (``views``: its keys' word views in order, ``ref``: its
+        reference) as (sorted int64 positions, values); the reference takes the values. ``hint``: how
+        many changed words to make room for first. None (nothing done) where a key's address is not a
+        whole number of words from the reference's (the torch path compares that space)."""
+        import torch
+
+        compact, place = _compact, _place
+        self._tables(views, ref)
+        if not self.usable:
+            return None
+        total = int(self.starts[-1])
+        out_idx = torch.empty(min(max(hint, 1024), max(total, 1)), dtype=torch.int64, device=self.device)
+        out_val = torch.empty(out_idx.numel(), dtype=ref.dtype, device=self.device)
+        if self.poison is not None:
+            out_idx.view(torch.uint8).fill_(self.poison)
+            out_val.view(torch.uint8).fill_(self.poison)
+        k = 0
+        self.scratch_bytes = 0
+        for (a, b), end in zip(self.slices, self.slice_ends, strict=True):
+            nt = b - a
+            counts = torch.empty(nt, dtype=torch.int32, device=self.device)
+            slot_idx = torch.empty(nt * SLOT, dtype=torch.int16, device=self.device)
+            slot_val = torch.empty(nt * SLOT, dtype=ref.dtype, device=self.device)
+            if self.poison is not None:
+                for t in (counts, slot_idx, slot_val):
+                    t.view(torch.uint8).fill_(self.poison)
+            self.scratch_bytes = max(self.scratch_bytes, nt * (SLOT * (2 + self.word) + 12))
+            with _launching():
+                compact[(nt,)](*self.tables, ref, counts, slot_idx, slot_val, a, TILE=TILE, SLOT=SLOT,
+                               VEC=self.vec, num_warps=8)
+            ends = torch.cumsum(counts, 0)
+            m = int(ends[-1])  # a host synchronization (the slice's count)
+            if k + m > out_idx.numel():  # grown by the density seen so far (as the torch path's buffer)
+                seen = max(end, 1)  # words compared so far
+                grow = min(max(total, 1), max((k + m) * total // seen + 1024, k + m))
+                idx2 = torch.empty(grow, dtype=torch.int64, device=self.device)
+                val2 = torch.empty(grow, dtype=ref.dtype, device=self.device)
+                if self.poison is not None:
+                    idx2.view(torch.uint8).fill_(self.poison)
+                    val2.view(torch.uint8).fill_(self.poison)
+                idx2[:k].copy_(out_idx[:k])
+                val2[:k].copy_(out_val[:k])
+                out_idx, out_val = idx2, val2
+            if m:
+                with _launching():
+                    place[(nt,)](*self.tables, ref, counts, ends, slot_idx, slot_val, out_idx[k:],
+                                 out_val[k:], a, TILE=TILE, SLOT=SLOT, VEC=self.vec, num_warps=4)
+            k += m
+            del counts, slot_idx, slot_val, ends
+        return out_idx[:k], out_val[:k]
