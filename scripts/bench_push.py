@@ -499,9 +499,11 @@ class DeltaWorker(Worker):
         n = self.flat.numel()
         where = self.dev
         if self.cuda:
+            torch.cuda.empty_cache()  # blocks torch keeps cached count as used in the driver's figure
             free, _ = torch.cuda.mem_get_info()
             if free < 4 * n + MASTER_HEADROOM:
                 where = torch.device("cpu")
+        self.master_apart = where != self.dev
         t0 = time.perf_counter()
         self.master = torch.empty(n, dtype=torch.float32, device=where,
                                   pin_memory=self.cuda and where.type == "cpu")
@@ -523,8 +525,8 @@ class DeltaWorker(Worker):
         changed = torch.zeros((), dtype=torch.int64, device=self.dev)
         for c0 in range(0, n, ADAM_CHUNK):
             c1 = min(n, c0 + ADAM_CHUNK)
-            host = self.master.device != self.dev
-            p = torch.nn.Parameter(self.master[c0:c1].to(self.dev, non_blocking=True))
+            # Masters on the device: the parameter is a view of them, stepped in place; else a copy.
+            p = torch.nn.Parameter(self.master[c0:c1].to(self.dev, non_blocking=True, copy=self.master_apart))
             grad = torch.randn(c1 - c0, generator=self.grad_gen, device=self.dev, dtype=torch.float32)
             self._zero_gaps(grad, c0, c1)  # a zero gradient leaves Adam's first step at zero
             p.grad = grad
@@ -533,7 +535,7 @@ class DeltaWorker(Worker):
             w = self.flat[c0:c1]
             changed += (new.view(torch.int16) != w.view(torch.int16)).sum()
             w.copy_(new)
-            if host:  # on the GPU the parameter is a view of the masters: stepped in place
+            if self.master_apart:
                 self.master[c0:c1].copy_(p.detach(), non_blocking=True)
             del p, grad, new
         self._sync()
@@ -978,6 +980,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
               ("a: gather + bucketed bcast", lambda r: r.get("a_best", {}).get("median_s")),
               ("b: per-param bcast", lambda r: r.get("b", {}).get("median_s")),
               ("c: checkpoint-engine", lambda r: r.get("c", {}).get("median_s"))]
+    lrs = {r["delta"]["lr"] for r in rows if "lr" in r.get("delta", {})}
+    if lrs:
+        series.insert(2, (f"weightsync delta push (lr {', '.join(f'{x:g}' for x in sorted(lrs))})",
+                          lambda r: r.get("delta", {}).get("median_s")))
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(series)
     for k, (label, get) in enumerate(series):
