@@ -61,12 +61,20 @@ writes the reference takes the changed values with one indexed copy per word siz
 each stream once (``repeat_interleave`` of the block bases, the low bits copied in) and scatters each
 run of entries of one key and one placement with one indexed copy.
 
-Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` per :data:`COMPARE_SLICE` words
-of each word size, one copy of the counts, two more when direct writes read strided source rows, one
-wait before the engine reads each destination's payload and one after the reference's update; per
-staged chunk one ``nonzero`` and one copy of counts per inbox destination. The receiver's: one copy of
-the headers' entries, one wait after the scatters, and, for a bitmap stream, one ``nonzero`` per
-:data:`BITMAP_SLICE` words.
+On CUDA, where triton imports (and unless ``WEIGHTSYNC_DELTA_KERNELS=0``), the sender's compare is two
+Triton kernels per slice instead (:mod:`weightsync.runtime.delta_kernels`): the changed words' positions
+and values found per tile of 4096 words reading each tensor and the reference once, the reference
+updated in the same pass (so ``finish`` has nothing left to copy for those spaces: a push that fails
+leaves the reference's version at -1, and the next push copies the tensors whole into it), one host
+synchronization per slice for its count; its slot scratch (``DeltaSender.scratch_bytes``, 256 MiB a
+slice at most) comes from torch's caching allocator and is not in ``PushStats.delta_ref_bytes``.
+
+Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` (or the kernels' count) per
+:data:`COMPARE_SLICE` words of each word size, one copy of the counts, two more when direct writes read
+strided source rows, one wait before the engine reads each destination's payload and one after the
+reference's update; per staged chunk one ``nonzero`` and one copy of counts per inbox destination. The
+receiver's: one copy of the headers' entries, one wait after the scatters, and, for a bitmap stream, one
+``nonzero`` per :data:`BITMAP_SLICE` words.
 """
 
 from __future__ import annotations
