@@ -220,7 +220,7 @@ class Trainer:
     # -- the three modes --------------------------------------------------------------------------------
     def run(self, mode: str, steps: int, warmup: int) -> dict[str, Any]:
         """``steps`` timed steps (after ``warmup``) of ``mode``: none, blocking or async."""
-        step_s, push_s, wait_s, cpu_s, fb_gpu_s = [], [], [], [], []
+        step_s, push_s, wait_s, cpu_s, fb_gpu_s, start_s = [], [], [], [], [], []
         cuda = self.dev.type == "cuda"
         for n in range(warmup + steps):
             _sync(self.dev)
@@ -251,7 +251,10 @@ class Trainer:
                 if n >= warmup:
                     push_s.append(stats.seconds)
             elif mode == "async":
+                t2 = time.perf_counter()
                 self.handle = ws.push_async(self.src, self.version, timeout=120)
+                if n >= warmup:
+                    start_s.append(time.perf_counter() - t2)  # the trainer's thread, starting the push
             if n >= warmup:
                 step_s.append(time.perf_counter() - t0)
                 cpu_s.append(time.process_time() - c0)
@@ -264,7 +267,7 @@ class Trainer:
             self.handle = None
             push_s.append(stats.seconds)
         return {"mode": mode, "version": self.version, "step_s": step_s, "push_s": push_s, "wait_s": wait_s,
-                "cpu_s": cpu_s, "fb_gpu_s": fb_gpu_s, "clocks": clocks}
+                "cpu_s": cpu_s, "fb_gpu_s": fb_gpu_s, "start_s": start_s, "clocks": clocks}
 
     def push(self) -> int:
         """One blocking push of the current weights (the warm-up: opens the IPC handles); its version."""
@@ -349,7 +352,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      f"trainer's weights in {len(bad)} tensors, e.g. {bad[:3]}")
             print(f"  {mode:9s} step {_ms(r['step_s']):8.2f} ms (cpu {_ms(r['cpu_s']):7.2f} ms)" +
                   (f"  push {_ms(r['push_s']):7.2f} ms" if r["push_s"] else "") +
-                  (f"  wait {_ms(r['wait_s']):7.3f} ms (max {max(r['wait_s']) * 1e3:.3f})"
+                  (f"  wait {_ms(r['wait_s']):7.3f} ms (max {max(r['wait_s']) * 1e3:.3f}), push_async "
+                   f"returned in {_ms(r['start_s']):.3f} ms (max {max(r['start_s']) * 1e3:.3f})"
                    if mode == "async" else "") + ("  (bytes checked)" if mode != "none" else ""), flush=True)
             c = r["clocks"]
             if r["fb_gpu_s"]:
@@ -375,6 +379,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_blocking_ms": _ms(blocking["step_s"]), "push_blocking_ms": _ms(blocking["push_s"]),
         "step_async_ms": _ms(overlapped["step_s"]), "push_async_ms": _ms(overlapped["push_s"]),
         "wait_ms": _ms(overlapped["wait_s"]), "wait_max_ms": max(overlapped["wait_s"]) * 1e3,
+        "push_async_call_ms": _ms(overlapped["start_s"]),
+        "push_async_call_max_ms": max(overlapped["start_s"]) * 1e3,
         "cpu_none_ms": _ms(none["cpu_s"]), "cpu_blocking_ms": _ms(blocking["cpu_s"]),
         "cpu_async_ms": _ms(overlapped["cpu_s"]),
         "fb_gpu_none_ms": _ms(none["fb_gpu_s"]), "fb_gpu_blocking_ms": _ms(blocking["fb_gpu_s"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -70,6 +71,14 @@ class AsyncTrainer:
 
     def done(self) -> bool:
         return self.handle.done()
+
+    def push_threads(self) -> list[int]:
+        """The live threads named as this source's push thread, as ids of their Thread objects (kept
+        referenced here, so an id is never reused by another thread)."""
+        prefix = f"weightsync-{self.src.group}-push{self.rank}"
+        found = [t for t in threading.enumerate() if t.name.startswith(prefix)]
+        self._threads = [*getattr(self, "_threads", []), *found]
+        return [id(t) for t in found]
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
         return self.handle.wait(timeout).__dict__
@@ -200,6 +209,7 @@ def team(ray_cluster) -> Iterator[Team]:
 
 
 def test_push_returns_before_destinations_have_the_version_and_lands_exactly(team: Team) -> None:
+    threads = []
     for version in (1, 2, 3):
         team.set_version(version)
         with team.stopped(0):
@@ -209,10 +219,15 @@ def test_push_returns_before_destinations_have_the_version_and_lands_exactly(tea
             assert ray.get([t.done.remote() for t in team.trainers], timeout=30) == [False, False]
             # The trainers' actors are free meanwhile (forward/backward would run here).
             assert ray.get([t.shards.remote() for t in team.trainers], timeout=30)
+            threads.append(ray.get([t.push_threads.remote() for t in team.trainers], timeout=30))
         assert max(calls) < 1.0, calls
         for s in team.wait():
             assert s["version"] == version and s["failed_destinations"] == [], s
         team.check(version)
+    # Each source's pushes ran in one thread, started once (not a thread per push, whose start made
+    # push_async wait for the GIL while the new thread ran the push's first Python).
+    assert all(len(ids) == 1 for ids in threads[0]), threads
+    assert threads == [threads[0]] * 3, threads
 
 
 def test_second_push_while_one_is_in_flight_is_refused(team: Team) -> None:
@@ -335,8 +350,10 @@ def test_close_with_a_push_in_flight_cancels_it(ray_cluster) -> None:
         t.set_version(2)
         with t.stopped(0):
             t.push_async(2)
+            assert len(ray.get(tr.push_threads.remote(), timeout=30)) == 1
             closed_in = ray.get(tr.close.remote(), timeout=60)
             assert closed_in < 5.0, closed_in
+            assert ray.get(tr.push_threads.remote(), timeout=30) == []  # the push thread ended
             with pytest.raises(ray.exceptions.RayTaskError) as info:
                 ray.get(tr.wait.remote(), timeout=30)
             err = _cause(info)

@@ -19,6 +19,7 @@ numpy views, another process) are not seen.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -82,7 +83,6 @@ class PushHandle:
         self._lock = threading.Lock()
         self._cancelled: str | None = None
         self._committed = False
-        self._thread: threading.Thread | None = None
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
@@ -152,15 +152,45 @@ class PushHandle:
         finally:
             self._finished.set()
 
-    def start(self) -> None:
+    def start(self, worker: PushWorker | None = None) -> None:
+        """Runs the push now (``background`` False) or hands it to the source's push thread."""
         if not self.background:
             self.run()
             return
-        self._thread = threading.Thread(
-            target=self.run, daemon=True,
-            name=f"weightsync-{self._src.group}-push{self._src.rank}-v{self.version}")
-        self._thread.start()
+        assert worker is not None
+        worker.submit(self)
 
     def join(self, timeout: float) -> bool:
         """Waits for the push to end without observing its result; True if it has."""
         return self._finished.wait(max(timeout, 0.0))
+
+
+class PushWorker:
+    """The thread a source's background pushes run in, one after another, for the source's life.
+
+    Started once rather than per push: ``threading.Thread.start`` waits until the new thread runs, and a
+    new push thread goes straight into the push's Python work, so the trainer's thread waited for the GIL
+    inside ``push_async`` (up to the switch interval, 5 ms) before it could queue the next forward on an
+    idle GPU. Handing a push to a waiting thread only wakes it: the caller keeps the GIL and goes on
+    queueing kernels, and the push thread takes its turns while the GPU has work queued."""
+
+    def __init__(self, name: str) -> None:
+        self._pushes: queue.SimpleQueue[PushHandle | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            h = self._pushes.get()
+            if h is None:
+                return
+            h.run()
+
+    def submit(self, h: PushHandle) -> None:
+        self._pushes.put(h)
+
+    def stop(self, timeout: float) -> bool:
+        """Lets the thread end after the push it runs, if any; True if it has ended within ``timeout``."""
+        self._pushes.put(None)
+        self._thread.join(max(timeout, 0.0))
+        return not self._thread.is_alive()

@@ -61,7 +61,7 @@ from weightsync.plan.writes import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from weightsync.runtime.delta import DeltaSender, DeltaWork
 from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.participant import Participant, contiguous
-from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, watched_tensors
+from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, PushWorker, watched_tensors
 from weightsync.runtime.staging import Staging
 from weightsync.wire import (
     ACK,
@@ -357,6 +357,7 @@ class Source(Participant):
         # on a stream of its own, not on the trainer's.
         self._push_lock = threading.Lock()
         self._last_push: PushHandle | None = None
+        self._push_worker: PushWorker | None = None  # background pushes' thread, from the first one on
         self._closing = False
         self._push_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._tails: dict[int, _Tail] = {}
@@ -557,6 +558,8 @@ class Source(Participant):
         if h is not None and not h.join(CLOSE_WAIT_S):
             self.log.warning("source %d: push of version %d still running %.0f s after close", self.rank,
                              h.version, CLOSE_WAIT_S)
+        if self._push_worker is not None:
+            self._push_worker.stop(1.0)  # ends at once unless the push above is still running
 
     # -- pushes in flight --------------------------------------------------------------------------
     def wait_pushed(self, timeout: float | None = None) -> PushStats | None:
@@ -621,7 +624,9 @@ class Source(Participant):
                 h._ready = torch.cuda.Event()
                 h._ready.record(torch.cuda.current_stream(self.device))
             self._last_push = h
-        h.start()
+            if background and self._push_worker is None:
+                self._push_worker = PushWorker(f"weightsync-{self.group}-push{self.rank}")
+        h.start(self._push_worker)
         return h
 
     def _run_push(self, h: PushHandle) -> PushStats:
