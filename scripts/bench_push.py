@@ -485,7 +485,7 @@ class DeltaWorker(Worker):
         for c0 in range(0, n, ADAM_CHUNK):
             c1 = min(n, c0 + ADAM_CHUNK)
             self.flat[c0:c1].copy_(self._initial_master(c0, c1))
-        self.master: torch.Tensor | None = None
+        self.master: list[torch.Tensor] = []
         self.grad_gen = torch.Generator(device=self.dev)
         self.grad_gen.manual_seed(zlib.crc32(f"grad/{self.rank}".encode()))
         self._sync()
@@ -493,7 +493,9 @@ class DeltaWorker(Worker):
     def delta_masters(self) -> dict[str, Any]:
         """Trainers: the fp32 masters, on the GPU where they fit beside what is there now (the shards,
         the source's reference and inbox payloads) with MASTER_HEADROOM to spare, else in pinned host
-        memory (they come to the GPU a chunk at a time)."""
+        memory (they come to the GPU a chunk at a time). One tensor per ADAM_CHUNK elements: no single
+        allocation of the whole, and pinned blocks (which torch rounds up to a power of two) waste
+        nothing."""
         if not self.trainer:
             return {}
         n = self.flat.numel()
@@ -505,11 +507,11 @@ class DeltaWorker(Worker):
                 where = torch.device("cpu")
         self.master_apart = where != self.dev
         t0 = time.perf_counter()
-        self.master = torch.empty(n, dtype=torch.float32, device=where,
-                                  pin_memory=self.cuda and where.type == "cpu")
+        self.master = []
         for c0 in range(0, n, ADAM_CHUNK):
             c1 = min(n, c0 + ADAM_CHUNK)
-            self.master[c0:c1].copy_(self._initial_master(c0, c1), non_blocking=True)
+            m = torch.empty(c1 - c0, dtype=torch.float32, device=where, pin_memory=self.master_apart)
+            self.master.append(m.copy_(self._initial_master(c0, c1), non_blocking=True))
         self._sync()
         return {"master_on": "GPU" if where.type == "cuda" else ("pinned host" if self.cuda else "host"),
                 "master_bytes": 4 * n, "master_s": time.perf_counter() - t0}
@@ -519,14 +521,14 @@ class DeltaWorker(Worker):
         Returns the BF16 values the step changed (counted here, apart from the push) and the total."""
         if not self.trainer:
             return {"changed": 0, "total": 0}
-        assert self.master is not None, "delta_masters first"
+        assert self.master, "delta_masters first"
         t0 = time.perf_counter()
         n = self.flat.numel()
         changed = torch.zeros((), dtype=torch.int64, device=self.dev)
-        for c0 in range(0, n, ADAM_CHUNK):
+        for c0, master in zip(range(0, n, ADAM_CHUNK), self.master, strict=True):
             c1 = min(n, c0 + ADAM_CHUNK)
             # Masters on the device: the parameter is a view of them, stepped in place; else a copy.
-            p = torch.nn.Parameter(self.master[c0:c1].to(self.dev, non_blocking=True, copy=self.master_apart))
+            p = torch.nn.Parameter(master.to(self.dev, non_blocking=True, copy=self.master_apart))
             grad = torch.randn(c1 - c0, generator=self.grad_gen, device=self.dev, dtype=torch.float32)
             self._zero_gaps(grad, c0, c1)  # a zero gradient leaves Adam's first step at zero
             p.grad = grad
@@ -536,7 +538,7 @@ class DeltaWorker(Worker):
             changed += (new.view(torch.int16) != w.view(torch.int16)).sum()
             w.copy_(new)
             if self.master_apart:
-                self.master[c0:c1].copy_(p.detach(), non_blocking=True)
+                master.copy_(p.detach(), non_blocking=True)
             del p, grad, new
         self._sync()
         return {"changed": int(changed), "total": self.real_elements, "step_s": time.perf_counter() - t0}
@@ -588,7 +590,9 @@ class DeltaWorker(Worker):
 
     def delta_close(self) -> None:
         self.ws_close()
-        self.master = None
+        self.master = []
+        # pinned host blocks stay cached in torch otherwise (checkpoint-engine's baseline pins more)
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
         if self.cuda:
             torch.cuda.empty_cache()
 
@@ -686,7 +690,7 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
         res: dict[str, Any] = {"lr": args.delta_lr, "inbox_fraction": args.delta_inbox, "times": [],
                                "changed_fraction": [], "push_changed_fraction": [], "wire_bytes": [],
                                "dense_bytes": [], "encode_s": [], "apply_s": [], "step_s": [],
-                               "not_delta": [], "verified_bytes": 0}
+                               "not_delta": [], "phases": [], "verified_bytes": 0}
         name = f"bench-s{num}-delta-{os.getpid()}"
         group = ws.Group.create(name, num_sources=T, num_destinations=R, **args.group_opts)
         try:
@@ -734,7 +738,9 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
                 if i == 0:
                     res["first_s"] = max(s["seconds"] for s in stats)
                     continue
-                res["times"].append(max(s["seconds"] for s in stats))
+                slowest = max(stats, key=lambda s: s["seconds"])
+                res["times"].append(slowest["seconds"])
+                res["phases"].append(slowest["phases"])
                 res["changed_fraction"].append(sum(x["changed"] for x in steps)
                                                / sum(x["total"] for x in steps))
                 seen = [s["changed_fraction"] for s in stats if s["changed_fraction"] >= 0]
