@@ -2,7 +2,8 @@
 path, bit for bit: the changed words' positions and values each push finds, and the reference after it.
 
 On CPU the kernels run under Triton's interpreter, in a subprocess (``TRITON_INTERPRET`` must be set
-before triton is imported); on a CUDA machine with triton, the same cases run compiled, in this process
+before triton is imported), and so does tests/runtime/test_delta.py's every-case push test with the
+kernels forced on; on a CUDA machine with triton, the same cases run compiled, in this process
 (``python3 -m pytest tests/runtime/test_delta_kernels.py -q``).
 
 One sender holds keys of every word size (1, 2, 4, 8 bytes), several per space, sizes not multiples of a
@@ -194,6 +195,41 @@ def test_kernels_match_the_torch_path_under_the_interpreter() -> None:
     assert r.returncode == 0 and "kernels ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     for case in CASES:
         assert f"{case}:" in r.stdout
+
+
+_SUITE = """
+import sys
+sys.path.insert(0, {root!r})
+import pytest
+import weightsync.runtime.delta_kernels as dk
+
+calls = []
+compare = dk.Compactor.compare
+
+
+def counted(self, *args, **kwargs):
+    calls.append(self.word)
+    return compare(self, *args, **kwargs)
+
+
+dk.Compactor.compare = counted
+rc = pytest.main(["tests/runtime/test_delta.py", "-q", "-x", "-p", "no:cacheprovider", "-k", {select!r}])
+print("kernel compares", len(calls))
+sys.exit(rc)
+"""
+
+
+def test_delta_pushes_with_the_kernels_under_the_interpreter() -> None:
+    # The push-level delta test (every change case, inplace and staged destinations, a reader) with the
+    # sources' compare done by the kernels: every destination byte as a dense push gives.
+    pytest.importorskip("triton")
+    pytest.importorskip("ray")  # test_delta.py's coordinator
+    env = {**os.environ, "TRITON_INTERPRET": "1", "WEIGHTSYNC_DELTA_KERNELS": "1"}
+    r = subprocess.run([sys.executable, "-c", _SUITE.format(root=ROOT, select="test_every_case")], env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    calls = int(r.stdout.rsplit("kernel compares", 1)[1].split()[0])
+    assert calls > 0, r.stdout[-3000:]
 
 
 def _cuda_triton() -> bool:
