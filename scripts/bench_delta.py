@@ -34,6 +34,19 @@ vary by more than the encode does. ``--baseline OLD_DELTA.py`` (for instance
 ``git show 426276a:weightsync/runtime/delta.py > /tmp/delta_old.py``) adds a second group whose source
 and destination use that file's delta classes, over the same tensors, pushed in alternating order after
 every step: a before/after comparison under the same load.
+
+Encode is reported by phase (the sender's ``phases``: ``compare``, the changed words found, their values
+gathered and, on the kernel path, the reference updated; ``begin``, the host's choice of sparse writes;
+``finalize``, the streams' index sections and values written; ``finish``, the torch path's reference
+update), beside ``transfer`` (the push's seconds less apply and the encode before ``finish``, which
+overlaps the apply: the wire, the grant and the acks) and ``apply`` (the receiver's scatter); each line
+names the compare path that ran: ``kernel`` (the Triton kernels of weightsync/runtime/delta_kernels.py,
+on CUDA with triton, unless WEIGHTSYNC_DELTA_KERNELS=0) or ``torch``. ``--ab`` adds a third group,
+``delta-torch``: another delta source over the same tensors whose sender uses the torch path, into a
+third replica, pushed in alternating order with ``delta`` after every step, its bytes checked alike:
+kernel and torch path measured in one run.
+
+    python scripts/bench_delta.py --lrs 1e-6 --ab      # 2 GPUs: kernel and torch paths side by side
 """
 
 from __future__ import annotations
@@ -115,14 +128,20 @@ def init_weights(model: str, dev: torch.device) -> tuple[dict[str, torch.Tensor]
     return master, weights
 
 
+PHASES = ("compare", "begin", "staged", "finalize", "finish")
+
+
 class Trainer:
-    """fp32 masters, their BF16 copy (the pushed tensors), and one source per group."""
+    """fp32 masters, their BF16 copy (the pushed tensors), and one source per group (``delta-torch``: a
+    delta source whose sender compares with torch ops)."""
 
     def __init__(self, groups: dict[str, str], model: str) -> None:
         self.dev = _device()
         self.master, self.weights = init_weights(model, self.dev)
-        self.srcs = {kind: ws.Source(group, rank=0, tensors=self.weights, timeout=300, delta=kind == "delta")
+        self.srcs = {kind: ws.Source(group, rank=0, tensors=self.weights, timeout=300, delta=kind != "dense")
                      for kind, group in groups.items()}
+        if "delta-torch" in self.srcs:
+            self.srcs["delta-torch"]._delta.use_kernels = False
         self.gen = torch.Generator(device=self.dev).manual_seed(2)
         self.version = 0
 
@@ -141,10 +160,13 @@ class Trainer:
         t0 = time.perf_counter()
         stats = ws.push(self.srcs[kind], version, timeout=300)
         wall = time.perf_counter() - t0
+        sender = self.srcs[kind]._delta
         return {"wall_s": wall, "seconds": stats.seconds, "wire_bytes": stats.wire_bytes,
                 "dense_bytes": stats.dense_bytes, "changed_fraction": stats.changed_fraction,
                 "encode_s": stats.encode_seconds, "apply_s": stats.apply_seconds,
-                "ref_bytes": stats.delta_ref_bytes, "delta": stats.delta_destinations == [0]}
+                "ref_bytes": stats.delta_ref_bytes, "delta": stats.delta_destinations == [0],
+                "phases": dict(sender.phases), "path": "kernel" if sender.use_kernels else "torch",
+                "scratch_bytes": sender.scratch_bytes}
 
     def digests(self) -> dict[str, int]:
         return {name: digest(t) for name, t in self.weights.items()}
@@ -155,7 +177,7 @@ class Trainer:
 
 
 class Rollout:
-    """Two full replicas in vLLM's fused layout, one per group (the delta one with an inbox)."""
+    """Full replicas in vLLM's fused layout, one per group (the delta ones with an inbox)."""
 
     def __init__(self, groups: dict[str, str], model: str, inbox: float) -> None:
         from scripts.bench_worker import DTYPE, as_ws, rollout_params
@@ -172,7 +194,7 @@ class Rollout:
             named = {p.key: as_ws(p, local[p.key]) for p in self.params}
             self.dsts[kind] = ws.Destination(group, rank=0, tensors=named, mode="inplace", timeout=300,
                                              push_timeout=300,
-                                             delta_bytes=int(nbytes * inbox) if kind == "delta" else 0)
+                                             delta_bytes=int(nbytes * inbox) if kind != "dense" else 0)
 
     def wait(self, version: int) -> list[int]:
         return [d.wait(version, timeout=300) for d in self.dsts.values()]
@@ -212,6 +234,35 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _summary(lr: float, kind: str, d: list[dict[str, Any]], x: list[dict[str, Any]], fractions: list[float],
+             bound: float) -> dict[str, Any]:
+    """Medians of one delta group's pushes at one learning rate, against the dense group's."""
+    res = {
+        "lr": lr, "kind": kind, "path": x[-1]["path"] if x else "", "changed_fraction": _med(fractions),
+        "push_changed_fraction": _med([r["changed_fraction"] for r in x]),
+        "dense_ms": _med([r["seconds"] for r in d]) * 1e3,
+        "delta_ms": _med([r["seconds"] for r in x]) * 1e3,
+        "encode_ms": _med([r["encode_s"] for r in x]) * 1e3,
+        "apply_ms": _med([r["apply_s"] for r in x]) * 1e3,
+        # the rest of the push: the finish (reference update) overlaps the destination's apply
+        "transfer_ms": _med([r["seconds"] - (r["encode_s"] - r["phases"].get("finish", 0.0)) - r["apply_s"]
+                             for r in x]) * 1e3,
+        "wire_gb": _med([r["wire_bytes"] for r in x]) / 1e9,
+        "dense_gb": _med([r["dense_bytes"] for r in x]) / 1e9,
+        "ref_gb": x[-1]["ref_bytes"] / 1e9 if x else 0.0,
+        "scratch_mb": max((r["scratch_bytes"] for r in x), default=0) / 1e6,
+        "all_delta": all(r["delta"] for r in x), "bound_ms": bound * 1e3,
+    }
+    for p in PHASES:
+        res[p + "_ms"] = _med([r["phases"].get(p, 0.0) for r in x]) * 1e3
+    res["delta_over_dense"] = res["delta_ms"] / res["dense_ms"]
+    # the simulator's inputs (scripts/simulate_delta.py): GB/s of dense bytes encoded / applied
+    res["encode_gbs"] = res["dense_gb"] / max(res["encode_ms"] * 1e-3, 1e-9)
+    res["apply_gbs"] = res["dense_gb"] / max(res["apply_ms"] * 1e-3, 1e-9)
+    res["delta_over_bound"] = res["delta_ms"] / res["bound_ms"]
+    return res
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     if cuda and torch.cuda.device_count() < 2:
@@ -220,7 +271,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              log_to_driver=args.verbose,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT, **NO_MULTICAST,
                                        "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
-    groups = {kind: f"bench-delta-{kind}-{os.getpid()}" for kind in ("dense", "delta")}
+    kinds = ("dense", "delta", "delta-torch") if args.ab else ("dense", "delta")
+    groups = {kind: f"bench-delta-{kind}-{os.getpid()}" for kind in kinds}
     handles: list[Any] = []
     actors: list[Any] = []
     results: list[dict[str, Any]] = []
@@ -240,12 +292,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ray.get(trainer.push.remote(kind, version), timeout=1200)
         ray.get(rollout.wait.remote(version), timeout=600)
         for lr in args.lrs:
-            rows: dict[str, list[dict[str, Any]]] = {"dense": [], "delta": []}
+            rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
             fractions = []
             for n in range(args.warmup + args.steps):
                 fractions_step = ray.get(trainer.adam_step.remote(lr), timeout=1200)["changed_fraction"]
                 version += 1
-                for kind in ("dense", "delta"):
+                deltas = [k for k in kinds if k != "dense"]
+                for kind in ["dense", *(deltas if n % 2 else deltas[::-1])]:
                     r = ray.get(trainer.push.remote(kind, version), timeout=1200)
                     if n >= args.warmup:
                         rows[kind].append(r)
@@ -259,32 +312,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if bad:
                     raise SystemExit(f"lr {lr}: the {kind} replica's version {version} differs from the "
                                      f"trainer's weights in {len(bad)} tensors, e.g. {bad[:3]}")
-            d, x = rows["dense"], rows["delta"]
-            res = {
-                "lr": lr, "changed_fraction": _med(fractions),
-                "push_changed_fraction": _med([r["changed_fraction"] for r in x]),
-                "dense_ms": _med([r["seconds"] for r in d]) * 1e3,
-                "delta_ms": _med([r["seconds"] for r in x]) * 1e3,
-                "encode_ms": _med([r["encode_s"] for r in x]) * 1e3,
-                "apply_ms": _med([r["apply_s"] for r in x]) * 1e3,
-                "wire_gb": _med([r["wire_bytes"] for r in x]) / 1e9,
-                "dense_gb": _med([r["dense_bytes"] for r in x]) / 1e9,
-                "ref_gb": x[-1]["ref_bytes"] / 1e9 if x else 0.0,
-                "all_delta": all(r["delta"] for r in x), "bound_ms": bound * 1e3,
-            }
-            res["delta_over_dense"] = res["delta_ms"] / res["dense_ms"]
-            # the simulator's inputs (scripts/simulate_delta.py): GB/s of dense bytes encoded / applied
-            res["encode_gbs"] = res["dense_gb"] / max(res["encode_ms"] * 1e-3, 1e-9)
-            res["apply_gbs"] = res["dense_gb"] / max(res["apply_ms"] * 1e-3, 1e-9)
-            res["delta_over_bound"] = res["delta_ms"] / res["bound_ms"]
-            results.append(res)
-            print(f"  lr {lr:g}: {res['changed_fraction']:.2%} of BF16 values changed "
-                  f"(push saw {res['push_changed_fraction']:.2%}); dense {res['dense_ms']:.2f} ms, "
-                  f"delta {res['delta_ms']:.2f} ms ({res['delta_over_dense']:.3f}x dense, "
-                  f"{res['delta_over_bound']:.3f}x bound {res['bound_ms']:.2f} ms); encode "
-                  f"{res['encode_ms']:.2f} ms, apply {res['apply_ms']:.2f} ms; wire {res['wire_gb']:.3f} of "
-                  f"{res['dense_gb']:.3f} GB; "
-                  f"reference {res['ref_gb']:.2f} GB (bytes checked)", flush=True)
+            d = rows["dense"]
+            for kind in kinds[1:]:
+                res = _summary(lr, kind, d, rows[kind], fractions, bound)
+                results.append(res)
+                print(f"  lr {lr:g} {kind} ({res['path']} compare): {res['changed_fraction']:.2%} of BF16 "
+                      f"values changed (push saw {res['push_changed_fraction']:.2%}); dense "
+                      f"{res['dense_ms']:.2f} ms, delta {res['delta_ms']:.2f} ms "
+                      f"({res['delta_over_dense']:.3f}x dense, {res['delta_over_bound']:.3f}x bound "
+                      f"{res['bound_ms']:.2f} ms); encode {res['encode_ms']:.2f} ms ("
+                      + ", ".join(f"{p} {res[p + '_ms']:.2f}" for p in PHASES)
+                      + f"), transfer {res['transfer_ms']:.2f} ms, apply {res['apply_ms']:.2f} ms; wire "
+                      f"{res['wire_gb']:.3f} of {res['dense_gb']:.3f} GB; reference {res['ref_gb']:.2f} GB, "
+                      f"kernel scratch {res['scratch_mb']:.0f} MB (bytes checked)", flush=True)
     finally:
         for a in actors:
             try:
@@ -296,16 +336,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             h.shutdown()
         ray.shutdown()
     out = {"card": info.get("gpu", "CPU"), "device": args.device, "model": args.model,
-           "model_bytes": info["bytes"], "steps": args.steps, "inbox": args.inbox, "results": results,
+           "model_bytes": info["bytes"], "steps": args.steps, "inbox": args.inbox, "ab": args.ab,
+           "results": results,
            "date": time.strftime("%Y-%m-%d", time.gmtime())}
     goals = []
     for r in results:
         if cuda and abs(r["lr"] - 1e-6) < 1e-12:
-            goals.append(f"goal: delta push <= 0.35x dense at lr 1e-6: {r['delta_over_dense']:.3f}x "
-                         f"({'met' if r['delta_over_dense'] <= 0.35 else 'NOT met'})")
+            met = "met" if r["delta_over_dense"] <= 0.35 else "NOT met"
+            goals.append(f"goal: delta push <= 0.35x dense at lr 1e-6 ({r['kind']}, {r['path']} compare): "
+                         f"{r['delta_over_dense']:.3f}x ({met})")
         if not cuda:
             met = "met" if r["delta_over_dense"] <= 0.2 else "NOT met"
-            goals.append(f"goal (CPU): delta >= 5x faster than dense at lr {r['lr']:g}: "
+            goals.append(f"goal (CPU): delta >= 5x faster than dense at lr {r['lr']:g} ({r['kind']}): "
                          f"{1 / r['delta_over_dense']:.1f}x ({met})")
     out["goals"] = goals
     if results:
@@ -445,6 +487,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the delta inbox, a fraction of the model bytes")
     ap.add_argument("--out", default="", help="write the JSON result here too")
     ap.add_argument("--verbose", action="store_true", help="show the actors' logs")
+    ap.add_argument("--ab", action="store_true", help="also a delta group whose sender compares with torch "
+                    "ops (delta-torch), pushed alternately with the kernel one")
     ap.add_argument("--micro", action="store_true",
                     help="source and destination in this process: encode and apply seconds only")
     ap.add_argument("--baseline", default="", help="--micro: also push through a second group using the "
@@ -470,11 +514,14 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(f"{out['card']}, {out['model']} ({out['model_bytes'] / 1e9:.3f} GB), 1 trainer -> 1 fused replica, "
           f"median of {out['steps']} steps, {out['date']}:")
-    print("  lr      changed   dense ms   delta ms  delta/dense  bound ms  encode ms  apply ms  wire GB")
+    print("  lr      group        path    changed   dense ms   delta ms  delta/dense  bound ms  encode ms "
+          " compare  finalize  finish  transfer  apply ms  wire GB")
     for r in out["results"]:
-        print(f"  {r['lr']:<7g} {r['changed_fraction']:7.2%} {r['dense_ms']:10.2f} {r['delta_ms']:10.2f} "
-              f"{r['delta_over_dense']:11.3f}x {r['bound_ms']:9.2f} {r['encode_ms']:10.2f} "
-              f"{r['apply_ms']:9.2f} {r['wire_gb']:8.3f}")
+        print(f"  {r['lr']:<7g} {r['kind']:<12} {r['path']:<6} {r['changed_fraction']:8.2%} "
+              f"{r['dense_ms']:10.2f} {r['delta_ms']:10.2f} {r['delta_over_dense']:11.3f}x "
+              f"{r['bound_ms']:9.2f} "
+              f"{r['encode_ms']:10.2f} {r['compare_ms']:8.2f} {r['finalize_ms']:9.2f} {r['finish_ms']:7.2f} "
+              f"{r['transfer_ms']:9.2f} {r['apply_ms']:9.2f} {r['wire_gb']:8.3f}")
     for line in out["goals"]:
         print(line)
     if "simulate" in out:
