@@ -47,6 +47,7 @@ third replica, pushed in alternating order with ``delta`` after every step, its 
 kernel and torch path measured in one run.
 
     python scripts/bench_delta.py --lrs 1e-6 --ab      # 2 GPUs: kernel and torch paths side by side
+    python scripts/bench_delta.py --compare            # 1 GPU: the compare alone, both paths, checked
 """
 
 from __future__ import annotations
@@ -474,6 +475,95 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
+def compare_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--compare``: the sender's compare alone on one device (no group, no transfer), the kernel path
+    against the torch path from the same reference each step: a fraction ``--changed`` of the BF16 words
+    flipped in their lowest bit (uniformly at random), then per path the compare (``start``: changed
+    words found, values gathered; on the kernel path the reference updated too) and ``finish`` (the torch
+    path's reference update) timed, the positions, values and reference after it checked equal."""
+    from scripts.bench_worker import DTYPE, checkpoint_tensors
+    from weightsync.runtime.delta import DeltaSender
+
+    dev = _device() if args.device == "cuda" else torch.device("cpu")
+    g = torch.Generator(device=dev).manual_seed(1)
+    weights = {name: (torch.randn(shape, generator=g, device=dev, dtype=torch.float32) * 0.02).to(DTYPE)
+               for name, shape in checkpoint_tensors(model_config(args.model))}
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    engine = ws.TransferEngine(transport="fabric")
+    sender = DeltaSender(engine, weights, dev, 0, True)
+    paths = ["kernel", "torch"] if sender.use_kernels else ["torch"]
+    print(f"compare: {args.model} {nbytes / 1e9:.3f} GB in {len(weights)} tensors on "
+          f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}; paths {paths}; "
+          f"{args.changed:.2%} of words changed per step", flush=True)
+    sender.start()  # the first reference: a copy
+    sender.finish(1, True)
+    times: dict[str, dict[str, list[float]]] = {p: {"compare": [], "finish": []} for p in paths}
+    scratch = 0
+    version = 1
+    try:
+        for n in range(args.warmup + args.steps):
+            for t in weights.values():
+                iv = t.view(torch.int16).reshape(-1)
+                flip = torch.rand(iv.numel(), generator=g, device=dev) < args.changed
+                iv ^= flip.to(torch.int16)
+                del flip
+            version += 1
+            before = {w: sp.ref.clone() for w, sp in sender._spaces.items()} if len(paths) > 1 else {}
+            found: dict[str, Any] = {}
+            for i, path in enumerate(paths if n % 2 == 0 else paths[::-1]):
+                if i:  # the same push again from the same reference
+                    for w, sp in sender._spaces.items():
+                        sp.ref.copy_(before[w])
+                sender.use_kernels = path == "kernel"
+                sender.ref_version = version - 1
+                _sync(dev)
+                t0 = time.perf_counter()
+                sender.start()
+                _sync(dev)
+                t1 = time.perf_counter()
+                got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()} \
+                    if len(paths) > 1 else {}
+                sender.finish(version, True)
+                _sync(dev)
+                t2 = time.perf_counter()
+                scratch = max(scratch, sender.scratch_bytes)
+                for sp in sender._spaces.values():  # the reference is the tensors now, on either path
+                    for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(),
+                                         strict=True):
+                        if not torch.equal(sp.ref[a:b], sender._views[key]):
+                            raise SystemExit(f"step {n}, {path} path: the reference of {key} is not the "
+                                             "tensor")
+                found[path] = got
+                if n >= args.warmup:
+                    times[path]["compare"].append(t1 - t0)
+                    times[path]["finish"].append(t2 - t1)
+                del got
+            if len(paths) > 1:
+                ga, gb = found["kernel"], found["torch"]
+                for w in ga:
+                    if not (torch.equal(ga[w][0], gb[w][0]) and torch.equal(ga[w][1], gb[w][1])):
+                        raise SystemExit(f"step {n}: the kernel and torch paths found different changes "
+                                         f"(word size {w})")
+            del before, found
+    finally:
+        engine.close()
+    out: dict[str, Any] = {"compare_only": True, "device": str(dev), "model": args.model,
+                           "model_bytes": nbytes, "changed": args.changed, "steps": args.steps,
+                           "scratch_bytes": scratch, "ref_bytes": sender.ref_bytes, "results": {}}
+    for path in paths:
+        c, f = _med(times[path]["compare"]), _med(times[path]["finish"])
+        out["results"][path] = {"compare_ms": c * 1e3, "finish_ms": f * 1e3,
+                                "compare_all_ms": [round(x * 1e3, 2) for x in times[path]["compare"]],
+                                "read_gbs": 2 * nbytes / c / 1e9}
+        print(f"  {path}: compare {c * 1e3:.2f} ms (tensors and reference read at {2 * nbytes / c / 1e9:.0f} "
+              f"GB/s), finish {f * 1e3:.2f} ms; all compares {out['results'][path]['compare_all_ms']}",
+              flush=True)
+    print(f"  kernel scratch {scratch / 2**20:.0f} MiB; reference {sender.ref_bytes / 1e9:.2f} GB"
+          + ("; positions, values and reference equal on both paths every step" if len(paths) > 1 else ""),
+          flush=True)
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -487,6 +577,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the delta inbox, a fraction of the model bytes")
     ap.add_argument("--out", default="", help="write the JSON result here too")
     ap.add_argument("--verbose", action="store_true", help="show the actors' logs")
+    ap.add_argument("--compare", action="store_true", help="the sender's compare alone on one device, kernel "
+                    "and torch paths from the same reference, checked equal (one GPU)")
+    ap.add_argument("--changed", type=float, default=0.0423, help="--compare: fraction of words changed")
     ap.add_argument("--ab", action="store_true", help="also a delta group whose sender compares with torch "
                     "ops (delta-torch), pushed alternately with the kernel one")
     ap.add_argument("--micro", action="store_true",
@@ -503,6 +596,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.compare:
+        out = compare_only(args)
+        print(json.dumps(out), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     if args.micro:
         out = micro(args)
         print(json.dumps(out), flush=True)
