@@ -543,6 +543,17 @@ class DeltaWorker(Worker):
         self._sync()
         return {"changed": int(changed), "total": self.real_elements, "step_s": time.perf_counter() - t0}
 
+    def delta_push(self, version: int) -> dict[str, Any]:
+        """``ws_push``, with the sender's encode by phase and whether its compare ran as kernels (the
+        delta sender's own figures, as scripts/bench_delta.py reads them; absent where it has none)."""
+        stats = self.ws_push(version)
+        sender = getattr(self.src, "_delta", None) if self.trainer else None
+        if sender is not None:
+            stats["encode_phases"] = dict(getattr(sender, "phases", {}))
+            if hasattr(sender, "use_kernels"):
+                stats["compare_path"] = "kernel" if sender.use_kernels else "torch"
+        return stats
+
     def verify_sources(self) -> dict[str, Any]:
         """Rollouts: every parameter byte equals the trainers' shards now. The trainers all-gather each
         bucket of checkpoint tensors (VERIFY_BUCKET bytes), trainer 0 broadcasts it to the rollouts, which
@@ -690,7 +701,7 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
         res: dict[str, Any] = {"lr": args.delta_lr, "inbox_fraction": args.delta_inbox, "times": [],
                                "changed_fraction": [], "push_changed_fraction": [], "wire_bytes": [],
                                "dense_bytes": [], "encode_s": [], "apply_s": [], "step_s": [],
-                               "not_delta": [], "phases": [], "verified_bytes": 0}
+                               "not_delta": [], "phases": [], "encode_phases": [], "verified_bytes": 0}
         name = f"bench-s{num}-delta-{os.getpid()}"
         group = ws.Group.create(name, num_sources=T, num_destinations=R, **args.group_opts)
         try:
@@ -714,7 +725,7 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
             def push_checked() -> list[dict[str, Any]]:
                 nonlocal version
                 version += 1
-                stats = team.call("ws_push", version, timeout=tmo, who=team.trainers)
+                stats = team.call("delta_push", version, timeout=tmo, who=team.trainers)
                 team.call("ws_wait", version, timeout=tmo, who=team.rollouts)
                 if any(s["failed_destinations"] for s in stats):
                     raise RuntimeError(f"push {version} failed: {[s['failed_destinations'] for s in stats]}")
@@ -741,6 +752,9 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
                 slowest = max(stats, key=lambda s: s["seconds"])
                 res["times"].append(slowest["seconds"])
                 res["phases"].append(slowest["phases"])
+                encoder = max(stats, key=lambda s: s["encode_seconds"])
+                res["encode_phases"].append(encoder.get("encode_phases"))
+                res["compare_path"] = sorted({s["compare_path"] for s in stats if "compare_path" in s})
                 res["changed_fraction"].append(sum(x["changed"] for x in steps)
                                                / sum(x["total"] for x in steps))
                 seen = [s["changed_fraction"] for s in stats if s["changed_fraction"] >= 0]
@@ -852,6 +866,13 @@ def _say_delta(res: dict[str, Any]) -> None:
           f"delta/dense {'–' if ratio is None else f'{ratio:.3f}x'}; wire {_size(wire)} of {_size(dense)} "
           f"({wire / dense:.1%}); encode {res['encode_s_median'] * 1e3:.2f} ms, apply "
           f"{res['apply_s_median'] * 1e3:.2f} ms; verified against the trainers", flush=True)
+    phases = [p for p in res.get("encode_phases", []) if p]
+    if phases:
+        names = sorted({k for p in phases for k in p})
+        path = f"; compare path {'/'.join(res['compare_path'])}" if res.get("compare_path") else ""
+        print("    delta encode by phase (slowest encoder, medians): " + ", ".join(
+            f"{k} {statistics.median(p.get(k, 0.0) for p in phases) * 1e3:.2f} ms" for k in names) + path,
+            flush=True)
     if any(res["not_delta"]):
         print(f"    delta push: destinations written dense per push: {res['not_delta']}", flush=True)
 
