@@ -43,8 +43,8 @@ overlaps the apply: the wire, the grant and the acks) and ``apply`` (the receive
 names the compare path that ran: ``kernel`` (the Triton kernels of weightsync/runtime/delta_kernels.py,
 on CUDA with triton, unless WEIGHTSYNC_DELTA_KERNELS=0) or ``torch``. ``--ab`` adds a third group,
 ``delta-torch``: another delta source over the same tensors whose sender uses the torch path, into a
-third replica, pushed in alternating order with ``delta`` after every step, its bytes checked alike:
-kernel and torch path measured in one run.
+third replica whose receiver scatters with torch ops too, pushed in alternating order with ``delta``
+after every step, its bytes checked alike: kernel and torch paths measured in one run.
 
     python scripts/bench_delta.py --lrs 1e-6 --ab      # 2 GPUs: kernel and torch paths side by side
     python scripts/bench_delta.py --compare            # 1 GPU: the compare alone, both paths, checked
@@ -196,6 +196,8 @@ class Rollout:
             self.dsts[kind] = ws.Destination(group, rank=0, tensors=named, mode="inplace", timeout=300,
                                              push_timeout=300,
                                              delta_bytes=int(nbytes * inbox) if kind != "dense" else 0)
+        if "delta-torch" in self.dsts:  # its scatter by torch ops too
+            self.dsts["delta-torch"]._delta.use_kernels = False
 
     def wait(self, version: int) -> list[int]:
         return [d.wait(version, timeout=300) for d in self.dsts.values()]

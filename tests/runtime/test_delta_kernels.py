@@ -175,11 +175,78 @@ def check_overflow_leaves_reference(device: str) -> None:
     assert torch.equal(old, cur)
 
 
+def check_scatter(device: str) -> int:
+    """The receiver's scatter of an ENC_IDX16 stream with the kernel (contiguous runs) against the torch
+    ops: entries of three keys, runs of two entries with one shift, a run of another shift in the same
+    key, a strided entry (torch ops either way), changes at block edges and the stream's last word.
+    Returns the changed words scattered."""
+    import numpy as np
+
+    import weightsync as ws
+    from weightsync.runtime.delta import (
+        BLOCK,
+        ENC_IDX16,
+        ENC_STREAM,
+        ENTRY_DTYPE,
+        STREAM_DTYPE,
+        DeltaReceiver,
+        encode_into,
+        sparse_sizes,
+    )
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(3)
+    sizes = {"a": 200_000, "b": 5000, "c": 10 * 50}
+    # key, dst_off (words), rows, row words, pitch words, stream words
+    layout = [(0, 0, 1, 70_000, 70_000), (0, 70_000, 1, 60_000, 60_000), (1, 100, 1, 3000, 3000),
+              (2, 0, 10, 30, 50), (0, 150_000, 1, 50_000, 50_000)]
+    entries = np.zeros(len(layout), ENTRY_DTYPE)
+    data = 0
+    for e, (key, dst, rows, row, pitch) in zip(entries, layout, strict=True):
+        e["key"], e["enc"], e["word"], e["dst_off"] = key, ENC_STREAM, 2, 2 * dst
+        e["rows"], e["row_bytes"], e["pitch"], e["data"] = rows, 2 * row, 2 * pitch, data
+        data += rows * row
+    n = data
+    pick = torch.rand(n, generator=g) < 0.05
+    pick[[0, BLOCK - 1, BLOCK, 2 * BLOCK, n - 1]] = True
+    local = torch.nonzero(pick).reshape(-1)
+    k = int(local.numel())
+    vals = torch.randint(1, 1 << 15, (k,), generator=g).to(torch.int16)
+    bounds = np.searchsorted(local.numpy(), np.append(entries["data"], n))
+    entries["count"] = np.diff(bounds)
+    size = sparse_sizes(n, k, 2)[ENC_IDX16]
+    streams = np.zeros(1, STREAM_DTYPE)
+    streams[0] = (2, ENC_IDX16, n, k, 256, (0, 0, 0))
+    engine = ws.TransferEngine(transport="fabric")
+    try:
+        start = {key: torch.randint(-(1 << 15), 1 << 15, (m,), generator=g).to(torch.int16)
+                 for key, m in sizes.items()}
+        out = {}
+        for use in (True, False):
+            bufs = {key: [t.clone().to(dev)] for key, t in start.items()}
+            recv = DeltaReceiver(engine, bufs, "inplace", dev, 256 + size + 64, 0)
+            recv.payload.fill_(0xA5)
+            encode_into(recv.payload[256:256 + size], ENC_IDX16, local.to(dev), vals.to(dev), n)
+            recv._entries = [(entries, streams, 0)]
+            recv.use_kernels = use
+            recv._scatter_all(0)
+            out[use] = {key: b[0].cpu() for key, b in bufs.items()}
+            engine.deregister(recv.payload_region)
+            engine.deregister(recv.header_region)
+        for key in sizes:
+            assert torch.equal(out[True][key], out[False][key]), key
+        assert not torch.equal(out[False]["a"], start["a"])
+    finally:
+        engine.close()
+    return k
+
+
 _SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from tests.runtime.test_delta_kernels import check_cases, check_overflow_leaves_reference
+from tests.runtime.test_delta_kernels import check_cases, check_overflow_leaves_reference, check_scatter
 check_overflow_leaves_reference("cpu")
+print("scattered", check_scatter("cpu"))
 for aligned in (False, True):
     for line in check_cases("cpu", aligned=aligned):
         print(line)
@@ -212,8 +279,20 @@ def counted(self, *args, **kwargs):
     return compare(self, *args, **kwargs)
 
 
+scatters = []
+scatter = dk.scatter_idx16
+
+
+def counted_scatter(*args, **kwargs):
+    done = scatter(*args, **kwargs)
+    scatters.append(done)
+    return done
+
+
 dk.Compactor.compare = counted
+dk.scatter_idx16 = counted_scatter
 rc = pytest.main(["tests/runtime/test_delta.py", "-q", "-x", "-p", "no:cacheprovider", "-k", {select!r}])
+print("kernel scatters", sum(scatters))
 print("kernel compares", len(calls))
 sys.exit(rc)
 """
@@ -221,7 +300,8 @@ sys.exit(rc)
 
 def test_delta_pushes_with_the_kernels_under_the_interpreter() -> None:
     # The push-level delta test (every change case, inplace and staged destinations, a reader) with the
-    # sources' compare done by the kernels: every destination byte as a dense push gives.
+    # sources' compare and the destinations' idx16 scatter done by the kernels: every destination byte as
+    # a dense push gives.
     pytest.importorskip("triton")
     pytest.importorskip("ray")  # test_delta.py's coordinator
     env = {**os.environ, "TRITON_INTERPRET": "1", "WEIGHTSYNC_DELTA_KERNELS": "1"}
@@ -229,7 +309,8 @@ def test_delta_pushes_with_the_kernels_under_the_interpreter() -> None:
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     calls = int(r.stdout.rsplit("kernel compares", 1)[1].split()[0])
-    assert calls > 0, r.stdout[-3000:]
+    scatters = int(r.stdout.rsplit("kernel scatters", 1)[1].split()[0])
+    assert calls > 0 and scatters > 0, r.stdout[-3000:]
 
 
 def _cuda_triton() -> bool:
@@ -252,5 +333,6 @@ def test_kernels_match_the_torch_path_on_cuda(slice_tiles: int, aligned: bool,
     monkeypatch.setattr(dk, "COMPARE_SLICE", dk.COMPARE_SLICE)  # check_cases changes it: restored after
     monkeypatch.delenv("WEIGHTSYNC_DELTA_KERNELS", raising=False)
     check_overflow_leaves_reference("cuda")
+    assert check_scatter("cuda") > 0
     lines: Any = check_cases("cuda", slice_tiles, aligned)
     assert len(lines) == len(CASES)

@@ -67,7 +67,9 @@ and values found per tile of 4096 words reading each tensor and the reference on
 updated in the same pass (so ``finish`` has nothing left to copy for those spaces: a push that fails
 leaves the reference's version at -1, and the next push copies the tensors whole into it), one host
 synchronization per slice for its count; its slot scratch (``DeltaSender.scratch_bytes``, 256 MiB a
-slice at most) comes from torch's caching allocator and is not in ``PushStats.delta_ref_bytes``.
+slice at most) comes from torch's caching allocator and is not in ``PushStats.delta_ref_bytes``. The
+receiver scatters an ENC_IDX16 stream's contiguous runs there with one kernel per stream, without
+decoding (:func:`weightsync.runtime.delta_kernels.scatter_idx16`).
 
 Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` (or the kernels' count) per
 :data:`COMPARE_SLICE` words of each word size, one copy of the counts, two more when direct writes read
@@ -1119,6 +1121,8 @@ class DeltaReceiver:
         self.payload_region = engine.register(self.payload, name=f"destination {rank} delta payload")
         self.holds = [-1, -1] if mode == "staged" else [-1]  # the version each buffer holds exactly
         self.apply_seconds = 0.0
+        # ENC_IDX16 streams' contiguous runs scattered by a Triton kernel (as the sender's compare)
+        self.use_kernels = _kernels_wanted(device)
         # this version's entries, streams and payload offset, per source
         self._entries: list[tuple[np.ndarray, np.ndarray, int]] = []
 
@@ -1175,7 +1179,8 @@ class DeltaReceiver:
     def _scatter_all(self, shadow: int) -> None:
         """Per source and word size: decodes its stream once, then scatters each run of its entries that
         go into one key with one placement (contiguous ones whose stream and destination offsets differ
-        by the same amount, or strided ones) with one indexed copy."""
+        by the same amount, or strided ones) with one indexed copy. With the kernels, an ENC_IDX16
+        stream's contiguous runs go by one kernel launch instead, and only its strided runs are decoded."""
         import torch
 
         for entries, streams, off in self._entries:
@@ -1183,7 +1188,6 @@ class DeltaReceiver:
                 k, w = int(st["k"]), int(st["word"])
                 if k == 0:
                     continue
-                virt, vals = decode(self.payload[off + int(st["data"]):], int(st["enc"]), int(st["n"]), k, w)
                 ents = entries[(entries["enc"] == ENC_STREAM) & (entries["word"] == w)
                                & (entries["count"] > 0)]
                 ents = ents[np.argsort(ents["data"], kind="stable")]
@@ -1197,7 +1201,22 @@ class DeltaReceiver:
                 brk[1:] = (key[1:] != key[:-1]) | (strided[1:] != strided[:-1]) | \
                     (~strided[1:] & (shift[1:] != shift[:-1]))
                 first = np.flatnonzero(brk).tolist()
-                for i, j in zip(first, [*first[1:], len(ents)], strict=True):
+                runs = list(zip(first, [*first[1:], len(ents)], strict=True))
+                enc, n = int(st["enc"]), int(st["n"])
+                stream = self.payload[off + int(st["data"]):]
+                if self.use_kernels and enc == ENC_IDX16:  # the contiguous runs by one kernel
+                    from weightsync.runtime.delta_kernels import scatter_idx16
+
+                    nwords = ents["rows"] * ents["row_bytes"] // w
+                    todo = [(words(self.buffers[self.keys[int(key[i])]][shadow], w), int(shift[i]),
+                             int(starts[i]), int(ends[j - 1]), int(ents["data"][i]),
+                             int(ents["data"][j - 1] + nwords[j - 1])) for i, j in runs if not strided[i]]
+                    if todo and scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device):
+                        runs = [(i, j) for i, j in runs if strided[i]]
+                if not runs:
+                    continue
+                virt, vals = decode(stream, enc, n, k, w)
+                for i, j in runs:
                     target = words(self.buffers[self.keys[int(key[i])]][shadow], w)
                     a, b = int(starts[i]), int(ends[j - 1])
                     seg = virt[a:b]  # decode's own tensor: made the target's word indices in place

@@ -1,4 +1,4 @@
-"""The delta sender's compare on a GPU as two Triton kernels (issue 18): what
+"""The delta sender's compare and the receiver's scatter on a GPU as Triton kernels (issue 18): what
 :meth:`weightsync.runtime.delta.DeltaSender._changed_words` and the per-key value gathers produce (the
 sorted int64 positions of a space's changed words and their new values), reading each current tensor and
 the reference once, and updating the reference in the same pass.
@@ -22,6 +22,12 @@ slots: ``SLOT * (2 + w)`` bytes a tile, ``w`` the word size; plus 12 bytes a til
 is allocated per slice from torch's caching allocator on the trainer's device and freed after the push's
 compare (:attr:`Compactor.scratch_bytes`: the largest of the last compare; it is not part of
 ``PushStats.delta_ref_bytes``, which counts the reference only).
+
+The receiver's side (:func:`scatter_idx16`): an ENC_IDX16 stream's contiguous runs (entries of one key
+whose stream and key positions differ by one shift) scattered by one kernel per stream, without
+decoding the positions into int64 first: per (run, 65536-word block) pair, the block's base from the
+cumsum of the block counts, each changed word stored at ``block * 65536 + low16 + shift`` of its key.
+Strided runs and bitmap streams keep the torch ops.
 
 Used when the device is CUDA and ``triton`` imports, unless ``WEIGHTSYNC_DELTA_KERNELS=0``. With Triton's
 interpreter (``TRITON_INTERPRET=1`` before triton is imported) and ``WEIGHTSYNC_DELTA_KERNELS=1`` the
@@ -131,6 +137,65 @@ if triton is not None:
                 tl.store(out_val + at, x, mask=changed)
                 tl.store(ref_ptr + start + o, x, mask=changed)
                 run += tl.sum(c, axis=0)
+
+    @triton.jit
+    def _scatter16(pair_run, pair_block, run_at, run_lo, run_hi, ends_ptr, low_ptr, vals_ptr,
+                   BLOCK: tl.constexpr, CH: tl.constexpr):
+        """One (run, block) pair of an ENC_IDX16 stream: the run's changed words in the block (changed
+        indices ``run_lo:run_hi`` of the stream, clipped to the block's) stored at their place in the
+        run's key: word ``block * BLOCK + low16 + run_at`` from ``vals_ptr`` (``run_at``: the key's words
+        from the values' address, plus the run's shift from stream positions to the key's words)."""
+        pid = tl.program_id(0)
+        r = tl.load(pair_run + pid)
+        b = tl.load(pair_block + pid).to(tl.int64)
+        lo = tl.maximum(tl.load(ends_ptr + b), tl.load(run_lo + r))
+        hi = tl.minimum(tl.load(ends_ptr + b + 1), tl.load(run_hi + r))
+        base = b * BLOCK + tl.load(run_at + r)
+        for s in range(lo, hi, CH):
+            j = s + tl.arange(0, CH)
+            m = j < hi
+            low = tl.load(low_ptr + j, mask=m, other=0).to(tl.int64) & 0xFFFF
+            tl.store(vals_ptr + base + low, tl.load(vals_ptr + j, mask=m, other=0), mask=m)
+
+
+def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any) -> bool:
+    """Scatters the contiguous runs of an ENC_IDX16 stream (``payload``: uint8 from the stream's start,
+    ``n`` words of which ``k`` changed, values at byte ``vals_at``) into their keys with one kernel:
+    ``runs`` rows of (target: a ``w``-byte word view of the key, shift: the key's word of stream
+    position 0, first and last+1 changed index, first and last+1 stream position). False (nothing done)
+    where a target is not a whole number of words from the values (the caller's torch ops scatter)."""
+    import torch
+
+    from weightsync.runtime.delta import BLOCK, _align, word_dtype
+
+    nb = -(-n // BLOCK)
+    vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
+    low = payload[_align(4 * nb):_align(4 * nb) + 2 * k].view(torch.int16)
+    dist = np.array([int(t.data_ptr()) for t, *_ in runs], np.int64) - int(vals.data_ptr())
+    if np.any(dist % w):
+        return False
+    table = np.array([r[1:] for r in runs], np.int64).reshape(-1, 5)
+    at = dist // w + table[:, 0]
+    first, last = table[:, 3] // BLOCK, (table[:, 4] - 1) // BLOCK
+    per = last - first + 1
+    pair_run = np.repeat(np.arange(len(runs), dtype=np.int32), per)
+    pair_block = (np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+                  + np.repeat(first, per)).astype(np.int32)
+    host = np.concatenate([at, table[:, 1], table[:, 2]])
+    dev = torch.from_numpy(host)
+    pairs = torch.from_numpy(np.stack([pair_run, pair_block]))
+    if device.type == "cuda":  # small tables: pinned and non-blocking (no wait for the device)
+        dev = dev.pin_memory().to(device, non_blocking=True)
+        pairs = pairs.pin_memory().to(device, non_blocking=True)
+    if not len(pair_run):
+        return True
+    ends = torch.zeros(nb + 1, dtype=torch.int64, device=device)
+    torch.cumsum(payload[:4 * nb].view(torch.int32), 0, out=ends[1:])
+    m = len(runs)
+    with _launching():
+        _scatter16[(len(pair_run),)](pairs[0], pairs[1], dev[:m], dev[m:2 * m], dev[2 * m:], ends, low, vals,
+                                     BLOCK=BLOCK, CH=1024, num_warps=4)
+    return True
 
 
 def enabled(device: Any) -> bool:
