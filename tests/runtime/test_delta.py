@@ -105,6 +105,41 @@ def test_encoding_built_a_few_positions_at_a_time(monkeypatch: pytest.MonkeyPatc
     assert torch.equal(got_local, local) and torch.equal(got_vals, vals)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_idx16_from_pieces_with_shifts(dtype: torch.dtype) -> None:
+    # A stream's positions come as pieces of another space's positions plus a shift per piece (a run of
+    # writes): the low 16 bits and block counts are written from the pieces and shifts without widening
+    # them, and must equal the encoding of the shifted positions written at once.
+    from weightsync.runtime.delta import _IndexWriter
+
+    g = torch.Generator().manual_seed(5)
+    # each piece: its words' place in the stream (lengths across block edges) and in its own space
+    lengths = [BLOCK + 5, 3, 2 * BLOCK - 7, 40_000, BLOCK + 11]
+    firsts = [3 * BLOCK + 5, 0, 7 * BLOCK + 1000, 17, 2**30 + 3]  # shifts negative, zero and positive
+    n = sum(lengths)
+    pieces, shifted, base = [], [], 0
+    for length, first in zip(lengths, firsts, strict=True):
+        local = torch.randperm(length, generator=g)[: max(1, length // 9)]
+        local = torch.cat([local, torch.tensor([length - 1])]).unique() + first  # sorted
+        shift = base - first
+        pieces.append((local.to(dtype), shift))
+        shifted.append(local + shift)
+        base += length
+    allpos = torch.cat(shifted)
+    assert int(allpos[-1]) < n and bool((allpos[1:] > allpos[:-1]).all())
+    k = int(allpos.numel())
+    size = sparse_sizes(n, k, 2)[ENC_IDX16]
+    want = torch.full((size,), 0xAB, dtype=torch.uint8)
+    encode_into(want, ENC_IDX16, allpos, torch.zeros(k, dtype=torch.int16), n)
+    got = torch.full((size,), 0xAB, dtype=torch.uint8)
+    got[-2 * k:].copy_(want[-2 * k:])  # the values section: not the writer's
+    writer = _IndexWriter(got, ENC_IDX16, n, k, torch.device("cpu"))
+    for local, shift in pieces:
+        writer.add(local, shift)
+    writer.close()
+    assert torch.equal(got, want)
+
+
 def test_choose_break_even() -> None:
     assert choose(1000, 0, 2) == (ENC_EMPTY, 0)
     assert choose(1000, 1000, 2)[0] == ENC_DENSE  # everything changed: the write as planned

@@ -54,9 +54,10 @@ one ``nonzero`` over it (the changed words' positions in the reference, sorted, 
 counts to the host for all word sizes at once; one gather of the new values per tensor. Which writes go
 sparse is then decided on the host from the counts. A destination's stream is its writes' changed
 words, which for direct writes adjacent in the reference are one slice of those positions plus a
-constant: per such run of writes one copy of the values and the positions shifted into a scratch of
-:data:`SCRATCH` words, from which the index section is written (block counts by ``searchsorted``, the
-low 16 bits as a strided copy, or the bitmap by ``index_add_`` of bits into int32 words). After the
+constant: per such run of writes one copy of the values and the index section written from that slice
+and constant (idx16: the positions' low 16 bits plus the constant's, one strided int16 add, and the block
+counts by ``searchsorted`` of the blocks' ends less the constant; a bitmap: the positions shifted into a
+scratch of :data:`SCRATCH` words, bits ``index_add_``-ed into int32 words from it). After the
 writes the reference takes the changed values with one indexed copy per word size. The receiver decodes
 each stream once (``repeat_interleave`` of the block bases, the low bits copied in) and scatters each
 run of entries of one key and one placement with one indexed copy.
@@ -103,7 +104,7 @@ BITMAP_SLICE = 1 << 28  # words a bitmap is read in at a time (a multiple of 64:
 # Words compared per nonzero: the change mask (one byte per word) is this big at most, and each slice
 # costs one host synchronization.
 COMPARE_SLICE = 1 << 29
-SCRATCH = 1 << 25  # stream positions encoded at a time (int64: 256 MiB at most)
+SCRATCH = 1 << 25  # stream positions put in a bitmap at a time (int64: 256 MiB at most)
 ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
 MAX_HEADERS = 1024  # header slots of an inbox: source ranks (weightsync.wire.MAX_SLOTS)
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
@@ -224,12 +225,14 @@ def _values_at(enc: int, n: int, k: int) -> int:
 
 class _IndexWriter:
     """Writes the index section of encoding ``enc`` of ``k`` changed words out of ``n`` at the head of
-    ``out`` (uint8) from their positions (sorted, unique), given in pieces in order (:meth:`add`): a few
-    device ops per :data:`SCRATCH` positions and no host synchronization. ENC_IDX16: the low 16 bits of
-    each position (the first int16 of a little-endian int64) copied as they are, the per-block counts
-    from how many positions lie below each block's end (``searchsorted``); ENC_BITMAP: bits added into
-    int32 words (the bits of one word are distinct powers of two, so adding them is or-ing them; bit 31
-    as the int32 -2**31, two's complement sums wrap alike)."""
+    ``out`` (uint8) from their positions (sorted, unique), given in pieces in order (:meth:`add`), with no
+    host synchronization. ENC_IDX16, two device ops per piece: the low 16 bits of each position plus the
+    piece's shift, as the low 16 bits of the position (the first int16 of a little-endian integer) plus
+    the shift's in int16 (sums wrap modulo 2**16 alike); the per-block counts from how many positions
+    lie below each block's end less the shift (``searchsorted``). ENC_BITMAP, a few device ops per
+    :data:`SCRATCH` positions shifted into a scratch: bits added into int32 words (the bits of one word
+    are distinct powers of two, so adding them is or-ing them; bit 31 as the int32 -2**31, two's
+    complement sums wrap alike)."""
 
     def __init__(self, out: Any, enc: int, n: int, k: int, device: Any) -> None:
         import torch
@@ -237,7 +240,6 @@ class _IndexWriter:
         self.out, self.enc, self.n = out, enc, n
         self.done = 0  # positions written
         self.fill = 0  # positions in the scratch
-        self.scratch = torch.empty(max(min(k, SCRATCH), 1), dtype=torch.int64, device=device)
         if enc == ENC_IDX16:
             self.nb = -(-n // BLOCK)
             self.ends = torch.arange(1, self.nb + 1, device=device, dtype=torch.int64) * BLOCK
@@ -245,6 +247,7 @@ class _IndexWriter:
             o = _align(4 * self.nb)
             self.low = out[o:o + 2 * k].view(torch.int16)
         elif enc == ENC_BITMAP:
+            self.scratch = torch.empty(max(min(k, SCRATCH), 1), dtype=torch.int64, device=device)
             section = out[: _align(-(-n // 8))]
             section.zero_()
             self.bits = section.view(torch.int32)
@@ -253,9 +256,22 @@ class _IndexWriter:
             raise WeightSyncError(f"internal: no sparse encoding {enc}")
 
     def add(self, positions: Any, shift: int) -> None:
-        """The next positions: ``positions + shift`` (any integer dtype)."""
+        """The next positions: ``positions + shift`` (int32 or int64)."""
         import torch
 
+        if self.enc == ENC_IDX16:
+            m = int(positions.numel())
+            if not m:
+                return
+            positions = positions.contiguous()
+            low = positions.view(torch.int16)[0::positions.element_size() // 2]
+            torch.add(low, ((shift & 0xFFFF) ^ 0x8000) - 0x8000, out=self.low[self.done:self.done + m])
+            ends = self.ends - shift
+            if positions.dtype != torch.int64:  # positions of int32 are in [0, 2**31 - 1)
+                ends = ends.clamp_(0, (1 << 31) - 1).to(positions.dtype)
+            self.below += torch.searchsorted(positions, ends)
+            self.done += m
+            return
         a, m = 0, int(positions.numel())
         while a < m:
             c = min(m - a, int(self.scratch.numel()) - self.fill)
@@ -277,11 +293,7 @@ class _IndexWriter:
         if not self.fill:
             return
         pos = self.scratch[:self.fill]
-        if self.enc == ENC_IDX16:
-            self.low[self.done:self.done + self.fill].copy_(pos.view(torch.int16)[0::4])
-            self.below += torch.searchsorted(pos, self.ends)
-        else:
-            self.bits.index_add_(0, pos >> 5, torch.bitwise_left_shift(self.one, (pos & 31).to(torch.int32)))
+        self.bits.index_add_(0, pos >> 5, torch.bitwise_left_shift(self.one, (pos & 31).to(torch.int32)))
         self.done += self.fill
         self.fill = 0
 
