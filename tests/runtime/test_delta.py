@@ -105,11 +105,13 @@ def test_encoding_built_a_few_positions_at_a_time(monkeypatch: pytest.MonkeyPatc
     assert torch.equal(got_local, local) and torch.equal(got_vals, vals)
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_idx16_from_pieces_with_shifts(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,spans", [(torch.int64, False), (torch.int32, False), (torch.int64, True),
+                                         (torch.int32, True)])
+def test_idx16_from_pieces_with_shifts(dtype: torch.dtype, spans: bool) -> None:
     # A stream's positions come as pieces of another space's positions plus a shift per piece (a run of
     # writes): the low 16 bits and block counts are written from the pieces and shifts without widening
-    # them, and must equal the encoding of the shifted positions written at once.
+    # them (with ``spans``: only the blocks of each piece's stream words looked up), and must equal the
+    # encoding of the shifted positions written at once.
     from weightsync.runtime.delta import _IndexWriter
 
     g = torch.Generator().manual_seed(5)
@@ -122,7 +124,7 @@ def test_idx16_from_pieces_with_shifts(dtype: torch.dtype) -> None:
         local = torch.randperm(length, generator=g)[: max(1, length // 9)]
         local = torch.cat([local, torch.tensor([length - 1])]).unique() + first  # sorted
         shift = base - first
-        pieces.append((local.to(dtype), shift))
+        pieces.append((local.to(dtype), shift, (base, base + length)))
         shifted.append(local + shift)
         base += length
     allpos = torch.cat(shifted)
@@ -134,8 +136,8 @@ def test_idx16_from_pieces_with_shifts(dtype: torch.dtype) -> None:
     got = torch.full((size,), 0xAB, dtype=torch.uint8)
     got[-2 * k:].copy_(want[-2 * k:])  # the values section: not the writer's
     writer = _IndexWriter(got, ENC_IDX16, n, k, torch.device("cpu"))
-    for local, shift in pieces:
-        writer.add(local, shift)
+    for local, shift, span in pieces:
+        writer.add(local, shift, span if spans else None)
     writer.close()
     assert torch.equal(got, want)
 

@@ -255,8 +255,9 @@ class _IndexWriter:
         else:
             raise WeightSyncError(f"internal: no sparse encoding {enc}")
 
-    def add(self, positions: Any, shift: int) -> None:
-        """The next positions: ``positions + shift`` (int32 or int64)."""
+    def add(self, positions: Any, shift: int, span: tuple[int, int] | None = None) -> None:
+        """The next positions: ``positions + shift`` (int32 or int64), all in the stream's words
+        ``span[0]:span[1]`` where given (only those blocks' counts are looked up)."""
         import torch
 
         if self.enc == ENC_IDX16:
@@ -266,10 +267,14 @@ class _IndexWriter:
             positions = positions.contiguous()
             low = positions.view(torch.int16)[0::positions.element_size() // 2]
             torch.add(low, ((shift & 0xFFFF) ^ 0x8000) - 0x8000, out=self.low[self.done:self.done + m])
-            ends = self.ends - shift
+            # blocks b0:b1 may hold some of them; every one lies below the ends of the blocks after
+            b0, b1 = (span[0] // BLOCK, (span[1] - 1) // BLOCK + 1) if span is not None else (0, self.nb)
+            ends = self.ends[b0:b1] - shift
             if positions.dtype != torch.int64:  # positions of int32 are in [0, 2**31 - 1)
                 ends = ends.clamp_(0, (1 << 31) - 1).to(positions.dtype)
-            self.below += torch.searchsorted(positions, ends)
+            self.below[b0:b1] += torch.searchsorted(positions, ends)
+            if b1 < self.nb:
+                self.below[b1:] += m
             self.done += m
             return
         a, m = 0, int(positions.numel())
@@ -1037,7 +1042,7 @@ class DeltaSender:
             if len(f):
                 o = self._direct_changes(self._spaces[w], f, h, bases[:len(f)], index, values)
             for p, b in zip(pieces, bases[len(f):].tolist(), strict=True):
-                index.add(p.idx, p.shift + b)
+                index.add(p.idx, p.shift + b, (b, b + p.n))
                 values[o:o + p.k].copy_(p.vals)
                 o += p.k
             index.close()
@@ -1072,7 +1077,8 @@ class DeltaSender:
         while i < m:
             if f["strided"][i]:
                 a, k = int(h["at"][i]), int(h["k"][i])
-                index.add(sp.strided_local[a:a + k], int(bases[i]))
+                index.add(sp.strided_local[a:a + k], int(bases[i]),
+                          (int(bases[i]), int(bases[i] + f["n"][i])))
                 values[o:o + k].copy_(sp.strided_vals[a:a + k])
                 o += k
                 i += 1
@@ -1081,7 +1087,8 @@ class DeltaSender:
             while j < m and not f["strided"][j] and f["start"][j] == f["start"][j - 1] + f["n"][j - 1]:
                 j += 1
             lo, hi = int(h["lo"][i]), int(h["hi"][j - 1])
-            index.add(sp.idx[lo:hi], int(bases[i]) - int(f["start"][i]))
+            index.add(sp.idx[lo:hi], int(bases[i]) - int(f["start"][i]),
+                      (int(bases[i]), int(bases[j - 1] + f["n"][j - 1])))
             values[o:o + hi - lo].copy_(sp.vals[lo:hi])
             o += hi - lo
             i = j
