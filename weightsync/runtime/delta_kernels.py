@@ -62,9 +62,15 @@ except Exception:
 _interpreter_lock = threading.Lock()
 
 
-def _launching() -> contextlib.AbstractContextManager[Any]:
+def _launching(device: Any) -> contextlib.AbstractContextManager[Any]:
+    """Around a launch: the tensors' GPU made current (triton launches on the current one), or under the
+    interpreter its lock."""
     if os.environ.get("TRITON_INTERPRET", "") == "1":
         return _interpreter_lock
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.device(device)
     return contextlib.nullcontext()
 
 
@@ -192,7 +198,7 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
     ends = torch.zeros(nb + 1, dtype=torch.int64, device=device)
     torch.cumsum(payload[:4 * nb].view(torch.int32), 0, out=ends[1:])
     m = len(runs)
-    with _launching():
+    with _launching(device):
         _scatter16[(len(pair_run),)](pairs[0], pairs[1], dev[:m], dev[m:2 * m], dev[2 * m:], ends, low, vals,
                                      BLOCK=BLOCK, CH=1024, num_warps=4)
     return True
@@ -287,7 +293,7 @@ class Compactor:
                 for t in (counts, slot_idx, slot_val):
                     t.view(torch.uint8).fill_(self.poison)
             self.scratch_bytes = max(self.scratch_bytes, nt * (SLOT * (2 + self.word) + 12))
-            with _launching():
+            with _launching(self.device):
                 compact[(nt,)](*self.tables, ref, counts, slot_idx, slot_val, a, TILE=TILE, SLOT=SLOT,
                                VEC=self.vec, num_warps=8)
             ends = torch.cumsum(counts, 0)
@@ -304,7 +310,7 @@ class Compactor:
                 val2[:k].copy_(out_val[:k])
                 out_idx, out_val = idx2, val2
             if m:
-                with _launching():
+                with _launching(self.device):
                     place[(nt,)](*self.tables, ref, counts, ends, slot_idx, slot_val, out_idx[k:],
                                  out_val[k:], a, TILE=TILE, SLOT=SLOT, VEC=self.vec, num_warps=4)
             k += m
