@@ -491,7 +491,7 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
     weights = {name: (torch.randn(shape, generator=g, device=dev, dtype=torch.float32) * 0.02).to(DTYPE)
                for name, shape in checkpoint_tensors(model_config(args.model))}
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    engine = ws.TransferEngine(transport="fabric")
+    engine = ws.TransferEngine()
     sender = DeltaSender(engine, weights, dev, 0, True)
     paths = ["kernel", "torch"] if sender.use_kernels else ["torch"]
     print(f"compare: {args.model} {nbytes / 1e9:.3f} GB in {len(weights)} tensors on "

@@ -93,7 +93,7 @@ def check_cases(device: str, slice_tiles: int = 3, aligned: bool = False) -> lis
         t = torch.empty(shape, dtype=dtype)
         _ints(t).copy_(raw.to(_ints(t).dtype))
         tensors[name] = t.to(dev)
-    engine = ws.TransferEngine(transport="fabric")
+    engine = ws.TransferEngine()
     lines = []
     try:
         sender = DeltaSender(engine, tensors, dev, 0, True)
@@ -217,7 +217,7 @@ def check_scatter(device: str) -> int:
     size = sparse_sizes(n, k, 2)[ENC_IDX16]
     streams = np.zeros(1, STREAM_DTYPE)
     streams[0] = (2, ENC_IDX16, n, k, 256, (0, 0, 0))
-    engine = ws.TransferEngine(transport="fabric")
+    engine = ws.TransferEngine()
     try:
         start = {key: torch.randint(-(1 << 15), 1 << 15, (m,), generator=g).to(torch.int16)
                  for key, m in sizes.items()}
