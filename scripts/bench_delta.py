@@ -47,7 +47,7 @@ third replica whose receiver scatters with torch ops too, pushed in alternating 
 after every step, its bytes checked alike: kernel and torch paths measured in one run.
 
     python scripts/bench_delta.py --lrs 1e-6 --ab      # 2 GPUs: kernel and torch paths side by side
-    python scripts/bench_delta.py --compare            # 1 GPU: the compare alone, both paths, checked
+    python scripts/bench_delta.py --compare            # 1 GPU: compare and scatter alone, both paths
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -482,7 +483,9 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
     against the torch path from the same reference each step: a fraction ``--changed`` of the BF16 words
     flipped in their lowest bit (uniformly at random), then per path the compare (``start``: changed
     words found, values gathered; on the kernel path the reference updated too) and ``finish`` (the torch
-    path's reference update) timed, the positions, values and reference after it checked equal."""
+    path's reference update) timed, the positions, values and reference after it checked equal; then
+    the receiver's scatter of those changes (one idx16 stream, one entry per tensor) into the previous
+    version, by the kernel and the torch ops on alternate steps, timed and checked."""
     from scripts.bench_worker import DTYPE, checkpoint_tensors
     from weightsync.runtime.delta import DeltaSender
 
@@ -499,7 +502,7 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.changed:.2%} of words changed per step", flush=True)
     sender.start()  # the first reference: a copy
     sender.finish(1, True)
-    times: dict[str, dict[str, list[float]]] = {p: {"compare": [], "finish": []} for p in paths}
+    times: dict[str, dict[str, list[float]]] = {p: {"compare": [], "finish": [], "apply": []} for p in paths}
     scratch = 0
     version = 1
     try:
@@ -510,7 +513,7 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
                 iv ^= flip.to(torch.int16)
                 del flip
             version += 1
-            before = {w: sp.ref.clone() for w, sp in sender._spaces.items()} if len(paths) > 1 else {}
+            before = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
             found: dict[str, Any] = {}
             for i, path in enumerate(paths if n % 2 == 0 else paths[::-1]):
                 if i:  # the same push again from the same reference
@@ -523,8 +526,7 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
                 sender.start()
                 _sync(dev)
                 t1 = time.perf_counter()
-                got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()} \
-                    if len(paths) > 1 else {}
+                got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()}
                 sender.finish(version, True)
                 _sync(dev)
                 t2 = time.perf_counter()
@@ -546,6 +548,12 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
                     if not (torch.equal(ga[w][0], gb[w][0]) and torch.equal(ga[w][1], gb[w][1])):
                         raise SystemExit(f"step {n}: the kernel and torch paths found different changes "
                                          f"(word size {w})")
+            # the receiver's side: the changes as one idx16 stream per word size, scattered into the
+            # previous version (``before``) by the kernel or the torch ops (alternately), checked
+            apply_path = paths[n % len(paths)]
+            dt = _apply_once(engine, sender, before, found[paths[0]], dev, apply_path == "kernel")
+            if n >= args.warmup:
+                times[apply_path]["apply"].append(dt)
             del before, found
     finally:
         engine.close()
@@ -553,17 +561,85 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
                            "model_bytes": nbytes, "changed": args.changed, "steps": args.steps,
                            "scratch_bytes": scratch, "ref_bytes": sender.ref_bytes, "results": {}}
     for path in paths:
-        c, f = _med(times[path]["compare"]), _med(times[path]["finish"])
-        out["results"][path] = {"compare_ms": c * 1e3, "finish_ms": f * 1e3,
+        c, f, a = _med(times[path]["compare"]), _med(times[path]["finish"]), _med(times[path]["apply"])
+        out["results"][path] = {"compare_ms": c * 1e3, "finish_ms": f * 1e3, "apply_ms": a * 1e3,
                                 "compare_all_ms": [round(x * 1e3, 2) for x in times[path]["compare"]],
                                 "read_gbs": 2 * nbytes / c / 1e9}
         print(f"  {path}: compare {c * 1e3:.2f} ms (tensors and reference read at {2 * nbytes / c / 1e9:.0f} "
-              f"GB/s), finish {f * 1e3:.2f} ms; all compares {out['results'][path]['compare_all_ms']}",
+              f"GB/s), finish {f * 1e3:.2f} ms, apply (receiver's scatter of an idx16 stream) {a * 1e3:.2f} "
+              f"ms; all compares {out['results'][path]['compare_all_ms']}",
               flush=True)
     print(f"  kernel scratch {scratch / 2**20:.0f} MiB; reference {sender.ref_bytes / 1e9:.2f} GB"
           + ("; positions, values and reference equal on both paths every step" if len(paths) > 1 else ""),
           flush=True)
     return out
+
+
+def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
+                found: dict[int, tuple[torch.Tensor, torch.Tensor]], dev: torch.device,
+                kernel: bool) -> float:
+    """Seconds of one receiver scatter (``DeltaReceiver._scatter_all``) of ``found`` (per word size the
+    changed positions and values of the sender's space) encoded as one ENC_IDX16 stream per word size
+    (one entry per key) into ``before`` (the previous version's words, one tensor per word size), which
+    must equal the sender's tensors after it."""
+    from weightsync.runtime.delta import (
+        ENC_IDX16,
+        ENC_STREAM,
+        ENTRY_DTYPE,
+        STREAM_DTYPE,
+        WORDS,
+        DeltaReceiver,
+        _align,
+        data_at,
+        encode_into,
+        sparse_sizes,
+    )
+
+    spaces = sender._spaces
+    keys = [k for sp in spaces.values() for k in sp.keys]
+    capacity = len(keys)
+    streams = np.zeros(len(WORDS), STREAM_DTYPE)
+    streams["word"] = WORDS
+    at = data_at(capacity)
+    places = {}
+    for j, w in enumerate(WORDS):
+        if w in spaces:
+            n, k = int(spaces[w].starts[-1]), int(found[w][0].numel())
+            size = sparse_sizes(n, k, w)[ENC_IDX16]
+            streams[j] = (w, ENC_IDX16, n, k, at, (0, 0, 0))
+            places[w] = (at, size)
+            at += _align(size)
+    buffers = {key: [before[w][a:b]] for w, sp in spaces.items()
+               for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(), strict=True)}
+    recv = DeltaReceiver(engine, buffers, "inplace", dev, at, 0)
+    try:
+        order = {key: i for i, key in enumerate(recv.keys)}
+        entries = np.zeros(capacity, ENTRY_DTYPE)
+        e = 0
+        for w, sp in spaces.items():
+            o, size = places[w]
+            idx, vals = found[w]
+            encode_into(recv.payload[o:o + size], ENC_IDX16, idx, vals, int(sp.starts[-1]))
+            cut = torch.searchsorted(idx, torch.from_numpy(sp.starts).to(dev)).cpu().numpy()
+            for i, key in enumerate(sp.keys):
+                a, b = int(sp.starts[i]), int(sp.starts[i + 1])
+                entries[e] = (order[key], ENC_STREAM, w, 0, 1, (b - a) * w, (b - a) * w,
+                              int(cut[i + 1] - cut[i]), a)
+                e += 1
+        recv._entries = [(entries, streams, 0)]
+        recv.use_kernels = kernel
+        _sync(dev)
+        t0 = time.perf_counter()
+        recv._scatter_all(0)
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        for key in keys:
+            if not torch.equal(buffers[key][0], sender._views[key]):
+                raise SystemExit(f"apply ({'kernel' if kernel else 'torch'}): {key} differs from the source")
+    finally:
+        engine.deregister(recv.payload_region)
+        engine.deregister(recv.header_region)
+    return dt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
