@@ -17,6 +17,11 @@ spans two keys), in the order of the keys in the space, so the tiles' changes co
   start + in-tile index, value); an overflowed tile compares its words again (its reference is as it
   was), writes its positions and values directly and updates its reference.
 
+The kernels find a key's words from the reference's pointer plus the key's distance from it in words
+(a table per space, rebuilt when a tensor's storage moves), so that where every key and the reference
+are 16-byte aligned (``Compactor.vec``) the compiler may load whole tiles in 16-byte vectors; a space
+whose keys are not a whole number of words from its reference is compared by the torch ops.
+
 Tiles go in slices of at most :data:`COMPARE_SLICE` words and :data:`SCRATCH_BYTES` of slot scratch (the
 slots: ``SLOT * (2 + w)`` bytes a tile, ``w`` the word size; plus 12 bytes a tile of counts). The scratch
 is allocated per slice from torch's caching allocator on the trainer's device and freed after the push's
