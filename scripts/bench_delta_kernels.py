@@ -200,8 +200,8 @@ def _compact_pairs(key_at, key_start, key_end, tile_key, tile_start, ref32, coun
     d = x ^ r
     lo = ((d & 0xFFFF) != 0) & inside2
     hi = ((d >> 16) != 0) & inside2  # arithmetic shift: nonzero exactly where the high half differs
-    changed = tl.reshape(tl.join(lo, hi), (TILE,))
-    c = changed.to(tl.int32)
+    c = tl.reshape(tl.join(lo.to(tl.int32), hi.to(tl.int32)), (TILE,))  # int32: joins of i1 are avoided
+    changed = c != 0
     count = tl.sum(c, axis=0)
     tl.store(counts_ptr + pid, count)
     if (count > 0) & (count <= SLOT):
