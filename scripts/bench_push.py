@@ -31,19 +31,31 @@ JSON line, and with ``--out DIR`` bench_push.md, bench_push.json and bench_push.
 runs the same code on CPU actors (gloo, TCP loopback; tiny shapes by default) to check it without GPUs.
 
 ``--delta-lr LR`` (issue 21: 1e-6) adds, per scenario right after its weightsync push, the same scenario
-as delta pushes: a group of its own with ``ws.Source(delta=True)`` trainers and rollouts with a delta inbox
-(``--delta-inbox``, a fraction of the rollout's bytes); one warm-up push (dense: no reference yet), then per
-push one Adam step on the trainers (fp32 masters, ``0.02 * randn`` initially; torch.optim.Adam's first
-step on random gradients, as scripts/bench_delta.py; the BF16 shards are the rounded masters, so the
-changes come from a training step and the changed fraction is measured), and the timed delta push (first
-one a warm-up). Printed per scenario: the fraction of BF16 values the step changed (and what the push
-saw), the dense push's median (the weightsync part above: same run, same scenario), the delta push's,
-their ratio (the goal: at most 0.35x), wire bytes against dense bytes, encode and apply seconds (PushStats).
-Rollouts are not poisoned between delta pushes (a delta lands on the version they hold); after every push
-their bytes are compared with the trainers' (gathered and broadcast to them). A fan-out that relays
-(scenario 3) cannot take deltas (weightsync refuses a delta push through a relay chain): its delta push
-writes every replica directly, and the output says so. The budget (``--budget-s``) holds: the part is not
-started after it, and stops after two timed pushes once it is spent.
+as delta pushes: a group of its own with ``ws.Source(delta=True)`` trainers and rollouts with a delta
+inbox (``--delta-inbox``, a fraction of the rollout's bytes); one warm-up push (dense: no reference yet),
+then per push one Adam step on the trainers (fp32 masters, ``0.02 * randn`` initially, on random
+gradients, as scripts/bench_delta.py; the BF16 shards are the rounded masters, so the changes come from a
+training step and the changed fraction is measured), and the timed delta push (first one a warm-up).
+``--adam kept`` (default): Adam's moments and step count kept across pushes as a trainer's optimizer keeps
+them (KeptAdam: torch.optim.Adam's single-tensor math, checked bitwise against it on CPU at the start of a
+``--device cpu`` run); the moments on the trainer's GPU while they fit with 8 GB to spare, else pinned
+host memory; the first ``--adam-warmup`` steps (default 2) pushed untimed, so the timed pushes are Adam's
+steps 3 on. Where the trainers' pinned state would exceed 40% of the host's RAM (``--adam-host-fraction``)
+(scenario 4, Qwen3-30B-A3B: masters 61 GB and moments 122 GB per trainer) that scenario falls back to
+``first`` and says so (printed, in the table's note and the JSON's ``adam_note``). ``--adam first``:
+torch.optim.Adam's first step every push (fresh moments), the figures before kept moments. The changed
+fraction depends on the step: the first moves every value by exactly ``lr``; kept moments at lr 1e-6,
+steps 1-8: 4.23, 2.84, 2.30, 2.01, 1.81, 1.67, 1.56, 1.47% of BF16 values (lr 1e-5: 25.1, 17.5, 14.5,
+12.8, 11.6, 10.8, 10.2, 9.6%); figures from before kept moments are at 4.2% (step 1). Printed per
+scenario: the Adam mode and the timed steps, the fraction of BF16 values each step changed (and what the
+push saw), one Adam step's seconds and where the state lives, the dense push's median (the weightsync part
+above: same run, same scenario), the delta push's, their ratio (the goal: at most 0.35x), wire bytes
+against dense bytes, encode and apply seconds (PushStats). Rollouts are not poisoned between delta pushes
+(a delta lands on the version they hold); after every push their bytes are compared with the trainers'
+(gathered and broadcast to them). A fan-out that relays (scenario 3) cannot take deltas (weightsync
+refuses a delta push through a relay chain): its delta push writes every replica directly, and the output
+says so. The budget (``--budget-s``) holds: the part is not started after it, and stops after two timed
+pushes once it is spent.
 
 ``--cpu``: the control plane's own cost on this machine, over TCP loopback.
 
@@ -406,16 +418,129 @@ ADAM_CHUNK = 1 << 26  # elements of the flat buffer one Adam step takes at a tim
 MASTER_HEADROOM = 8 << 30  # GPU bytes left free beside fp32 masters kept on the GPU (encode, apply, Adam)
 VERIFY_BUCKET = 256 << 20  # bytes per gather + broadcast of the check against the sources
 
+ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults
+ADAM_EPS = 1e-8
+
+
+def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                step: int, lr: float) -> None:
+    """One Adam step of ``param`` in place with its moments kept: torch.optim.Adam's single-tensor update
+    (default betas and eps, no weight decay, not amsgrad, not capturable), op for op, so that on CPU the
+    masters are bitwise torch's (adam_self_check). ``step`` is this step's number (1 for the first): the
+    bias corrections come from it, as torch's do from its step count."""
+    beta1, beta2 = ADAM_BETAS
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** float(step))
+    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** float(step)) ** 0.5).add_(ADAM_EPS)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class KeptAdam:
+    """Adam's state kept across steps for fp32 masters held in 1-D chunks (views; on the GPU or in pinned
+    host memory): per chunk ``exp_avg`` and ``exp_avg_sq``, and one step count (every chunk is stepped
+    every step). Each moment chunk lives on the GPU while ``gpu_budget`` bytes last, else in pinned host
+    memory (on CPU: host memory); host-held chunks come to the GPU for their step and go back after it.
+    ``step`` yields each chunk's updated master on the device, for the caller to round into its BF16 copy,
+    and writes host-held masters and moments back when the caller moves on. Adam is elementwise: stepping
+    chunks is stepping the tensors they cover."""
+
+    def __init__(self, masters: list[torch.Tensor], dev: torch.device, gpu_budget: int) -> None:
+        self.masters, self.dev = masters, dev
+        self.exp_avg: list[torch.Tensor] = []
+        self.exp_avg_sq: list[torch.Tensor] = []
+        self.gpu_bytes = self.host_bytes = 0
+        for m in masters:
+            for moments in (self.exp_avg, self.exp_avg_sq):
+                nbytes = 4 * m.numel()
+                on_gpu = dev.type == "cuda" and nbytes <= gpu_budget - self.gpu_bytes
+                where = dev if on_gpu or dev.type != "cuda" else torch.device("cpu")
+                moments.append(torch.zeros(m.numel(), dtype=torch.float32, device=where,
+                                           pin_memory=where != dev))
+                if on_gpu:
+                    self.gpu_bytes += nbytes
+                else:
+                    self.host_bytes += nbytes
+        self.steps = 0
+
+    @staticmethod
+    def plan(sizes: list[int], cuda: bool, gpu_budget: int) -> tuple[int, int]:
+        """The moments' (GPU bytes, host bytes) for chunks of ``sizes`` elements, placed as __init__ does."""
+        gpu = host = 0
+        for n in sizes:
+            for _ in range(2):
+                if cuda and 4 * n <= gpu_budget - gpu:
+                    gpu += 4 * n
+                else:
+                    host += 4 * n
+        return gpu, host
+
+    def reset(self) -> None:
+        """Fresh moments and step count (a new optimizer on the same masters)."""
+        for t in (*self.exp_avg, *self.exp_avg_sq):
+            t.zero_()
+        self.steps = 0
+
+    def step(self, lr: float, grad: Any) -> Any:
+        """One step on the gradients ``grad(i)`` (chunk i's, on the device): yields (i, updated master on
+        the device); the state is written back when the caller asks for the next chunk."""
+        self.steps += 1
+        for i, master in enumerate(self.masters):
+            held = [master, self.exp_avg[i], self.exp_avg_sq[i]]
+            on_dev = [t.to(self.dev, non_blocking=True) for t in held]
+            adam_update(on_dev[0], grad(i), on_dev[1], on_dev[2], self.steps, lr)
+            yield i, on_dev[0]
+            for h, d in zip(held, on_dev, strict=True):
+                if h.device != d.device:
+                    h.copy_(d, non_blocking=True)
+            del on_dev
+        if self.dev.type == "cuda":
+            torch.cuda.current_stream(self.dev).synchronize()
+
+
+def adam_self_check(steps: int = 4, chunk: int = 700) -> str:
+    """KeptAdam over chunks of a flat buffer (chunks that split tensors and span their ends) against
+    torch.optim.Adam (single-tensor, kept across steps) over the tensors, on CPU, same gradients: the fp32
+    masters must be bitwise equal after every step, at lr 1e-6 and 1e-5. Raises otherwise."""
+    sizes = [1000, 2500, 333, 4096]
+    for lr in (1e-6, 1e-5):
+        g = torch.Generator().manual_seed(7)
+        flat = torch.randn(sum(sizes), generator=g) * 0.02
+        flat[1000:3500] += 1.0  # a norm scale's magnitude too
+        params = [torch.nn.Parameter(t.clone()) for t in flat.split(sizes)]
+        ref = torch.optim.Adam(params, lr=lr, foreach=False)
+        chunks = list(flat.split(chunk))
+        adam = KeptAdam(chunks, torch.device("cpu"), 0)
+        for s in range(1, steps + 1):
+            grads = torch.randn(flat.numel(), generator=g)
+            for p, gp in zip(params, grads.split(sizes), strict=True):
+                p.grad = gp.clone()
+            ref.step()
+            gchunks = grads.split(chunk)
+            for _ in adam.step(lr, lambda i, gchunks=gchunks: gchunks[i]):
+                pass
+            want = torch.cat([p.detach() for p in params])
+            if not torch.equal(flat.view(torch.int32), want.view(torch.int32)):
+                bad = int((flat.view(torch.int32) != want.view(torch.int32)).sum())
+                raise SystemExit(f"adam self-check: lr {lr:g} step {s}: {bad} fp32 masters differ from "
+                                 "torch.optim.Adam's")
+    return (f"adam self-check: chunked kept-moment Adam equals torch.optim.Adam bitwise over {steps} steps "
+            f"at lr 1e-6 and 1e-5 (CPU)")
+
+
 
 class DeltaWorker(Worker):
     """A scenario worker that also pushes deltas: sources with ``delta=True``, rollouts with a delta inbox,
     and, on trainers, fp32 master weights stepped by Adam with the BF16 shards the rounded masters.
 
     The masters cover the trainer's flat buffer (every shard a view into it, 256-element aligned) end to
-    end; each step is torch.optim.Adam's first step (fresh moments, as scripts/bench_delta.py does: it
-    moves every value by about ``lr``) on random gradients, one chunk of ADAM_CHUNK elements at a time.
-    Adam is elementwise, so stepping chunks of the flat buffer is stepping each tensor. Gradients are zero
-    in the gaps between views, which therefore never change and are not counted. Initial masters are
+    end; they are stepped on random gradients one chunk of ADAM_CHUNK elements at a time (Adam is
+    elementwise, so stepping chunks of the flat buffer is stepping each tensor), either with Adam's moments
+    kept across steps (``--adam kept``, KeptAdam: a trainer's optimizer; the moments placed like the
+    masters, on the GPU while they fit with MASTER_HEADROOM to spare, else pinned host memory) or as
+    torch.optim.Adam's first step every time (``--adam first``: fresh moments, every value moves by about
+    ``lr``; the figures before kept moments). Gradients are zero in the gaps between views, which
+    therefore never change (in either mode) and are not counted. Initial masters are
     ``0.02 * randn`` (norm scales ``1 + 0.02 * randn``), like scripts/bench_delta.py's: the changed fraction
     depends on the weights' magnitude against BF16's spacing, so the scale must be a trained model's."""
 
@@ -490,21 +615,44 @@ class DeltaWorker(Worker):
         self.grad_gen.manual_seed(zlib.crc32(f"grad/{self.rank}".encode()))
         self._sync()
 
-    def delta_masters(self) -> dict[str, Any]:
+    def _gpu_free(self) -> int:
+        if not self.cuda:
+            return 0
+        torch.cuda.empty_cache()  # blocks torch keeps cached count as used in the driver's figure
+        return torch.cuda.mem_get_info()[0]
+
+    def delta_plan(self, adam: str) -> dict[str, Any]:
+        """Trainers: where delta_masters(adam) would put the masters and moments now: bytes on the GPU and
+        in (pinned) host memory; the driver falls back to ``first`` where the host bytes are too many."""
+        if not self.trainer:
+            return {}
+        n = self.flat.numel()
+        free = self._gpu_free()
+        masters_on_gpu = not self.cuda or free >= 4 * n + MASTER_HEADROOM
+        gpu, host = (4 * n, 0) if masters_on_gpu else (0, 4 * n)
+        if adam == "kept":
+            sizes = [min(n, c0 + ADAM_CHUNK) - c0 for c0 in range(0, n, ADAM_CHUNK)]
+            budget = free - MASTER_HEADROOM - (4 * n if masters_on_gpu and self.cuda else 0)
+            mg, mh = KeptAdam.plan(sizes, self.cuda, budget)
+            gpu, host = gpu + mg, host + mh
+        if not self.cuda:  # everything is host memory on CPU
+            gpu, host = 0, gpu + host
+        return {"gpu_bytes": gpu, "host_bytes": host}
+
+    def delta_masters(self, adam: str = "first") -> dict[str, Any]:
         """Trainers: the fp32 masters, on the GPU where they fit beside what is there now (the shards,
         the source's reference and inbox payloads) with MASTER_HEADROOM to spare, else in pinned host
         memory (they come to the GPU a chunk at a time). One tensor per ADAM_CHUNK elements: no single
         allocation of the whole, and pinned blocks (which torch rounds up to a power of two) waste
-        nothing."""
+        nothing. With ``adam`` "kept", Adam's moments too (KeptAdam), on the GPU chunk by chunk while the
+        rest of the headroom lasts, else pinned host memory."""
         if not self.trainer:
             return {}
         n = self.flat.numel()
         where = self.dev
-        if self.cuda:
-            torch.cuda.empty_cache()  # blocks torch keeps cached count as used in the driver's figure
-            free, _ = torch.cuda.mem_get_info()
-            if free < 4 * n + MASTER_HEADROOM:
-                where = torch.device("cpu")
+        free = self._gpu_free()
+        if self.cuda and free < 4 * n + MASTER_HEADROOM:
+            where = torch.device("cpu")
         self.master_apart = where != self.dev
         t0 = time.perf_counter()
         self.master = []
@@ -513,8 +661,15 @@ class DeltaWorker(Worker):
             m = torch.empty(c1 - c0, dtype=torch.float32, device=where, pin_memory=self.master_apart)
             self.master.append(m.copy_(self._initial_master(c0, c1), non_blocking=True))
         self._sync()
-        return {"master_on": "GPU" if where.type == "cuda" else ("pinned host" if self.cuda else "host"),
-                "master_bytes": 4 * n, "master_s": time.perf_counter() - t0}
+        out = {"master_on": "GPU" if where.type == "cuda" else ("pinned host" if self.cuda else "host"),
+               "master_bytes": 4 * n, "adam": adam}
+        self.kept: KeptAdam | None = None
+        if adam == "kept":
+            budget = self._gpu_free() - MASTER_HEADROOM
+            self.kept = KeptAdam(self.master, self.dev, budget)
+            out.update(moments_gpu_bytes=self.kept.gpu_bytes, moments_host_bytes=self.kept.host_bytes)
+        out["master_s"] = time.perf_counter() - t0
+        return out
 
     def delta_step(self, lr: float) -> dict[str, Any]:
         """Trainers: one Adam step of the masters on random gradients, the shards the rounded masters.
@@ -525,6 +680,23 @@ class DeltaWorker(Worker):
         t0 = time.perf_counter()
         n = self.flat.numel()
         changed = torch.zeros((), dtype=torch.int64, device=self.dev)
+        if self.kept is not None:
+            def grad(i: int) -> torch.Tensor:
+                c0 = i * ADAM_CHUNK
+                c1 = min(n, c0 + ADAM_CHUNK)
+                g = torch.randn(c1 - c0, generator=self.grad_gen, device=self.dev, dtype=torch.float32)
+                self._zero_gaps(g, c0, c1)  # zero gradients keep zero moments: the gaps never move
+                return g
+
+            for i, p in self.kept.step(lr, grad):
+                w = self.flat[i * ADAM_CHUNK:i * ADAM_CHUNK + p.numel()]
+                new = p.to(DTYPE)
+                changed += (new.view(torch.int16) != w.view(torch.int16)).sum()
+                w.copy_(new)
+                del new
+            self._sync()
+            return {"changed": int(changed), "total": self.real_elements, "step_s": time.perf_counter() - t0,
+                    "adam_step": self.kept.steps}
         for c0, master in zip(range(0, n, ADAM_CHUNK), self.master, strict=True):
             c1 = min(n, c0 + ADAM_CHUNK)
             # Masters on the device: the parameter is a view of them, stepped in place; else a copy.
@@ -541,7 +713,8 @@ class DeltaWorker(Worker):
                 master.copy_(p.detach(), non_blocking=True)
             del p, grad, new
         self._sync()
-        return {"changed": int(changed), "total": self.real_elements, "step_s": time.perf_counter() - t0}
+        return {"changed": int(changed), "total": self.real_elements, "step_s": time.perf_counter() - t0,
+                "adam_step": 1}
 
     def delta_push(self, version: int) -> dict[str, Any]:
         """``ws_push``, with the sender's encode by phase and whether its compare ran as kernels (the
@@ -602,6 +775,7 @@ class DeltaWorker(Worker):
     def delta_close(self) -> None:
         self.ws_close()
         self.master = []
+        self.kept = None
         # pinned host blocks stay cached in torch otherwise (checkpoint-engine's baseline pins more)
         getattr(torch._C, "_host_emptyCache", lambda: None)()
         if self.cuda:
@@ -695,7 +869,8 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
     def delta() -> dict[str, Any]:
         """The scenario as delta pushes (``--delta-lr``; DeltaWorker): a warm-up push (dense: the sources
         have no reference yet), then per push one Adam step on the trainers and the delta push, timed as
-        above (the slowest source's ``push()``); the first delta push is a warm-up too. The rollouts are
+        above (the slowest source's ``push()``); the first delta push is a warm-up too (with ``--adam
+        kept``, the first ``--adam-warmup``: Adam's early steps change more values). The rollouts are
         not poisoned in between (a delta lands on the version they hold); after every push their bytes
         are checked against the trainers'."""
         res: dict[str, Any] = {"lr": args.delta_lr, "inbox_fraction": args.delta_inbox, "times": [],
@@ -738,8 +913,25 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
                 return stats
 
             res["first_dense_s"] = max(s["seconds"] for s in push_checked())
-            res["masters"] = team.call("delta_masters", timeout=tmo, who=team.trainers)
-            for i in range(args.pushes + 1):  # the first delta push is a warm-up, not counted
+            res["adam"] = args.adam
+            if args.adam == "kept":
+                # Every trainer of a scenario is on this host: their pinned state adds up.
+                plan = team.call("delta_plan", "kept", timeout=tmo, who=team.trainers)
+                host = sum(x["host_bytes"] for x in plan)
+                ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                if host > args.adam_host_fraction * ram:
+                    res["adam"] = "first"
+                    res["adam_note"] = (
+                        f"Adam's first step each push (fresh moments), not kept moments: the trainers' "
+                        f"masters and moments would take {host / 1e9:.0f} GB of host memory, more than "
+                        f"{args.adam_host_fraction:.0%} of its {ram / 1e9:.0f} GB")
+                    print(f"    delta: {res['adam_note']}", flush=True)
+            res["masters"] = team.call("delta_masters", res["adam"], timeout=tmo, who=team.trainers)
+            # untimed steps (each pushed and checked): the first warms the delta path up; with kept moments
+            # --adam-warmup of them, so the timed pushes are Adam's steps warm-up + 1 on
+            untimed = max(1, args.adam_warmup) if res["adam"] == "kept" else 1
+            res["adam_steps"] = []
+            for i in range(untimed + args.pushes):
                 if len(res["times"]) >= 2 and time.monotonic() > args.deadline:
                     res["cut"] = f"stopped after {len(res['times'])} timed pushes: the run's budget is spent"
                     print(f"    delta: {res['cut']}", flush=True)
@@ -748,7 +940,9 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
                 stats = push_checked()
                 if i == 0:
                     res["first_s"] = max(s["seconds"] for s in stats)
+                if i < untimed:
                     continue
+                res["adam_steps"].append(max(x.get("adam_step", 1) for x in steps))
                 slowest = max(stats, key=lambda s: s["seconds"])
                 res["times"].append(slowest["seconds"])
                 res["phases"].append(slowest["phases"])
@@ -860,12 +1054,23 @@ def _say_delta(res: dict[str, Any]) -> None:
         return
     ratio = res["delta_over_dense"]
     wire, dense = res["wire_bytes_median"], res["dense_bytes_median"]
-    print(f"    delta push at lr {res['lr']:g}: {res['changed_fraction_median']:.3%} of BF16 values changed; "
+    print(f"    delta push at lr {res['lr']:g}, {_adam_what(res)}: {res['changed_fraction_median']:.3%} of "
+          f"BF16 values changed (per step {', '.join(f'{x:.2%}' for x in res['changed_fraction'])}); "
           f"median {res['median_s'] * 1e3:.2f} ms over {len(res['times'])} "
           f"({', '.join(f'{t * 1e3:.1f}' for t in res['times'])}), dense {_ms(res['dense_median_s'])} ms, "
           f"delta/dense {'–' if ratio is None else f'{ratio:.3f}x'}; wire {_size(wire)} of {_size(dense)} "
           f"({wire / dense:.1%}); encode {res['encode_s_median'] * 1e3:.2f} ms, apply "
           f"{res['apply_s_median'] * 1e3:.2f} ms; verified against the trainers", flush=True)
+    masters = [m for m in res.get("masters", []) if m]
+    if masters:
+        m = masters[0]
+        moments = (f", moments {m['moments_gpu_bytes'] / 1e9:.1f} GB on the GPU and "
+                   f"{m['moments_host_bytes'] / 1e9:.1f} GB in host memory"
+                   if "moments_gpu_bytes" in m else "")
+        print(f"    adam: {res.get('adam', 'first')}; one step {res['step_s_median']:.2f} s (slowest "
+              f"trainer, median); per trainer masters {m['master_bytes'] / 1e9:.1f} GB on {m['master_on']}"
+              f"{moments}",
+              flush=True)
     phases = [p for p in res.get("encode_phases", []) if p]
     if phases:
         names = sorted({k for p in phases for k in p})
@@ -875,6 +1080,14 @@ def _say_delta(res: dict[str, Any]) -> None:
             flush=True)
     if any(res["not_delta"]):
         print(f"    delta push: destinations written dense per push: {res['not_delta']}", flush=True)
+
+
+def _adam_what(d: dict[str, Any]) -> str:
+    """How the timed pushes' changes were made: Adam's mode and the step numbers."""
+    steps = d.get("adam_steps") or []
+    if d.get("adam", "first") == "first":
+        return "Adam's first step (fresh moments) each push" + (" [fallback]" if d.get("adam_note") else "")
+    return f"Adam kept, steps {steps[0]}-{steps[-1]}" if steps else "Adam kept"
 
 
 def _size(n: float) -> str:
@@ -963,24 +1176,26 @@ def delta_table(rows: list[dict[str, Any]]) -> str:
     rows = [r for r in rows if "delta" in r]
     if not rows:
         return ""
-    lines = ["Delta pushes: per push one Adam step (fresh moments) of fp32 masters on random gradients, the "
-             "BF16 weights the rounded masters; medians in ms; dense = the weightsync column above (same "
-             "run, same team); every delta push verified against the trainers' bytes.", "",
-             "| scenario | lr | BF16 values changed (step / push) | dense push | delta push | delta / dense "
-             "| wire / dense bytes | encode | apply | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["Delta pushes: per push one Adam step of fp32 masters on random gradients (moments kept across "
+             "steps, or Adam's first step with fresh moments: the adam column), the BF16 weights the rounded "
+             "masters; medians in ms; dense = the weightsync column above (same run, same team); every delta "
+             "push verified against the trainers' bytes.", "",
+             "| scenario | lr | adam | BF16 values changed (step / push) | dense push | delta push | delta / "
+             "dense | wire / dense bytes | encode | apply | note |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         d = r["delta"]
         if "median_s" not in d:
-            lines.append(f"| {r['scenario']}. {r['what']} | – | – | – | – | – | – | – | – | "
+            lines.append(f"| {r['scenario']}. {r['what']} | – | – | – | – | – | – | – | – | – | "
                          f"{(d.get('error') or '')[:200]} |")
             continue
         pf = d.get("push_changed_fraction_median")
         ratio = d.get("delta_over_dense")
-        note = "; ".join(x for x in (d.get("relay_note"), d.get("cut"),
+        note = "; ".join(x for x in (d.get("relay_note"), d.get("cut"), d.get("adam_note"),
                                      f"destinations written dense: {d['not_delta']}" if any(d["not_delta"])
                                      else None) if x)
-        lines.append(f"| {r['scenario']}. {r['what']} | {d['lr']:g} | {d['changed_fraction_median']:.2%} / "
+        lines.append(f"| {r['scenario']}. {r['what']} | {d['lr']:g} | {_adam_what(d)} | "
+                     f"{d['changed_fraction_median']:.2%} / "
                      f"{'–' if pf is None else f'{pf:.2%}'} | {_ms(d.get('dense_median_s'))} | "
                      f"{_ms(d['median_s'])} | {'–' if ratio is None else f'{ratio:.3f}x'} | "
                      f"{_size(d['wire_bytes_median'])} / {_size(d['dense_bytes_median'])} | "
@@ -1040,6 +1255,8 @@ def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
     else:
         card = f"CPU: {platform.node()} ({os.cpu_count()} cores), tcp;ofi_rxm loopback and gloo"
         bw = None
+        if args.delta_lr is not None and args.adam == "kept":
+            print(adam_self_check(), flush=True)  # KeptAdam against torch.optim.Adam, bitwise
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     # Few CPUs on purpose: every actor takes none, and Ray prestarts a Python worker per CPU.
     ray.init(address="local", num_cpus=8, num_gpus=gpus, include_dashboard=False,
@@ -1111,7 +1328,8 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
         if x is None:
             out.append(f"{what}: not measured ({(d.get('error') or 'no dense push')[:120]})")
         else:
-            out.append(f"{what} (lr {d['lr']:g}, {d['changed_fraction_median']:.2%} changed): {x:.3f}x, "
+            out.append(f"{what} (lr {d['lr']:g}, {_adam_what(d)}, {d['changed_fraction_median']:.2%} "
+                       f"changed): {x:.3f}x, "
                        f"{'met' if x <= 0.35 else 'NOT met'}" + (" (direct, not relayed)" if "relay_note" in d
                                                                   else ""))
     return out
@@ -1155,6 +1373,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--delta-lr", type=float, default=None,
                     help="also push each scenario as deltas: per push one Adam step at this learning rate "
                          "(issue 21: 1e-6), against the scenario's dense push")
+    ap.add_argument("--adam", choices=["kept", "first"], default="kept",
+                    help="with --delta-lr: Adam's moments kept across steps like a trainer's optimizer, or "
+                         "Adam's first step (fresh moments) every push, as before")
+    ap.add_argument("--adam-warmup", type=int, default=2,
+                    help="with --adam kept: Adam steps pushed untimed before the timed pushes (the timed "
+                         "ones are steps K+1 on; at lr 1e-6 step 3 changes about 2.3%%, step 1 4.2%%)")
+    ap.add_argument("--adam-host-fraction", type=float, default=0.4,
+                    help="with --adam kept: a scenario whose trainers' Adam state (masters, moments) would "
+                         "take more of the host's RAM than this falls back to --adam first, and says so")
     ap.add_argument("--delta-inbox", type=float, default=0.125,
                     help="each destination's delta inbox, a fraction of its bytes (with --delta-lr)")
     ap.add_argument("--out", default=None, help="write bench_push.md, bench_push.json, bench_push.png here")
