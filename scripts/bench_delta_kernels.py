@@ -440,6 +440,7 @@ def main() -> None:
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     if gpu:
+        device = torch.device("cuda", torch.cuda.current_device())  # an index: set_device wants one
         torch.cuda.set_device(device)
     reps = args.reps or (5 if gpu else 1)
     warm = args.warm if args.warm is not None else (2 if gpu else 0)
