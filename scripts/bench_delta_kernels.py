@@ -182,6 +182,36 @@ def _compact_persistent(key_at, key_start, key_end, tile_key, tile_start, ref_pt
 
 
 @triton.jit
+def _compact_2d(key_at, key_start, key_end, tile_key, tile_start, ref_ptr, counts_ptr, slot_idx, slot_val,
+                TILE: tl.constexpr, SLOT: tl.constexpr, VEC: tl.constexpr, ROW: tl.constexpr):
+    """As _compact2 (STORE 0) with the in-tile prefix taken in two levels: within rows of ROW words
+    (``cumsum`` along the row) and over the TILE // ROW row totals, instead of one scan over the tile."""
+    pid = tl.program_id(0)
+    R: tl.constexpr = TILE // ROW
+    start, n, cur = _tile(key_at, key_start, key_end, tile_key, tile_start, ref_ptr, pid, TILE, VEC)
+    o = tl.arange(0, TILE)
+    inside = o < n
+    if n == TILE:
+        x = tl.load(cur + o)
+        r = tl.load(ref_ptr + start + o)
+    else:
+        x = tl.load(cur + o, mask=inside, other=0)
+        r = tl.load(ref_ptr + start + o, mask=inside, other=0)
+    changed = (x != r) & inside
+    c2 = tl.reshape(changed.to(tl.int32), (R, ROW))
+    rows = tl.sum(c2, axis=1)
+    count = tl.sum(rows, axis=0)
+    tl.store(counts_ptr + pid, count)
+    if (count > 0) & (count <= SLOT):
+        before = tl.cumsum(rows, axis=0) - rows
+        within = tl.cumsum(c2, axis=1) - c2
+        at = pid.to(tl.int64) * SLOT + tl.reshape(before[:, None] + within, (TILE,))
+        tl.store(slot_idx + at, o.to(tl.int16), mask=changed)
+        tl.store(slot_val + at, x, mask=changed)
+        tl.store(ref_ptr + start + o, x, mask=changed)
+
+
+@triton.jit
 def _compact_pairs(key_at, key_start, key_end, tile_key, tile_start, ref32, counts_ptr, slot_idx, slot_val,
                    TILE: tl.constexpr, SLOT: tl.constexpr, VEC: tl.constexpr):
     """As _compact2 (STORE 0) on 32-bit views of word pairs (every key an even number of words at an even
@@ -376,7 +406,7 @@ class Bench:
 
     # pipelines
     def compact_pipeline(self, tile: int, slot: int, warps: int, kernel: str, store: int = 0,
-                         per_sm: int = 0) -> Callable[[], Any]:
+                         per_sm: int = 0, row: int = 32, alone: bool = False) -> Callable[[], Any]:
         """compact kernel over every tile (one grid), cumsum, one host sync, dk._place."""
         pairs = kernel == "pairs"
         tabs, nt, vec = self.tables(tile, 2 if pairs else 1)
@@ -401,9 +431,14 @@ class Bench:
                 grid = min(nt, per_sm * sms)
                 _compact_persistent[(grid,)](*tabs, self.ref, counts, slot_idx, slot_val, nt, -(-nt // grid),
                                              TILE=tile, SLOT=slot, VEC=vec, STORE=store, num_warps=warps)
+            elif kernel == "2d":
+                _compact_2d[(nt,)](*tabs, self.ref, counts, slot_idx, slot_val, TILE=tile, SLOT=slot, VEC=vec,
+                                   ROW=row, num_warps=warps)
             else:
                 _compact_pairs[(nt,)](*tabs, ref32, counts, slot_idx, slot_val, TILE=tile, SLOT=slot,
                                       VEC=vec, num_warps=warps)
+            if alone:  # the compact kernel's time by itself: checked by its counts
+                return counts
             ends = torch.cumsum(counts, 0)
             m = int(ends[-1])
             if m:
@@ -436,6 +471,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=None, help="warm-up reps (default 2 on GPU, 0 on CPU)")
     ap.add_argument("--quick", action="store_true", help="fewer variants (the default on CPU)")
     ap.add_argument("--all", action="store_true", help="every variant, on CPU too")
+    ap.add_argument("--only", default="", help="compare variants whose label contains this (and skip the "
+                    "ceiling and scatter groups)")
     args = ap.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -456,7 +493,7 @@ def main() -> None:
         print(f"\n== changed {f} ({k} words) ==", flush=True)
         rd = 4.0 * N  # current + reference read
         cmp_bytes = rd + 12.0 * k
-        if fi == 0:  # the ceilings do not depend on f
+        if fi == 0 and not args.only:  # the ceilings do not depend on f
             b.record("ceiling", "torch copy_ (16 GB-class: read+write)", lambda: b.ref.copy_(b.cur), rd,
                      b.restore, lambda _: "ok" if b.ref_updated() else "WRONG")
             step = 1 << 30
@@ -492,11 +529,13 @@ def main() -> None:
                              *tabs, b.ref, c, TILE=4096, VEC=vec, num_warps=w), c)[1],
                          rd, b.restore, b.check_counts)
 
-        b.record("compare", "torch nonzero path", b.torch_compare, cmp_bytes, b.restore, b.check_compact)
+        if not args.only:
+            b.record("compare", "torch nonzero path", b.torch_compare, cmp_bytes, b.restore, b.check_compact)
         comp = dk.Compactor(2, b.starts, device)
-        b.record("compare", "Compactor.compare as is (sliced)",
-                 lambda comp=comp, k=k: comp.compare(b.views, b.ref, k), cmp_bytes, b.restore,
-                 b.check_compact)
+        if not args.only:
+            b.record("compare", "Compactor.compare as is (sliced)",
+                     lambda comp=comp, k=k: comp.compare(b.views, b.ref, k), cmp_bytes, b.restore,
+                     b.check_compact)
         variants: list[tuple[str, dict[str, Any]]] = []
         orig = [(4096, 512, 8), (4096, 512, 4), (4096, 512, 16), (8192, 1024, 8), (8192, 1024, 16),
                 (16384, 2048, 16), (2048, 256, 4)]
@@ -515,52 +554,64 @@ def main() -> None:
         for t, s, w in [(4096, 512, 8)] if quick else [(4096, 512, 8), (8192, 1024, 8)]:
             variants.append((f"pairs int32 T={t} S={s} w={w}",
                              dict(tile=t, slot=s, warps=w, kernel="pairs")))
-        for label, kw in variants:
+        for t, s, w, row in [(4096, 512, 8, 32)] if quick else [
+                (4096, 512, 8, 32), (4096, 512, 4, 32), (4096, 512, 8, 64), (4096, 512, 8, 128),
+                (8192, 1024, 8, 32), (2048, 256, 4, 32)]:
+            variants.append((f"2-level scan T={t} S={s} w={w} row={row}",
+                             dict(tile=t, slot=s, warps=w, kernel="2d", row=row)))
+        alone = [(f"{lab} (compact kernel alone)", dict(k, alone=True)) for lab, k in variants
+                 if k["kernel"] in ("orig", "2d") and k["tile"] == 4096 and k["warps"] == 8]
+        for label, kw in alone + variants:
+            if args.only and args.only not in label:
+                continue
             try:
                 fn = b.compact_pipeline(**kw)
             except Exception as e:
                 print(f"  compare  {label}: setup failed: {e}", flush=True)
                 continue
-            b.record("compare", label, fn, cmp_bytes, b.restore, b.check_compact)
+            b.record("compare", label, fn, cmp_bytes, b.restore,
+                     b.check_counts if kw.get("alone") else b.check_compact)
             del fn
             if gpu:
                 torch.cuda.empty_cache()
 
         # the receiver's scatter into the previous version (the reference restored), checked against cur
-        sc_bytes = 6.0 * k
-        b.record("scatter", "torch target[idx] = vals", lambda: b.ref.index_put_((b.pos,), b.new_vals),
-                 sc_bytes, b.restore, b.check_scatter)
-        nb = b.nb
-        if not INTERPRET:  # its loop bounds come from tl.load: the 3.6 interpreter cannot run it
-            pair_run = torch.zeros(nb, dtype=torch.int32, device=device)
-            pair_block = torch.arange(nb, dtype=torch.int32, device=device)
-            run_at = torch.tensor([(b.ref.data_ptr() - b.new_vals.data_ptr()) // 2], device=device)
-            run_lo = torch.tensor([0], device=device)
-            run_hi = torch.tensor([k], device=device)
-            for ch, w in [(1024, 4)] if quick else [(256, 4), (1024, 4), (4096, 4), (256, 8), (1024, 8),
-                                                       (4096, 8)]:
-                b.record("scatter", f"_scatter16 CH={ch} w={w}",
-                         lambda ch=ch, w=w, nb=nb, tabs=(pair_run, pair_block, run_at, run_lo, run_hi):
-                             dk._scatter16[(nb,)](*tabs, b.ends, b.low, b.new_vals, BLOCK=BLOCK, CH=ch,
-                                                  num_warps=w),
+        if not args.only:
+            sc_bytes = 6.0 * k
+            b.record("scatter", "torch target[idx] = vals", lambda: b.ref.index_put_((b.pos,), b.new_vals),
+                     sc_bytes, b.restore, b.check_scatter)
+            nb = b.nb
+            if not INTERPRET:  # its loop bounds come from tl.load: the 3.6 interpreter cannot run it
+                pair_run = torch.zeros(nb, dtype=torch.int32, device=device)
+                pair_block = torch.arange(nb, dtype=torch.int32, device=device)
+                run_at = torch.tensor([(b.ref.data_ptr() - b.new_vals.data_ptr()) // 2], device=device)
+                run_lo = torch.tensor([0], device=device)
+                run_hi = torch.tensor([k], device=device)
+                for ch, w in [(1024, 4)] if quick else [(256, 4), (1024, 4), (4096, 4), (256, 8), (1024, 8),
+                                                           (4096, 8)]:
+                    b.record("scatter", f"_scatter16 CH={ch} w={w}",
+                             lambda ch=ch, w=w, nb=nb, tabs=(pair_run, pair_block, run_at, run_lo, run_hi):
+                                 dk._scatter16[(nb,)](*tabs, b.ends, b.low, b.new_vals, BLOCK=BLOCK, CH=ch,
+                                                      num_warps=w),
+                             sc_bytes, b.restore, b.check_scatter)
+            for ch, w in [(4096, 4)] if quick else [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]:
+                b.record("scatter", f"block (1 program/65536 words) CH={ch} w={w}",
+                         lambda ch=ch, w=w, nb=nb: _scatter_block[(nb,)](b.ends, b.low, b.new_vals, b.ref,
+                                                                         BLOCK=BLOCK, CH=ch, num_warps=w),
                          sc_bytes, b.restore, b.check_scatter)
-        for ch, w in [(4096, 4)] if quick else [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]:
-            b.record("scatter", f"block (1 program/65536 words) CH={ch} w={w}",
-                     lambda ch=ch, w=w, nb=nb: _scatter_block[(nb,)](b.ends, b.low, b.new_vals, b.ref,
-                                                                     BLOCK=BLOCK, CH=ch, num_warps=w),
-                     sc_bytes, b.restore, b.check_scatter)
-        for ch, w in [(1024, 4)] if quick else [(1024, 4), (2048, 4), (4096, 8)]:
-            b.record("scatter", f"grid (block, chunk) CH={ch} w={w}",
-                     lambda ch=ch, w=w, nb=nb: _scatter_grid[(nb, BLOCK // ch)](
-                         b.ends, b.low, b.new_vals, b.ref, BLOCK=BLOCK, CH=ch, num_warps=w),
-                     sc_bytes, b.restore, b.check_scatter)
-        b.restore()
+            for ch, w in [(1024, 4)] if quick else [(1024, 4), (2048, 4), (4096, 8)]:
+                b.record("scatter", f"grid (block, chunk) CH={ch} w={w}",
+                         lambda ch=ch, w=w, nb=nb: _scatter_grid[(nb, BLOCK // ch)](
+                             b.ends, b.low, b.new_vals, b.ref, BLOCK=BLOCK, CH=ch, num_warps=w),
+                         sc_bytes, b.restore, b.check_scatter)
+            b.restore()
 
         # summary for this f
         copy = [r for r in b.rows if r[1].startswith("torch copy_")]
         copy_gbs = copy[0][3] if copy else float("nan")
         for group in ("compare", "scatter"):
-            ok = [r for r in b.rows if r[0] == group and r[4] == "ok" and r[2] == r[2]]
+            ok = [r for r in b.rows
+                  if r[0] == group and r[4] == "ok" and r[2] == r[2] and "alone" not in r[1]]
             best = min(ok, key=lambda r: r[2], default=None)
             if best is not None:
                 print(f"BEST {group} (changed {f}): {best[1]}: {best[2]:.3f} ms, {best[3]:.1f} GB/s "
