@@ -3,10 +3,22 @@
 One trainer (a Ray actor on GPU 0) keeps fp32 master weights of a Llama-shaped model (Hugging Face names
 and shapes from scripts/bench_worker.py's config; on a GPU the masters live in host memory and come to
 the GPU one tensor at a time) and the BF16 copy it pushes (the rounded master). Each step is an Adam step
-on random gradients (torch.optim.Adam, one tensor at a time with fresh moments: Adam's first step, which
-moves every value by about ``lr``) at ``--lrs`` (default 1e-6 and 1e-5), after which the BF16 copy is
-the master rounded again. The changes therefore come from a training step, not from a chosen fraction;
-the fraction of BF16 values the step changed is measured and printed beside every figure.
+on random gradients at ``--lrs`` (default 1e-6 and 1e-5), after which the BF16 copy is the master rounded
+again. The changes therefore come from a training step, not from a chosen fraction; the fraction of BF16
+values the step changed is measured and printed beside every figure, with the Adam mode and the steps.
+
+``--adam kept`` (default): Adam's moments and step count are kept across steps as a trainer's optimizer
+keeps them (torch.optim.Adam's single-tensor math, default betas and eps, over chunks of at most 64M
+elements; on CPU the script first checks it bitwise against torch.optim.Adam); the moments live on the
+trainer's GPU while they fit with 8 GB to spare, else in pinned host memory, a chunk at a time on the GPU
+(Llama-3-8B: masters 32 GB and moments 64 GB, mostly host memory; the step's seconds are printed). Each
+learning rate starts a fresh optimizer, and its first ``--adam-warmup`` steps (default 2) are pushed to
+every group untimed: the timed pushes are Adam's steps 3 on. ``--adam first``: Adam's first step every
+time (torch.optim.Adam made afresh per tensor, fresh moments), the figures before kept moments. The changed
+fraction depends on the step: the first moves every value by exactly ``lr`` (bias-corrected m / sqrt(v) is
++-1), later steps by less where the gradients disagree. Kept moments on 0.02 * randn masters and random
+gradients, steps 1-8: lr 1e-6 4.23, 2.84, 2.30, 2.01, 1.81, 1.67, 1.56, 1.47% of BF16 values; lr 1e-5
+25.1, 17.5, 14.5, 12.8, 11.6, 10.8, 10.2, 9.6%. Figures from before kept moments are all at 4.23% (step 1).
 
 One rollout (a Ray actor on GPU 1) holds two full replicas in vLLM's fused layout (``qkv_proj``,
 ``gate_up_proj``), ``inplace``, each in a group of its own with the same trainer tensors:
@@ -27,13 +39,13 @@ over TCP loopback at least 5x faster than dense.
     python scripts/bench_delta.py --micro --device cpu --model llama-500m   # CPU encode/apply only
 
 ``--micro``: the source and the destination in this process (threads; only the coordinator is a Ray
-actor), one delta group, the same Adam steps; it prints the sender's encode and the receiver's apply
-seconds per push (what ``PushStats`` reports) and checks the bytes after every push. It is the figure to
-watch while working on weightsync/runtime/delta.py: on a busy CPU the TCP pushes of the full benchmark
-vary by more than the encode does. ``--baseline OLD_DELTA.py`` (for instance
-``git show 426276a:weightsync/runtime/delta.py > /tmp/delta_old.py``) adds a second group whose source
-and destination use that file's delta classes, over the same tensors, pushed in alternating order after
-every step: a before/after comparison under the same load.
+actor), one delta group, the same Adam steps (``--adam`` alike); it prints the sender's encode and the
+receiver's apply seconds per push (what ``PushStats`` reports) and checks the bytes after every push. It
+is the figure to watch while working on weightsync/runtime/delta.py: on a busy CPU the TCP pushes of the
+full benchmark vary by more than the encode does. ``--baseline OLD_DELTA.py`` (for instance ``git show
+426276a:weightsync/runtime/delta.py > /tmp/delta_old.py``) adds a second group whose source and
+destination use that file's delta classes, over the same tensors, pushed in alternating order after every
+step: a before/after comparison under the same load.
 
 Encode is reported by phase (the sender's ``phases``: ``compare``, the changed words found, their values
 gathered and, on the kernel path, the reference updated; ``begin``, the host's choice of sparse writes;
@@ -94,6 +106,66 @@ def adam_step(master: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
     return changed / total
 
 
+class KeptAdamState:
+    """``--adam kept``: Adam's moments and step count kept across steps for ``master`` (scripts.bench_push's
+    KeptAdam over chunks of at most ADAM_CHUNK elements of each tensor: Adam's state for the embedding
+    alone is 6 GB); the moments on the GPU while they fit with MASTER_HEADROOM and ``reserve`` bytes (the
+    delta encodes' changed positions and values) to spare beside what is there when it is made (after the
+    first pushes: the sources' references), else in pinned host memory (on CPU: host memory).
+    ``adam.reset()`` starts a fresh optimizer on the same masters."""
+
+    def __init__(self, master: dict[str, torch.Tensor], dev: torch.device, reserve: int = 0) -> None:
+        from scripts.bench_push import ADAM_CHUNK, MASTER_HEADROOM, KeptAdam
+
+        self.chunks: list[tuple[str, int, int]] = []
+        views = []
+        for name, m in master.items():
+            flat = m.view(-1)
+            for a in range(0, flat.numel(), ADAM_CHUNK):
+                b = min(flat.numel(), a + ADAM_CHUNK)
+                self.chunks.append((name, a, b))
+                views.append(flat[a:b])
+        budget = 0
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            budget = torch.cuda.mem_get_info(dev)[0] - MASTER_HEADROOM - reserve
+        self.adam = KeptAdam(views, dev, budget)
+
+    def step(self, weights: dict[str, torch.Tensor], gen: torch.Generator, lr: float,
+             dev: torch.device) -> float:
+        """One Adam step on random gradients, the BF16 copy rounded again; the fraction of BF16 values
+        that changed."""
+        changed = torch.zeros((), dtype=torch.int64, device=dev)
+        total = 0
+
+        def grad(i: int) -> torch.Tensor:
+            _, a, b = self.chunks[i]
+            return torch.randn(b - a, generator=gen, device=dev, dtype=torch.float32)
+
+        for i, p in self.adam.step(lr, grad):
+            name, a, b = self.chunks[i]
+            w = weights[name].view(-1)[a:b]
+            new = p.to(w.dtype)
+            changed += (new.view(torch.int16) != w.view(torch.int16)).sum()
+            total += b - a
+            w.copy_(new)
+            del new
+        _sync(dev)
+        return int(changed) / total
+
+    def where(self) -> dict[str, Any]:
+        return {"moments_gpu_bytes": self.adam.gpu_bytes, "moments_host_bytes": self.adam.host_bytes}
+
+
+def adam_what(adam: str, steps: list[int]) -> str:
+    """The Adam mode and the step numbers of the timed pushes, as printed beside every figure."""
+    if adam == "first":
+        return "first step"
+    if not steps:
+        return "kept"
+    return f"kept {steps[0]}" if steps[0] == steps[-1] else f"kept {steps[0]}-{steps[-1]}"
+
+
 def model_config(model: str) -> dict[str, Any]:
     from scripts.bench_worker import CONFIGS
 
@@ -137,9 +209,11 @@ class Trainer:
     """fp32 masters, their BF16 copy (the pushed tensors), and one source per group (``delta-torch``: a
     delta source whose sender compares with torch ops)."""
 
-    def __init__(self, groups: dict[str, str], model: str) -> None:
+    def __init__(self, groups: dict[str, str], model: str, adam: str = "first", max_lr: float = 1e-5) -> None:
         self.dev = _device()
         self.master, self.weights = init_weights(model, self.dev)
+        self.adam, self.max_lr = adam, max_lr
+        self.kept: KeptAdamState | None = None  # made at the first step: after the sources' references
         self.srcs = {kind: ws.Source(group, rank=0, tensors=self.weights, timeout=300, delta=kind != "dense")
                      for kind, group in groups.items()}
         if "delta-torch" in self.srcs:
@@ -154,8 +228,27 @@ class Trainer:
             out["gpu"] = torch.cuda.get_device_name(0)
         return out
 
-    def adam_step(self, lr: float) -> dict[str, float]:
-        return {"changed_fraction": adam_step(self.master, self.weights, self.gen, lr, self.dev)}
+    def adam_step(self, lr: float, reset: bool = False) -> dict[str, Any]:
+        """One Adam step (``reset``: a fresh optimizer first, kept mode); its changed fraction, step
+        number and seconds, and where the kept moments live."""
+        t0 = time.perf_counter()
+        if self.adam == "first":
+            frac = adam_step(self.master, self.weights, self.gen, lr, self.dev)
+            return {"changed_fraction": frac, "step": 1, "step_s": time.perf_counter() - t0}
+        if self.kept is None:
+            # GPU memory left for the delta encodes: per delta source about 10 bytes (position, value) per
+            # changed word; Adam's first step changes 4.2% of the words at lr 1e-6, 25% at 1e-5: bounded
+            # by 5% per 1e-6 of the largest lr
+            words = sum(t.numel() for t in self.weights.values())
+            frac = min(1.0, 0.05 * self.max_lr / 1e-6)
+            reserve = int((len(self.srcs) - 1) * 10 * words * frac)
+            self.kept = KeptAdamState(self.master, self.dev, reserve)
+        elif reset:
+            self.kept.adam.reset()
+        t1 = time.perf_counter()
+        frac = self.kept.step(self.weights, self.gen, lr, self.dev)
+        return {"changed_fraction": frac, "step": self.kept.adam.steps, "step_s": time.perf_counter() - t1,
+                "setup_s": t1 - t0, **self.kept.where()}
 
     def push(self, kind: str, version: int) -> dict[str, Any]:
         _sync(self.dev)
@@ -284,7 +377,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         handles = [ws.Group.create(g, num_sources=1, num_destinations=1) for g in groups.values()]
         opts = {"num_gpus": 1, "num_cpus": 0} if cuda else {"num_cpus": 0}
         rollout = ray.remote(**opts)(Rollout).remote(groups, args.model, args.inbox)
-        trainer = ray.remote(**opts)(Trainer).remote(groups, args.model)
+        trainer = ray.remote(**opts)(Trainer).remote(groups, args.model, args.adam, max(args.lrs))
         actors = [trainer, rollout]
         info = ray.get(trainer.info.remote(), timeout=1200)
         bound, how = copy_bound_s(info["bytes"], cuda)
@@ -295,20 +388,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for kind in groups:  # first pushes: dense everywhere (no reference yet), and warm-up
             ray.get(trainer.push.remote(kind, version), timeout=1200)
         ray.get(rollout.wait.remote(version), timeout=600)
+        untimed = adam_untimed(args)
         for lr in args.lrs:
             rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
-            fractions = []
-            for n in range(args.warmup + args.steps):
-                fractions_step = ray.get(trainer.adam_step.remote(lr), timeout=1200)["changed_fraction"]
+            fractions, all_fractions, adam_steps, step_s = [], [], [], []
+            for n in range(untimed + args.steps):
+                # kept: a fresh optimizer per learning rate, so each one's timed pushes are its steps
+                # untimed + 1 on; every step (warm-up ones too) pushed to every group, dense and delta alike
+                st = ray.get(trainer.adam_step.remote(lr, n == 0), timeout=1200)
+                all_fractions.append(st["changed_fraction"])
+                step_s.append(st["step_s"])
+                if n == 0 and args.adam == "kept" and "moments_host_bytes" in st:
+                    print(f"  lr {lr:g}: Adam kept, moments {st['moments_gpu_bytes'] / 1e9:.1f} GB on the "
+                          f"trainer's GPU and {st['moments_host_bytes'] / 1e9:.1f} GB in host memory (set up "
+                          f"in {st['setup_s']:.1f} s); one step {st['step_s']:.2f} s", flush=True)
                 version += 1
                 deltas = [k for k in kinds if k != "dense"]
                 for kind in ["dense", *(deltas if n % 2 else deltas[::-1])]:
                     r = ray.get(trainer.push.remote(kind, version), timeout=1200)
-                    if n >= args.warmup:
+                    if n >= untimed:
                         rows[kind].append(r)
-                if n >= args.warmup:
-                    fractions.append(fractions_step)
+                if n >= untimed:
+                    fractions.append(st["changed_fraction"])
+                    adam_steps.append(st["step"])
                 ray.get(rollout.wait.remote(version), timeout=600)
+            print(f"  lr {lr:g}: Adam {args.adam}, {len(all_fractions)} steps changed "
+                  f"{', '.join(f'{x:.2%}' for x in all_fractions)} of BF16 values (timed: steps "
+                  f"{adam_steps}); one Adam step {_med(step_s):.2f} s (median)", flush=True)
             want = ray.get(trainer.digests.remote(), timeout=1200)
             for kind in groups:
                 got = ray.get(rollout.digests.remote(kind), timeout=1200)
@@ -319,8 +425,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             d = rows["dense"]
             for kind in kinds[1:]:
                 res = _summary(lr, kind, d, rows[kind], fractions, bound)
+                res.update(adam=args.adam, adam_steps=adam_steps, step_fractions=all_fractions,
+                           adam_step_s=_med(step_s))
                 results.append(res)
-                print(f"  lr {lr:g} {kind} ({res['path']} compare): {res['changed_fraction']:.2%} of BF16 "
+                print(f"  lr {lr:g} {kind} ({res['path']} compare, Adam {adam_what(args.adam, adam_steps)}): "
+                      f"{res['changed_fraction']:.2%} of BF16 "
                       f"values changed (push saw {res['push_changed_fraction']:.2%}); dense "
                       f"{res['dense_ms']:.2f} ms, delta {res['delta_ms']:.2f} ms "
                       f"({res['delta_over_dense']:.3f}x dense, {res['delta_over_bound']:.3f}x bound "
@@ -341,14 +450,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ray.shutdown()
     out = {"card": info.get("gpu", "CPU"), "device": args.device, "model": args.model,
            "model_bytes": info["bytes"], "steps": args.steps, "inbox": args.inbox, "ab": args.ab,
+           "adam": args.adam, "untimed_steps": untimed,
            "results": results,
            "date": time.strftime("%Y-%m-%d", time.gmtime())}
     goals = []
     for r in results:
         if cuda and abs(r["lr"] - 1e-6) < 1e-12:
             met = "met" if r["delta_over_dense"] <= 0.35 else "NOT met"
-            goals.append(f"goal: delta push <= 0.35x dense at lr 1e-6 ({r['kind']}, {r['path']} compare): "
-                         f"{r['delta_over_dense']:.3f}x ({met})")
+            goals.append(f"goal: delta push <= 0.35x dense at lr 1e-6 ({r['kind']}, {r['path']} compare, "
+                         f"Adam {adam_what(r['adam'], r['adam_steps'])}, {r['changed_fraction']:.2%} "
+                         f"changed): {r['delta_over_dense']:.3f}x ({met})")
         if not cuda:
             met = "met" if r["delta_over_dense"] <= 0.2 else "NOT met"
             goals.append(f"goal (CPU): delta >= 5x faster than dense at lr {r['lr']:g} ({r['kind']}): "
@@ -360,6 +471,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            f"--changed 0.01 0.02 0.05 --encode-gbs {r['encode_gbs']:.0f} "
                            f"--apply-gbs {r['apply_gbs']:.0f}")
     return out
+
+
+def adam_untimed(args: argparse.Namespace) -> int:
+    """Steps per learning rate pushed before the timed ones: --warmup, or with kept moments
+    --adam-warmup (at least one: the delta path's own warm-up)."""
+    return max(1, args.adam_warmup) if args.adam == "kept" else args.warmup
 
 
 def _delta_classes(path: str) -> tuple[Any, Any]:
@@ -437,23 +554,32 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
         version = 1
         for kind in kinds:
             push(kind, version)  # dense: no reference yet
+        untimed = adam_untimed(args)
+        kept = KeptAdamState(master, dev) if args.adam == "kept" else None
         for lr in args.lrs:
             rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
-            fractions = []
-            for n in range(args.warmup + args.steps):
-                frac = adam_step(master, weights, gen, lr, dev)
+            fractions, adam_steps = [], []
+            if kept is not None:
+                kept.adam.reset()  # a fresh optimizer per learning rate
+            for n in range(untimed + args.steps):
+                if kept is None:
+                    frac = adam_step(master, weights, gen, lr, dev)
+                else:
+                    frac = kept.step(weights, gen, lr, dev)
                 version += 1
                 for kind in (list(kinds) if n % 2 else list(kinds)[::-1]):
                     s = push(kind, version)
                     if not s.delta_destinations:
                         raise SystemExit(f"{kind} version {version} was not sent as a delta")
-                    if n >= args.warmup:
+                    if n >= untimed:
                         rows[kind].append({"push_s": s.seconds, "encode_s": s.encode_seconds,
                                            "apply_s": s.apply_seconds, "wire_bytes": s.wire_bytes})
-                if n >= args.warmup:
+                if n >= untimed:
                     fractions.append(frac)
+                    adam_steps.append(kept.adam.steps if kept is not None else 1)
             for kind, r in rows.items():
-                res = {"lr": lr, "kind": kind, "changed_fraction": _med(fractions),
+                res = {"lr": lr, "kind": kind, "changed_fraction": _med(fractions), "adam": args.adam,
+                       "adam_steps": adam_steps, "step_fractions": fractions,
                        "push_ms": _med([x["push_s"] for x in r]) * 1e3,
                        "encode_ms": _med([x["encode_s"] for x in r]) * 1e3,
                        "apply_ms": _med([x["apply_s"] for x in r]) * 1e3,
@@ -461,7 +587,8 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
                        "apply_all_ms": [round(x["apply_s"] * 1e3, 1) for x in r],
                        "wire_gb": _med([x["wire_bytes"] for x in r]) / 1e9, "dense_gb": nbytes / 1e9}
                 results.append(res)
-                print(f"  lr {lr:g} {kind}: {res['changed_fraction']:.2%} changed; push "
+                print(f"  lr {lr:g} {kind} (Adam {adam_what(args.adam, adam_steps)}): "
+                      f"{res['changed_fraction']:.2%} changed; push "
                       f"{res['push_ms']:.1f} ms, encode {res['encode_ms']:.1f} ms {res['encode_all_ms']}, "
                       f"apply {res['apply_ms']:.1f} ms {res['apply_all_ms']}; wire {res['wire_gb']:.4f} of "
                       f"{res['dense_gb']:.3f} GB (bytes checked)", flush=True)
@@ -472,7 +599,7 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
                     p.close()
             group.shutdown()
         ray.shutdown()
-    return {"micro": True, "device": str(dev), "model": args.model, "model_bytes": nbytes,
+    return {"micro": True, "device": str(dev), "model": args.model, "model_bytes": nbytes, "adam": args.adam,
             "steps": args.steps, "baseline": args.baseline, "results": results,
             "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -650,7 +777,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps per learning rate (default 5; cpu 3)")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per learning rate (--adam first)")
+    ap.add_argument("--adam", choices=["kept", "first"], default="kept",
+                    help="Adam's moments kept across steps like a trainer's optimizer (a fresh one per "
+                         "learning rate), or Adam's first step (fresh moments) every step, as before")
+    ap.add_argument("--adam-warmup", type=int, default=2,
+                    help="--adam kept: Adam steps per learning rate pushed untimed before the timed ones "
+                         "(which are then steps K+1 on)")
     ap.add_argument("--inbox", type=float, default=0.125,
                     help="the delta inbox, a fraction of the model bytes")
     ap.add_argument("--out", default="", help="write the JSON result here too")
@@ -681,6 +814,10 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
         return
+    if args.device == "cpu" and args.adam == "kept":
+        from scripts.bench_push import adam_self_check
+
+        print(adam_self_check(), flush=True)  # the kept-moment Adam against torch.optim.Adam, bitwise
     if args.micro:
         out = micro(args)
         print(json.dumps(out), flush=True)
@@ -692,10 +829,11 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(f"{out['card']}, {out['model']} ({out['model_bytes'] / 1e9:.3f} GB), 1 trainer -> 1 fused replica, "
           f"median of {out['steps']} steps, {out['date']}:")
-    print("  lr      group        path    changed   dense ms   delta ms  delta/dense  bound ms  encode ms "
-          " compare  finalize  finish  transfer  apply ms  wire GB")
+    print("  lr      group        path   adam         changed   dense ms   delta ms  delta/dense  bound ms  "
+          "encode ms  compare  finalize  finish  transfer  apply ms  wire GB")
     for r in out["results"]:
-        print(f"  {r['lr']:<7g} {r['kind']:<12} {r['path']:<6} {r['changed_fraction']:8.2%} "
+        print(f"  {r['lr']:<7g} {r['kind']:<12} {r['path']:<6} {adam_what(r['adam'], r['adam_steps']):<11} "
+              f"{r['changed_fraction']:8.2%} "
               f"{r['dense_ms']:10.2f} {r['delta_ms']:10.2f} {r['delta_over_dense']:11.3f}x "
               f"{r['bound_ms']:9.2f} "
               f"{r['encode_ms']:10.2f} {r['compare_ms']:8.2f} {r['finalize_ms']:9.2f} {r['finish_ms']:7.2f} "

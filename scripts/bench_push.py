@@ -1087,7 +1087,11 @@ def _adam_what(d: dict[str, Any]) -> str:
     steps = d.get("adam_steps") or []
     if d.get("adam", "first") == "first":
         return "Adam's first step (fresh moments) each push" + (" [fallback]" if d.get("adam_note") else "")
-    return f"Adam kept, steps {steps[0]}-{steps[-1]}" if steps else "Adam kept"
+    if not steps:
+        return "Adam kept"
+    if steps[0] == steps[-1]:
+        return f"Adam kept, step {steps[0]}"
+    return f"Adam kept, steps {steps[0]}-{steps[-1]}"
 
 
 def _size(n: float) -> str:
