@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """A relay chain at the engine level, without Ray or the runtime (docs/BENCHMARKS.md, "Relay over the
-emulated hosts"): when each chunk reaches the chain's head and when its tail. Four hosts of a
+emulated hosts"): when each chunk reaches the chain's head and when its tail. Hosts of a
 ``tests.support.netns.Cluster`` (``--nics`` NICs of ``--rate-mbit`` each, ``--queue-ms`` of tbf queue):
-two sources write ``--mib`` MiB in chunks of ``--chunk-mib`` into the head, alternating, each chunk with
-an immediate of its own; the head forwards every chunk to the tail as soon as its immediate arrives
-(``TransferEngine.forward``), as a relay member does. Printed per run: when the sources' writes completed
-(the head holds every byte), when the head and the tail had 1, n/8, n/4, n/2, 3n/4 and n chunks, and
-how long each chunk took from the head's immediate to the tail's. The store-and-forward model
-(``simulate_relay``) has the head receive at an even rate and each hop take one chunk's time. Needs root
-(namespaces) and iproute2; the namespaces are removed at exit.
+``--sources`` of them write ``--mib`` MiB in chunks of ``--chunk-mib`` into the head, taking turns, each
+chunk with an immediate of its own; the head forwards every chunk to the tail as soon as its immediate
+arrives (``TransferEngine.forward``), as a relay member does. Printed per run: when the sources' writes
+completed (the head holds every byte), when the head and the tail had 1, n/8, n/4, n/2, 3n/4 and n
+chunks, and how long each chunk took from the head's immediate to the tail's. The store-and-forward
+model (``simulate_relay``) has the head receive at an even rate and each hop take one chunk's time.
+Needs root (namespaces) and iproute2; the namespaces are removed at exit.
 
     sudo .venv/bin/python scripts/relay_arrivals.py --chunk-mib 0.25
 """
@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=16, help="MiB the sources push into the head")
     ap.add_argument("--chunk-mib", type=float, default=1.0, help="bytes per chunk (one write each), MiB")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--sources", type=int, default=2, help="hosts writing into the head")
+    ap.add_argument("--source-rate-mbit", type=int, default=None,
+                    help="the sources' NICs' rate (default --rate-mbit): below the head's share, its ingress "
+                         "queue stays empty")
     a = ap.parse_args(argv)
     why_not = netns.available()
     if why_not:
@@ -47,17 +51,19 @@ def main(argv: list[str] | None = None) -> int:
         print("--mib must be a whole number of chunks")
         return 2
     ok = True
-    with netns.Cluster(hosts=4, nics=a.nics, rate_mbit=a.rate_mbit, latency_ms=a.queue_ms, mgmt=False,
-                       prefix="wr") as c:
+    src_rate = a.source_rate_mbit or a.rate_mbit
+    rates = [[src_rate] * a.nics] * a.sources + [[a.rate_mbit] * a.nics] * 2
+    with netns.Cluster(hosts=a.sources + 2, nics=a.nics, rates_mbit=rates, latency_ms=a.queue_ms,
+                       mgmt=False, prefix="wr") as c:
         procs = [PeerProcess(netns=ns) for ns in c.names]
         try:
             addresses = [p.call("engine", nics=c.nic_names, stall_timeout=5.0) for p in procs]
-            sources, head, tail = procs[:2], procs[2], procs[3]
+            sources, head, tail = procs[:-2], procs[-2], procs[-1]
             src_regions = [s.call("alloc", size=size, seed=5)[0] for s in sources]
             h_id, h_desc = head.call("alloc", size=size)
             t_id, t_desc = tail.call("alloc", size=size)
-            to_head = [s.call("connect", address=addresses[2]) for s in sources]
-            to_tail = head.call("connect", address=addresses[3])
+            to_head = [s.call("connect", address=addresses[-2]) for s in sources]
+            to_tail = head.call("connect", address=addresses[-1])
             for run in range(a.runs):
                 base = 10000 * (run + 1)
                 # Every connection (data and control) is up before the clock starts.
