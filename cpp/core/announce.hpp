@@ -3,10 +3,12 @@
 // A fabric piece that carries an immediate is written in two steps: its bytes (an RMA write, or a
 // tagged message into a landing ring) posted without remote CQ data and completing only once placed at
 // the target (FI_DELIVERY_COMPLETE), then an *announce*: a small tagged message on a path to the same
-// peer whose remote CQ data is the immediate and whose payload names the piece. A piece the writer
-// retries (its acknowledgement lost with a link that died after it landed) sends its announce again
-// with the same name; the receiver counts a name once. So the counter gets each piece's immediate
-// exactly once, and only after its bytes are in place, whatever is retried on which NIC.
+// peer whose remote CQ data is the immediate and whose payload names the piece. Lanes with a control
+// queue (LaneCaps::control_queue: the tcp lane's second connection per path) send it there, so it does
+// not wait behind the data posted on the path after the piece; it needs no order with that data. A
+// piece the writer retries (its acknowledgement lost with a link that died after it landed) sends its
+// announce again with the same name; the receiver counts a name once. So the counter gets each piece's
+// immediate exactly once, and only after its bytes are in place, whatever is retried on which NIC.
 //
 // Wire format (every engine of this build; an engine whose NICs lack tagged messages or delivery
 // completion falls back to remote CQ data on the write itself, with no de-duplication):

@@ -53,6 +53,9 @@ struct LaneCaps {
   bool orders_writes = false;     // writes on one path are placed at the target in posting order
   bool local_copies = false;      // copies between this process's host and device memory (LocalCopies)
   bool unlimited_window = false;  // queues work on hardware of its own: no byte window needed
+  bool control_queue = false;     // sends control messages (WriteRequest::control: announces) on a queue
+                                  // of their own per path, so they never wait behind data posted there
+                                  // before them; else they share the data's queue (and wait for it)
 };
 
 // A 2-D write: `rows` rows of WriteRequest::len bytes, `src_pitch`/`dst_pitch` apart (lanes with
@@ -92,6 +95,9 @@ struct WriteRequest {
   // Local completion only after the bytes are placed in the target's memory (FI_DELIVERY_COMPLETE),
   // not merely sent: the engine needs it where another write's immediate announces these bytes.
   bool delivery_complete = false;
+  // A small control message (an announce: a tagged send whose bytes were placed already): lanes with
+  // LaneCaps::control_queue send it on the path's control queue, not behind the data posted on the path.
+  bool control = false;
   RowGeometry geometry;
   MappedTarget mapped;
   TaggedSend tagged;
@@ -164,7 +170,7 @@ class Lane {
     (void)peer;
     return false;
   }
-  // Ends the path's connection for good, abortively (zero linger: the kernel drops what it still holds
+  // Ends the path's connection (both, where the lane has a control queue of its own) for good, abortively (zero linger: the kernel drops what it still holds
   // and resets the connection, where a graceful close would go on delivering it, possibly after a retry
   // and after later writes to the same place), and closes the endpoint the lane has for it, so the
   // provider hands back every write still posted on it (error completions, found by the next poll).

@@ -978,6 +978,9 @@ bool LaneWorker::build_announce(Piece* p, WriteRequest& req) {
   req.has_imm = true;
   req.imm = p->imm;
   req.delivery_complete = true;  // lost with a connection, it is sent again (and counted once)
+  // Its bytes are placed already: nothing orders it after the data posted since, so where the lane has
+  // a control queue it goes there instead of waiting behind that data (LaneCaps::control_queue).
+  req.control = true;
   if (landing) name.span = p->announce_span;
   name.write(buf);
   req.tagged = TaggedSend{true, landing ? Engine::landing_announce_tag(p->dst->landing, p->dst_off) : kAnnounceTag};

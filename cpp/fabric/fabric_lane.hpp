@@ -1,5 +1,15 @@
 // The fabric lane, one per NIC: libfabric RDM, FI_RMA writes with remote CQ data (fi_writedata). The same code runs on EFA,
 // on verbs;ofi_rxm and on tcp;ofi_rxm; everything provider-specific is read from fi_info and honoured.
+//
+// No control queue (LaneCaps::control_queue is false): an announce (WriteRequest::control) goes on the
+// one RDM endpoint like the data, so on tcp;ofi_rxm and verbs;ofi_rxm (one connection or queue pair per
+// peer pair) it waits behind every byte posted to that peer before it, and an immediate arrives with
+// the last of them (docs/BENCHMARKS.md, "Relay over the emulated hosts"). A second RDM endpoint per NIC
+// would give it a queue of its own, at the price of a second address per NIC in the engine's address,
+// announce receives posted on the second endpoint as well, and this lane's close/abort/knock handling
+// of connections doubled, for a lane kept for RDMA NICs, where the default tcp lane does not run. Not
+// done: on this lane a relay's next hop learns of a chunk only once everything posted before its
+// announce has gone.
 #pragma once
 
 #include <rdma/fabric.h>

@@ -211,9 +211,11 @@ void FabricMsgLane::close_all() {
   // shared receive context, the listener, and the objects they were bound to.
   for (auto& [h, c] : conns_) {
     if (c.ep) fi_close(&c.ep->fid);
+    if (c.ctl_ep) fi_close(&c.ctl_ep->fid);
     c.ep = nullptr;
+    c.ctl_ep = nullptr;
   }
-  for (fid_t f : accepted_) fi_close(f);
+  for (auto& [f, who] : accepted_) fi_close(f);
   accepted_.clear();
   conn_by_fid_.clear();
   if (srx_) fi_close(&srx_->fid);
@@ -292,6 +294,7 @@ uint64_t FabricMsgLane::insert_peer(const std::string& address) {
   // Connected lazily, on the first post (as rxm does): a peer nobody writes to costs no connection.
   const uint64_t handle = next_handle_++;
   conns_[handle].address = address;
+  conns_[handle].handle = handle;
   return handle;
 }
 
@@ -304,24 +307,31 @@ void FabricMsgLane::close_ep(fid_ep* ep) {
 }
 
 void FabricMsgLane::drop_conn(Conn& c, Conn::State state, int error, int queued_error, const std::string& why) {
+  // Both connections of the path: a control connection never outlives its data connection (nor the
+  // other way round), so a path is failed, reset or reconnected as one.
   close_ep(c.ep);
+  close_ep(c.ctl_ep);
   c.ep = nullptr;
+  c.ctl_ep = nullptr;
   c.state = state;
+  c.ctl_state = Conn::kCtlNone;
   c.error = error;
-  for (const WriteRequest& req : c.queued) {
-    Completion f;
-    f.kind = Completion::kLocalError;
-    f.context = req.context;
-    f.error = queued_error;
-    f.message = error_string(queued_error) + " (" + why + ")";
-    failed_.push_back(std::move(f));
+  for (auto* queue : {&c.queued, &c.ctl_queued}) {
+    for (const WriteRequest& req : *queue) {
+      Completion f;
+      f.kind = Completion::kLocalError;
+      f.context = req.context;
+      f.error = queued_error;
+      f.message = error_string(queued_error) + " (" + why + ")";
+      failed_.push_back(std::move(f));
+    }
+    queue->clear();
   }
-  c.queued.clear();
 }
 
 void FabricMsgLane::flush_queued(Conn& c) {
   while (c.state == Conn::kUp && !c.queued.empty()) {
-    const ssize_t rc = post_on(c.ep, c.queued.front());
+    const ssize_t rc = post_up(c, c.queued.front());
     if (rc == -FI_EAGAIN) return;  // the provider's queue is full: the rest go with the next poll
     if (rc != 0) {
       Completion f;
@@ -332,6 +342,58 @@ void FabricMsgLane::flush_queued(Conn& c) {
       failed_.push_back(std::move(f));
     }
     c.queued.pop_front();
+  }
+}
+
+ssize_t FabricMsgLane::post_up(Conn& c, const WriteRequest& req) {
+  if (!req.control) return post_on(c.ep, req);
+  if (c.ctl_state == Conn::kCtlNone) {
+    const int rc = start_control_connect(c);
+    if (rc != 0) return rc;
+  }
+  if (c.ctl_state == Conn::kCtlUp && c.ctl_queued.empty()) return post_on(c.ctl_ep, req);
+  if (c.ctl_queued.size() >= tx_size_) return -FI_EAGAIN;
+  c.ctl_queued.push_back(req);  // sent in order once the control connection is up (or failed with it)
+  return 0;
+}
+
+int FabricMsgLane::start_control_connect(Conn& c) {
+  std::string sa;
+  std::array<uint8_t, 16> server_id{};
+  split_address(c.address, &sa, &server_id);  // checked by insert_peer
+  fid_ep* ep = nullptr;
+  int rc = open_endpoint(info_, &ep);
+  if (rc == 0) {
+    // The same proof as the data connection's, flagged: the server takes it only beside that one.
+    c.ctl_request = auth_.make_request(0, lane_id_, server_id, sa, ConnRequest::kControlConn);
+    const std::string data = c.ctl_request.pack();
+    rc = fi_connect(ep, sa.data(), data.data(), data.size());
+  }
+  if (rc != 0) {
+    if (ep) fi_close(&ep->fid);
+    log_warning("tcp NIC " + domain_ + ": opening the control connection to " + describe_address(c.address) +
+                " failed: " + fi_error(rc));
+    return rc < 0 ? rc : -rc;
+  }
+  c.ctl_ep = ep;
+  c.ctl_state = Conn::kCtlConnecting;
+  conn_by_fid_[&ep->fid] = c.handle;
+  return 0;
+}
+
+void FabricMsgLane::flush_control(Conn& c) {
+  while (c.ctl_state == Conn::kCtlUp && !c.ctl_queued.empty()) {
+    const ssize_t rc = post_on(c.ctl_ep, c.ctl_queued.front());
+    if (rc == -FI_EAGAIN) return;
+    if (rc != 0) {
+      Completion f;
+      f.kind = Completion::kLocalError;
+      f.context = c.ctl_queued.front().context;
+      f.error = static_cast<int>(rc < 0 ? -rc : rc);
+      f.message = "posting a control message queued while connecting failed: " + fi_error(static_cast<int>(rc));
+      failed_.push_back(std::move(f));
+    }
+    c.ctl_queued.pop_front();
   }
 }
 
@@ -391,6 +453,13 @@ void FabricMsgLane::refuse(fi_info* info, AuthRefusal why) {
   if (rc != 0) log_warning("tcp NIC " + domain_ + ": fi_reject failed: " + fi_error(rc));
 }
 
+bool FabricMsgLane::has_data_conn(const std::array<uint8_t, 16>& client_id) const {
+  for (const auto& [f, who] : accepted_) {
+    if (!who.control && who.client_id == client_id) return true;
+  }
+  return false;
+}
+
 void FabricMsgLane::on_connreq(fi_eq_cm_entry* entry, size_t len) {
   fi_info* info = entry->info;
   ConnRequest req;
@@ -399,6 +468,10 @@ void FabricMsgLane::on_connreq(fi_eq_cm_entry* entry, size_t len) {
     refuse(info, AuthRefusal::kMalformed);
   } else if (const int why = auth_.check_request(req, lane_id_, listen_addr_); why != 0) {
     refuse(info, static_cast<AuthRefusal>(why));
+  } else if ((req.flags & ConnRequest::kControlConn) != 0 && !has_data_conn(req.client_id)) {
+    // A control connection comes only beside a data connection of the same (authenticated) client,
+    // which that client makes first: alone it is nobody's path.
+    refuse(info, AuthRefusal::kNoDataConn);
   } else {
     // Authenticated: only now does the peer get an endpoint, bound to the shared receives.
     fid_ep* ep = nullptr;
@@ -415,10 +488,58 @@ void FabricMsgLane::on_connreq(fi_eq_cm_entry* entry, size_t len) {
         log_warning("tcp NIC " + domain_ + ": fi_reject after a failed accept failed too");
       }
     } else {
-      accepted_.insert(&ep->fid);
+      accepted_[&ep->fid] = Accepted{req.client_id, (req.flags & ConnRequest::kControlConn) != 0};
     }
   }
   fi_freeinfo(info);
+}
+
+void FabricMsgLane::on_connect_error(Conn& c, bool control, const fi_eq_err_entry& err) {
+  const char* which = control ? "control connection" : "connection";
+  const int reason = err.err == FI_ECONNREFUSED && err.err_data_size > 0
+                         ? static_cast<const uint8_t*>(err.err_data)[0]
+                         : -1;
+  if (reason == static_cast<int>(AuthRefusal::kNoDataConn)) {
+    // Our data connection is gone at the server's end already (its shutdown not yet seen here): the
+    // path connects afresh, both connections.
+    drop_conn(c, Conn::kIdle, 0, FI_ECONNABORTED, "the peer had no data connection of ours");
+    c.since = Clock::now() + kReconnectPause;
+  } else if (reason >= 0) {
+    // The server answered with reject data: it refused our proof (a different key or a clock too far
+    // off). Trying again cannot help; the path fails with it.
+    log_warning("tcp NIC " + domain_ + ": " + describe_address(c.address) + " refused our " + which +
+                " request (reason " + std::to_string(reason) +
+                ": is it in another group, or was it given another engine key?)");
+    drop_conn(c, Conn::kFailed, FI_EACCES, FI_EACCES, "the peer refused our connection request");
+  } else {
+    // Nobody listening (any more), or the network: the writes waiting for this path fail (the path
+    // with them); posts are refused for a moment, then a new connection is tried.
+    const int why = err.err ? err.err : FI_ECONNREFUSED;
+    drop_conn(c, Conn::kIdle, 0, why, std::string("connecting the ") + which + " to " +
+                                           describe_address(c.address) + " failed");
+    c.since = Clock::now() + kReconnectPause;
+  }
+}
+
+void FabricMsgLane::on_connected(Conn& c, bool control, const fi_eq_cm_entry* entry, size_t len) {
+  std::string sa;
+  std::array<uint8_t, 16> server_id{};
+  split_address(c.address, &sa, &server_id);
+  const size_t data_len = len > sizeof(fi_eq_cm_entry) ? len - sizeof(fi_eq_cm_entry) : 0;
+  if (!auth_.check_server_proof(control ? c.ctl_request : c.request, server_id, entry->data, data_len)) {
+    // Whoever listens there now is not the engine we were given (or has another key): write nothing.
+    log_warning("tcp NIC " + domain_ + ": " + describe_address(c.address) +
+                " accepted our connection without proving the engine key; dropped it");
+    drop_conn(c, Conn::kFailed, FI_EACCES, FI_EACCES, "the listener did not prove the engine key");
+    return;
+  }
+  if (control) {
+    c.ctl_state = Conn::kCtlUp;
+    flush_control(c);
+  } else {
+    c.state = Conn::kUp;
+    flush_queued(c);
+  }
 }
 
 void FabricMsgLane::progress_cm() {
@@ -433,27 +554,10 @@ void FabricMsgLane::progress_cm() {
       auto it = err.fid ? conn_by_fid_.find(err.fid) : conn_by_fid_.end();
       if (it != conn_by_fid_.end()) {
         Conn& c = conns_[it->second];
-        if (err.err == FI_ECONNREFUSED && err.err_data_size > 0) {
-          // The server answered with reject data: it refused our proof (a different key or a clock too
-          // far off). Trying again cannot help; the path fails with it.
-          log_warning("tcp NIC " + domain_ + ": " + describe_address(c.address) +
-                      " refused our connection request (reason " +
-                      std::to_string(static_cast<const uint8_t*>(err.err_data)[0]) +
-                      ": is it in another group, or was it given another engine key?)");
-          drop_conn(c, Conn::kFailed, FI_EACCES, FI_EACCES, "the peer refused our connection request");
-        } else {
-          // Nobody listening (any more), or the network: the writes waiting for this connection fail
-          // (the path with them); posts are refused for a moment, then a new connection is tried.
-          const int why = err.err ? err.err : FI_ECONNREFUSED;
-          drop_conn(c, Conn::kIdle, 0, why, "connecting to " + describe_address(c.address) + " failed");
-          c.since = Clock::now() + kReconnectPause;
-        }
+        on_connect_error(c, c.ctl_ep != nullptr && err.fid == &c.ctl_ep->fid, err);
         continue;
       }
-      if (err.fid && accepted_.count(err.fid)) {
-        accepted_.erase(err.fid);
-        fi_close(err.fid);
-      }
+      if (err.fid && accepted_.erase(err.fid)) fi_close(err.fid);
       continue;
     }
     if (n < 0) {
@@ -468,24 +572,13 @@ void FabricMsgLane::progress_cm() {
       auto it = conn_by_fid_.find(entry->fid);
       if (it == conn_by_fid_.end()) continue;  // one we accepted: nothing to do until it ends
       Conn& c = conns_[it->second];
-      std::string sa;
-      std::array<uint8_t, 16> server_id{};
-      split_address(c.address, &sa, &server_id);
-      const size_t data_len = len > sizeof(fi_eq_cm_entry) ? len - sizeof(fi_eq_cm_entry) : 0;
-      if (!auth_.check_server_proof(c.request, server_id, entry->data, data_len)) {
-        // Whoever listens there now is not the engine we were given (or has another key): write nothing.
-        log_warning("tcp NIC " + domain_ + ": " + describe_address(c.address) +
-                    " accepted our connection without proving the engine key; dropped it");
-        drop_conn(c, Conn::kFailed, FI_EACCES, FI_EACCES, "the listener did not prove the engine key");
-        continue;
-      }
-      c.state = Conn::kUp;
-      flush_queued(c);
+      on_connected(c, c.ctl_ep != nullptr && entry->fid == &c.ctl_ep->fid, entry, len);
     } else if (event == FI_SHUTDOWN) {
       auto it = conn_by_fid_.find(entry->fid);
       if (it != conn_by_fid_.end()) {
-        // Our connection ended (the peer closed, or abort_path reset it): its queued writes were
-        // already flushed as errors; the next post connects again.
+        // One of our connections ended (the peer closed, or abort_path reset it): its queued writes were
+        // already flushed as errors; the path's other connection goes with it; the next post connects
+        // again.
         Conn& c = conns_[it->second];
         drop_conn(c, Conn::kIdle, 0);
         c.since = Clock::time_point{};
@@ -527,7 +620,7 @@ int FabricMsgLane::post_write(const WriteRequest& req) {
       return 0;
     }
   }
-  const ssize_t rc = post_on(c.ep, req);
+  const ssize_t rc = post_up(c, req);
   if (rc == -FI_EAGAIN) return -EAGAIN;
   return static_cast<int>(rc);
 }
@@ -577,6 +670,7 @@ size_t FabricMsgLane::poll(std::vector<Completion>& out, size_t max) {
   progress_cm();
   for (auto& [handle, conn] : conns_) {
     if (!conn.queued.empty()) flush_queued(conn);
+    if (!conn.ctl_queued.empty()) flush_control(conn);
   }
   size_t got = 0;
   // Writes that failed before reaching the provider (their connection was refused or dropped).
@@ -685,13 +779,20 @@ std::string FabricMsgLane::error_string(int err) const {
 }
 
 std::vector<int> FabricMsgLane::conn_sockets(const Conn& c) const {
+  // Both connections of the path, where up: the provider keeps its sockets private, so they are found
+  // among the process's descriptors by each endpoint's exact local and peer addresses.
+  struct Ends {
+    char local[128], remote[128];
+    size_t llen = sizeof(local), rlen = sizeof(remote);
+  };
+  std::vector<Ends> ends;
+  for (fid_ep* ep : {c.state == Conn::kUp ? c.ep : nullptr, c.ctl_state == Conn::kCtlUp ? c.ctl_ep : nullptr}) {
+    if (ep == nullptr) continue;
+    Ends e;
+    if (fi_getname(&ep->fid, e.local, &e.llen) == 0 && fi_getpeer(ep, e.remote, &e.rlen) == 0) ends.push_back(e);
+  }
   std::vector<int> out;
-  if (c.ep == nullptr || c.state != Conn::kUp) return out;
-  // The provider keeps its socket private: found among the process's descriptors by the endpoint's
-  // exact local and peer addresses.
-  char local[128], remote[128];
-  size_t llen = sizeof(local), rlen = sizeof(remote);
-  if (fi_getname(&c.ep->fid, local, &llen) != 0 || fi_getpeer(c.ep, remote, &rlen) != 0) return out;
+  if (ends.empty()) return out;
   DIR* dir = opendir("/proc/self/fd");
   if (dir == nullptr) return out;
   const int dir_fd = dirfd(dir);
@@ -704,8 +805,11 @@ std::vector<int> FabricMsgLane::conn_sockets(const Conn& c) const {
     if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&a), &len) != 0) continue;
     len = sizeof(b);
     if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&b), &len) != 0) continue;
-    if (same_socket_address(a, local, llen) && same_socket_address(b, remote, rlen)) {
-      out.push_back(static_cast<int>(fd));
+    for (const Ends& x : ends) {
+      if (same_socket_address(a, x.local, x.llen) && same_socket_address(b, x.remote, x.rlen)) {
+        out.push_back(static_cast<int>(fd));
+        break;
+      }
     }
   }
   closedir(dir);
@@ -743,7 +847,7 @@ bool FabricMsgLane::abort_path(uint64_t peer) {
     return true;
   }
   bool aborted = false;
-  for (int fd : conn_sockets(it->second)) {
+  for (int fd : conn_sockets(it->second)) {  // data and control connection alike
     // As on the RDM lane: a reset instead of a graceful close drops what the kernel still holds, and
     // the provider's next use of the socket fails the writes posted on it. Unlike rxm, a peer that
     // missed the reset needs no knock: our next connection is a new request, not a duplicate.
@@ -762,8 +866,8 @@ bool FabricMsgLane::close_path(uint64_t& peer) {
   auto it = conns_.find(peer);
   if (it == conns_.end()) return false;
   Conn& c = it->second;
-  // A zero linger on its socket first (where abort_path has not disconnected it already): closing the
-  // endpoint then resets the connection and the kernel drops what it still held instead of sending it
+  // A zero linger on its sockets first, data and control (where abort_path has not disconnected them
+  // already): closing the endpoints then resets the connections and the kernel drops what it still held instead of sending it
   // after link-up. The provider fails every write still posted on the endpoint as it closes it (errors
   // in the CQ, which outlives it); the same handle connects afresh on the next post.
   for (int fd : conn_sockets(c)) {
@@ -785,6 +889,7 @@ LaneCaps FabricMsgLane::caps() const {
   c.orders_sends = (info_->tx_attr->msg_order & FI_ORDER_SAS) != 0;
   c.delivery_complete = delivery_complete_;
   c.orders_writes = (info_->tx_attr->msg_order & FI_ORDER_WAW) != 0;
+  c.control_queue = true;  // announces on each path's control connection
   return c;
 }
 

@@ -9,6 +9,16 @@
 //
 // Landing messages: tcp MSG endpoints offer tagged messages with a shared receive context. The ring's
 // receives are posted there, and only accepted (authenticated) endpoints are bound to it.
+//
+// Control connections (LaneCaps::control_queue): a path is two connections, one for data and one for
+// announces. An announce goes only after its piece's bytes were placed (delivery complete), so it needs
+// no order with the data; on the data connection it would wait behind every byte posted there after the
+// piece (a relay's next hop then learns of its chunks only when the whole transfer is in). The control
+// connection is made once the data connection is up, with a request authenticated exactly as the data
+// connection's (same key, nonce, time window and server proof) and flagged ConnRequest::kControlConn
+// (covered by the proof); the server accepts it only from a client with a data connection accepted here
+// already, else refuses it (AuthRefusal::kNoDataConn). The two live and die together: whatever ends or
+// fails one (a refusal, a shutdown, reset_path, close_path) closes both and fails what both held.
 #pragma once
 
 #include <rdma/fabric.h>
@@ -76,8 +86,9 @@ class FabricMsgLane final : public Lane {
   std::string error_string(int err) const override;
 
  private:
-  // One connection we write over (a peer handle from insert_peer).
+  // One connection we write over (a peer handle from insert_peer), and its control connection.
   struct Conn {
+    uint64_t handle = 0;  // its key in conns_
     std::string address;  // the peer lane's address: its listening sockaddr, then its 16-byte lane id
     fid_ep* ep = nullptr;
     enum State { kIdle, kConnecting, kUp, kFailed } state = kIdle;
@@ -87,6 +98,17 @@ class FabricMsgLane final : public Lane {
     // Writes posted while the connection is being made, posted in order once it is up, or failed with
     // it (as rxm defers them): a post never waits for a connection, and a probe is not lost to one.
     std::deque<WriteRequest> queued;
+    // The control connection (WriteRequest::control: announces), made on the first control message once
+    // the data connection is up; ended with it (drop_conn).
+    fid_ep* ctl_ep = nullptr;
+    enum CtlState { kCtlNone, kCtlConnecting, kCtlUp } ctl_state = kCtlNone;
+    ConnRequest ctl_request;  // kCtlConnecting: what was sent
+    std::deque<WriteRequest> ctl_queued;  // control messages posted before it was up, sent in order then
+  };
+  // An endpoint we accepted: whose (the client's authenticated lane id), and which of its connections.
+  struct Accepted {
+    std::array<uint8_t, 16> client_id{};
+    bool control = false;
   };
   void progress_cm();
   void on_connreq(fi_eq_cm_entry* entry, size_t len);
@@ -102,6 +124,16 @@ class FabricMsgLane final : public Lane {
                  const std::string& why = "connection closed before it was made");
   // Posts the writes queued while connecting, in order, until done or the provider refuses (EAGAIN).
   void flush_queued(Conn& c);
+  // Where a request goes once the data connection is up: control messages to the control connection
+  // (connecting it first, holding them meanwhile), the rest to the data endpoint. 0, -FI_EAGAIN or an
+  // FI error for this request alone (the connections stay as they are).
+  ssize_t post_up(Conn& c, const WriteRequest& req);
+  int start_control_connect(Conn& c);
+  void flush_control(Conn& c);
+  // Events of our connections (data or control endpoint `fid` of `c`).
+  void on_connect_error(Conn& c, bool control, const fi_eq_err_entry& err);
+  void on_connected(Conn& c, bool control, const fi_eq_cm_entry* entry, size_t len);
+  bool has_data_conn(const std::array<uint8_t, 16>& client_id) const;
   ssize_t post_on(fid_ep* ep, const WriteRequest& req);
   void close_ep(fid_ep* ep);
   std::vector<int> conn_sockets(const Conn& c) const;
@@ -127,7 +159,7 @@ class FabricMsgLane final : public Lane {
   size_t cm_data_size_ = 0;
   std::unordered_map<uint64_t, Conn> conns_;          // by peer handle
   std::unordered_map<fid_t, uint64_t> conn_by_fid_;   // our connecting/connected endpoints
-  std::unordered_set<fid_t> accepted_;                // endpoints we accepted (authenticated peers)
+  std::unordered_map<fid_t, Accepted> accepted_;      // endpoints we accepted (authenticated peers)
   uint64_t next_handle_ = 1;
   std::atomic<uint64_t> refused_{0};  // connection requests refused (read from other threads: stats)
   std::unordered_set<void*> posted_recvs_;

@@ -109,6 +109,7 @@ const char* refusal_name(AuthRefusal r) {
     case AuthRefusal::kReplayed: return "replayed nonce";
     case AuthRefusal::kBadProof: return "wrong key proof";
     case AuthRefusal::kBusy: return "replay cache full";
+    case AuthRefusal::kNoDataConn: return "control connection without a data connection";
   }
   return "unknown";
 }
@@ -135,8 +136,9 @@ std::array<uint8_t, 16> PeerAuth::mac_c2s(const ConnRequest& req, const std::arr
 
 ConnRequest PeerAuth::make_request(uint16_t nic, const std::array<uint8_t, 16>& client_id,
                                    const std::array<uint8_t, 16>& server_id,
-                                   const std::string& server_addr) const {
+                                   const std::string& server_addr, uint8_t flags) const {
   ConnRequest req;
+  req.flags = flags;
   req.nic = nic;
   req.unix_time = unix_now();
   req.client_id = client_id;
@@ -147,7 +149,9 @@ ConnRequest PeerAuth::make_request(uint16_t nic, const std::array<uint8_t, 16>& 
 
 int PeerAuth::check_request(const ConnRequest& req, const std::array<uint8_t, 16>& server_id,
                             const std::string& server_addr) {
-  if (req.version != ConnRequest::kVersion) return int(AuthRefusal::kMalformed);
+  if (req.version != ConnRequest::kVersion || (req.flags & ~ConnRequest::kKnownFlags) != 0) {
+    return int(AuthRefusal::kMalformed);
+  }
   const int64_t skew = int64_t(unix_now()) - int64_t(req.unix_time);
   if (skew > kWindowS || skew < -kWindowS) return int(AuthRefusal::kStale);
   const auto expected = mac_c2s(req, server_id, server_addr);

@@ -18,6 +18,10 @@ namespace weightsync {
 struct ConnRequest {
   static constexpr size_t kSize = 56;
   static constexpr uint8_t kVersion = 1;
+  // flags: the connection carries a path's control messages (announces) beside its data connection
+  // (fabric/msg_lane.hpp). Covered by the proof like every other field; other bits are refused.
+  static constexpr uint8_t kControlConn = 1;
+  static constexpr uint8_t kKnownFlags = kControlConn;
   uint8_t version = kVersion;
   uint8_t flags = 0;
   uint16_t nic = 0;
@@ -30,7 +34,11 @@ struct ConnRequest {
 };
 
 // Why a connection request was refused (the one byte of reject data, and the per-reason counters).
-enum class AuthRefusal : uint8_t { kMalformed = 1, kStale = 2, kReplayed = 3, kBadProof = 4, kBusy = 5 };
+// kNoDataConn: a control connection (ConnRequest::kControlConn) whose client has no data connection here:
+// a control connection only ever accompanies an accepted data connection of the same client.
+enum class AuthRefusal : uint8_t {
+  kMalformed = 1, kStale = 2, kReplayed = 3, kBadProof = 4, kBusy = 5, kNoDataConn = 6
+};
 const char* refusal_name(AuthRefusal r);
 
 class PeerAuth {
@@ -44,7 +52,8 @@ class PeerAuth {
 
   // Client: the request for a connection to the server whose lane id and listening address are given.
   ConnRequest make_request(uint16_t nic, const std::array<uint8_t, 16>& client_id,
-                           const std::array<uint8_t, 16>& server_id, const std::string& server_addr) const;
+                           const std::array<uint8_t, 16>& server_id, const std::string& server_addr,
+                           uint8_t flags = 0) const;
   // Server: 0 when `req` proves the key for this server (and is fresh and not seen before), else why not.
   // Remembers the nonce of an accepted request.
   int check_request(const ConnRequest& req, const std::array<uint8_t, 16>& server_id,

@@ -77,6 +77,57 @@ def test_whole_pieces_split_a_peers_bytes_evenly_over_its_nics(hosts) -> None:
     assert min(per_nic) > 0.4 * pairs * stride, per_nic
 
 
+@pytest.fixture()
+def slow_hosts():
+    """Two NICs of 50 Mbit/s each: 1 MiB takes about 84 ms per NIC, so queueing shows in hundreds of ms."""
+    with netns.TwoHosts(nics=2, rate_mbit=50) as h:
+        src = PeerProcess(netns=h.a)
+        dst = PeerProcess(netns=h.b)
+        try:
+            src.call("engine", nics=h.nic_names, stall_timeout=5.0)
+            dst_addr = dst.call("engine", nics=h.nic_names, stall_timeout=5.0)
+            src.peer = src.call("connect", address=dst_addr)
+            yield h, src, dst
+        finally:
+            src.kill()
+            dst.kill()
+
+
+def test_immediates_arrive_as_their_writes_land_not_behind_later_data(slow_hosts) -> None:
+    """A write's immediate goes as an announce once its bytes are placed. On the connection that carries
+    the data it waited behind every byte posted there after them: 24 writes of 1 MiB submitted together
+    (2 s of bytes at 2 x 50 Mbit/s) had all their immediates arrive with the last byte. On the path's
+    control connection (LaneCaps::control_queue) the first arrives while most bytes are still on their
+    way, and each write's bytes are in place when its immediate is counted."""
+    h, src, dst = slow_hosts
+    n = 24
+    s_id, _ = src.call("alloc", size=n * MiB, seed=26)
+    d_id, d_desc = dst.call("alloc", size=n * MiB)
+    warm = src.call("write_async", region=s_id, src_off=0, peer=src.peer, descriptor=d_desc, dst_off=0,
+                    size=4 * MiB, imm=7)  # both paths connected (data and control) before the clock starts
+    src.call("wait", transfer=warm, timeout=60)
+    dst.call("counter_wait", imm=7, n=1, timeout=60)
+    dst.call("poison", region=d_id, off=0, size=n * MiB)
+    want = random_bytes(n * MiB, 26)
+    watches = [dst.call("digest_watch", imm=300 + k, n=1, region=d_id, off=k * MiB, size=MiB, timeout=60)
+               for k in range(n)]
+    start = time.monotonic()
+    transfers = [src.call("write_async", region=s_id, src_off=k * MiB, peer=src.peer, descriptor=d_desc,
+                          dst_off=k * MiB, size=MiB, imm=300 + k) for k in range(n)]
+    for t in transfers:
+        src.call("wait", transfer=t, timeout=60)
+    arrived = []
+    for k, key in enumerate(watches):
+        at, got = dst.call("joined", key=key, timeout=60)
+        assert got == digest(want[k * MiB : (k + 1) * MiB]), f"write {k}: immediate before its bytes"
+        arrived.append(at - start)
+    assert dst.call("digest", region=d_id, off=0, size=n * MiB) == digest(want)
+    link_s = n * MiB * 8 / (sum(h.rates_mbit) * 1e6)  # the last byte cannot arrive sooner
+    print(f"immediates arrived at {' '.join(f'{a:.2f}' for a in arrived)} s; the bytes take {link_s:.2f} s")
+    assert max(arrived) > 0.8 * link_s, "the links were not as slow as set: the test shows nothing"
+    assert arrived[0] < 0.4 * link_s, arrived  # write 0's bytes need 1/24 of it
+
+
 def test_link_down_mid_transfer_still_delivers(hosts) -> None:
     h, src, dst = hosts
     size = 96 * MiB

@@ -30,6 +30,8 @@ def test_lane_types_and_fabric_capabilities() -> None:
             assert caps.is_nic and caps.writes_host and caps.rma_keys and caps.own_imm
             assert not caps.maps_remote and not caps.local_copies and not caps.unlimited_window
             assert caps.tagged  # tcp;ofi_rxm sends tagged messages (landing regions rely on it)
+            # Announces on a connection of their own per path: the tcp lane's; rxm's share the data's.
+            assert caps.control_queue == (eng.provider == "tcp")
         # The 2-D mode follows from the NICs' capabilities.
         caps = lanes[0][1]
         expected = "delivery" if caps.delivery_complete else "ordered" if caps.orders_writes else ""

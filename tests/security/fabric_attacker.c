@@ -3,7 +3,8 @@
    MSG endpoint carrying connection data of its own making, and, should it be let in, writes into the
    region with an immediate. Prints one line per step; exit status 0 whatever happened (the test judges).
 
-   usage: fabric_attacker HOST PORT REMOTE_ADDR KEY IMM MODE      MODE: crafted | empty | junk */
+   usage: fabric_attacker HOST PORT REMOTE_ADDR KEY IMM MODE      MODE: crafted | empty | junk | HEX
+   HEX: the connection data given as 112 hex digits (a request made by the test itself). */
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -72,6 +73,15 @@ int main(int argc, char** argv) {
     data[4] = now >> 24, data[5] = now >> 16, data[6] = now >> 8, data[7] = now;
   } else if (strcmp(mode, "empty") == 0) {
     data_len = 0;
+  } else if (strlen(mode) == 2 * sizeof data) {
+    for (size_t i = 0; i < sizeof data; ++i) {
+      unsigned int byte = 0;
+      if (sscanf(mode + 2 * i, "%2x", &byte) != 1) {
+        fprintf(stderr, "bad hex connection data\n");
+        return 2;
+      }
+      data[i] = (unsigned char)byte;
+    }
   }
   CHECK(fi_connect(ep, info->dest_addr, data_len ? data : NULL, data_len));
   struct cm_event ev;

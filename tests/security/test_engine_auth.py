@@ -8,6 +8,7 @@ the refusals are counted. Over tcp;ofi_rxm (the provider before) the stolen key 
 
 from __future__ import annotations
 
+import hmac
 import os
 import shutil
 import socket
@@ -151,6 +152,37 @@ def test_connection_requests_without_the_key_are_refused(victim: Victim, attacke
     assert victim.untouched()
     assert victim.counted() == 0
     assert victim.refused() == before + 1
+    _legit_write(victim)
+
+
+def _control_request(v: Victim, key: bytes) -> str:
+    """A control-connection request (flags bit 0, fabric/peer_auth.hpp) from a client lane id nobody
+    connected with, proven with ``key`` as an engine would (fabric/peer_auth.cpp), as hex."""
+    raw = Address.unpack(v.engine.address).nic_addresses[0]
+    server_addr, server_id = raw[:-16], raw[-16:]
+    body = struct.pack(">BBHI", 1, 1, 0, int(time.time())) + os.urandom(16) + os.urandom(16)
+    mac = hmac.new(key, b"weightsync c2s v1" + body + server_id + server_addr, "sha256").digest()[:16]
+    return (body + mac).hex()
+
+
+def test_a_control_connection_alone_is_refused(victim: Victim, attacker_binary: Path) -> None:
+    """A path's second connection (announces: fabric/msg_lane.hpp) is accepted only beside a data
+    connection of the same client: one that proves the key but comes alone is refused (reason 6) and
+    counted, and writes nothing; flagged but with a made-up proof, it is refused as any other (reason 4)."""
+    for key, reason in ((KEY, 6), (b"\x07" * 32, 4)):
+        before = victim.refused()
+        request = _control_request(victim, key)
+        out = subprocess.run([*_as_nobody(), str(attacker_binary), victim.host, str(victim.port),
+                              str(victim.remote_addr), str(victim.rkey), str(IMM), request],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("refused err=111"), out.stdout
+        assert f"reason={reason}" in out.stdout, out.stdout
+        assert "connected" not in out.stdout
+        time.sleep(0.2)
+        assert victim.untouched()
+        assert victim.counted() == 0
+        assert victim.refused() == before + 1
     _legit_write(victim)
 
 

@@ -229,6 +229,17 @@ class _Server:
 
         return self._spawn(f"watch{imm}", watch)
 
+    def digest_watch(self, imm: int, n: int, region: int, off: int, size: int, timeout: float = 60.0) -> str:
+        """``counter_watch`` and a digest of ``size`` bytes at ``off`` taken the moment the immediates are in:
+        ``joined`` returns ``[time.monotonic(), digest]`` (one waiter: a wait consumes its credits)."""
+
+        def watch() -> list[Any]:
+            self.engine.counter(imm).wait(n, timeout)
+            at = time.monotonic()
+            return [at, digest(self.buffers[region][off : off + size])]
+
+        return self._spawn(f"watch{imm}", watch)
+
     def pong(self, region: int, peer: int, descriptor: bytes, size: int, n: int, imm_in: int, imm_out: int,
              timeout: float = 60.0) -> str:
         """Answers each of the next ``n`` immediates ``imm_in`` with a write of ``size`` bytes carrying

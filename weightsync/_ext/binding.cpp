@@ -226,7 +226,8 @@ NB_MODULE(_core, m) {
       .def_ro("delivery_complete", &ws::LaneCaps::delivery_complete)
       .def_ro("orders_writes", &ws::LaneCaps::orders_writes)
       .def_ro("local_copies", &ws::LaneCaps::local_copies)
-      .def_ro("unlimited_window", &ws::LaneCaps::unlimited_window);
+      .def_ro("unlimited_window", &ws::LaneCaps::unlimited_window)
+      .def_ro("control_queue", &ws::LaneCaps::control_queue);
 
   // Defaults live in the C++ struct alone: a default-constructed config is what Python starts from.
   nb::class_<ws::EngineConfig>(m, "EngineConfig",
