@@ -28,8 +28,9 @@ One rollout (a Ray actor on GPU 1) holds two full replicas in vLLM's fused layou
   the push sends per planned write only the changed words (encode on the trainer's GPU, transfer, and
   the scatter on the rollout's GPU before it acks are all inside the push's time).
 
-Per step both groups push the same version; after each learning rate the rollout's bytes are checked
-against the trainer's (a position-weighted digest per tensor on both GPUs). The copy bound is one
+Per step both groups push the same version; after every timed push (and the last push of each learning
+rate) the rollout's bytes are checked against the trainer's (a position-weighted digest per tensor on
+both GPUs). The copy bound is one
 copy-engine copy of the model's bytes GPU 0 -> GPU 1 (on CPU: a host memcpy, for scale only). Goals
 (the issue's): at lr 1e-6 the delta push at most 0.35x the dense push on the same 2-GPU machine; on CPU
 over TCP loopback at least 5x faster than dense.
@@ -412,16 +413,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     fractions.append(st["changed_fraction"])
                     adam_steps.append(st["step"])
                 ray.get(rollout.wait.remote(version), timeout=600)
+                if n >= untimed or n == untimed + args.steps - 1:
+                    check_replicas(trainer, rollout, groups, lr, version)
             print(f"  lr {lr:g}: Adam {args.adam}, {len(all_fractions)} steps changed "
                   f"{', '.join(f'{x:.2%}' for x in all_fractions)} of BF16 values (timed: steps "
                   f"{adam_steps}); one Adam step {_med(step_s):.2f} s (median)", flush=True)
-            want = ray.get(trainer.digests.remote(), timeout=1200)
-            for kind in groups:
-                got = ray.get(rollout.digests.remote(kind), timeout=1200)
-                bad = [k for k in want if got.get(k) != want[k]]
-                if bad:
-                    raise SystemExit(f"lr {lr}: the {kind} replica's version {version} differs from the "
-                                     f"trainer's weights in {len(bad)} tensors, e.g. {bad[:3]}")
             d = rows["dense"]
             for kind in kinds[1:]:
                 res = _summary(lr, kind, d, rows[kind], fractions, bound)
@@ -471,6 +467,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            f"--changed 0.01 0.02 0.05 --encode-gbs {r['encode_gbs']:.0f} "
                            f"--apply-gbs {r['apply_gbs']:.0f}")
     return out
+
+
+def check_replicas(trainer: Any, rollout: Any, groups: dict[str, str], lr: float, version: int) -> None:
+    """Every replica's bytes equal the trainer's weights (position-weighted digests per tensor)."""
+    want = ray.get(trainer.digests.remote(), timeout=1200)
+    for kind in groups:
+        got = ray.get(rollout.digests.remote(kind), timeout=1200)
+        bad = [k for k in want if got.get(k) != want[k]]
+        if bad:
+            raise SystemExit(f"lr {lr}: the {kind} replica's version {version} differs from the trainer's "
+                             f"weights in {len(bad)} tensors, e.g. {bad[:3]}")
 
 
 def adam_untimed(args: argparse.Namespace) -> int:
