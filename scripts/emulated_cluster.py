@@ -62,6 +62,7 @@ class Setup:
     rate_mbit: int = 100
     delay_ms: float = 0.0
     queue_ms: int = 200           # tbf's queue per NIC, in ms of its rate
+    port_queue: str = "priority"  # netns.Cluster.port_queue: small packets first, or "fifo"
     mib: int = 32                 # model size (float32)
     pushes: int = 5
     cut: bool = False
@@ -467,7 +468,8 @@ def launch(setup: Setup, keep_logs: bool = False) -> dict[str, Any]:
     try:
         run.cluster = netns.Cluster(hosts=hosts, nics=setup.gpus_per_host * setup.nics_per_gpu,
                                     rate_mbit=setup.rate_mbit, delay_ms=setup.delay_ms,
-                                    latency_ms=setup.queue_ms, prefix="wec")
+                                    latency_ms=setup.queue_ms, port_queue=setup.port_queue,
+                                    prefix="wec")
         run.cluster.create()
         setup.hosts = list(run.cluster.names)
         setup.nic_names = run.cluster.nic_names
@@ -596,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
     ap.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way delay per NIC (netem)")
     ap.add_argument("--queue-ms", type=int, default=d.queue_ms, help="tbf queue per NIC, ms of its rate")
+    ap.add_argument("--port-queue", choices=("priority", "fifo"), default=d.port_queue,
+                    help="how a shaped port queues: small packets (ACKs) first, or one FIFO as before")
     ap.add_argument("--round-mib", type=float, default=d.round_mib)
     ap.add_argument("--cut", action="store_true", help="one more push with NIC 0 of host 0 cut mid-push")
     ap.add_argument("--relay", action="store_true", help="relay (only where the destinations are replicas)")
@@ -607,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(driver(setup)))
         return 0
     keys = ("trainer_hosts", "trainers_per_host", "rollout_hosts", "replicas", "tp", "nics_per_gpu",
-            "rate_mbit", "mib", "pushes", "delay_ms", "queue_ms", "round_mib", "cut", "relay",
+            "rate_mbit", "mib", "pushes", "delay_ms", "queue_ms", "port_queue", "round_mib", "cut",
+            "relay",
             "relay_chunk_mib")
     setup = Setup(**{k: getattr(a, k) for k in keys})
     # SIGTERM (timeout, kill): unwind like Ctrl-C, so that launch's cleanup removes what it made

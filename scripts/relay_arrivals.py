@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nics", type=int, default=2)
     ap.add_argument("--rate-mbit", type=int, default=100)
     ap.add_argument("--queue-ms", type=int, default=200, help="tbf queue per NIC, ms of its rate")
+    ap.add_argument("--port-queue", choices=("priority", "fifo"), default="priority",
+                    help="how a shaped port queues (netns.Cluster.port_queue): small first, or one FIFO")
     ap.add_argument("--mib", type=int, default=16, help="MiB the sources push into the head")
     ap.add_argument("--chunk-mib", type=float, default=1.0, help="bytes per chunk (one write each), MiB")
     ap.add_argument("--runs", type=int, default=2)
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     src_rate = a.source_rate_mbit or a.rate_mbit
     rates = [[src_rate] * a.nics] * a.sources + [[a.rate_mbit] * a.nics] * 2
     with netns.Cluster(hosts=a.sources + 2, nics=a.nics, rates_mbit=rates, latency_ms=a.queue_ms,
-                       mgmt=False, prefix="wr") as c:
+                       port_queue=a.port_queue, mgmt=False, prefix="wr") as c:
         procs = [PeerProcess(netns=ns) for ns in c.names]
         try:
             addresses = [p.call("engine", nics=c.nic_names, stall_timeout=5.0) for p in procs]

@@ -131,6 +131,16 @@ class Cluster:
     directions: on the host's end (what the host sends) and on the switch's end (what it receives).
     ``delay_ms`` adds that one-way delay (netem, under the rate limit) on the host's end.
 
+    ``port_queue``: how a shaped port queues. ``"fifo"``: tbf's one FIFO of ``latency_ms`` (every packet,
+    a TCP ACK too, waits behind up to ``latency_ms`` of other flows' data). ``"priority"`` (default): an
+    HTB limit of the same rate with two classes: IP packets under 256 bytes (pure TCP ACKs, the
+    engine's announces and delivery-complete acknowledgements) and ARP go strictly first, everything
+    else waits in a ``latency_ms`` byte FIFO. A real fabric's reverse traffic does not sit behind
+    megabytes of data (switch buffers hold microseconds at line rate; RDMA ACKs come from the NIC, and
+    RoCE fabrics give ACK/CNP traffic a class of its own); this kernel has no per-flow qdisc (sfq,
+    fq_codel, fq are not built), so the small packets get the class (docs/BENCHMARKS.md, "Emulated
+    cluster vs simulator").
+
     All NICs of a host are in one subnet, so each gets a routing table of its own, chosen by source
     address (``ip rule from``), and ARP answers only on the NIC that holds the address: a socket bound
     to a NIC's address (libfabric's tcp provider binds its endpoints to the NIC it was opened on) leaves
@@ -147,6 +157,7 @@ class Cluster:
     delay_ms: float = 0.0
     latency_ms: int = 200  # how much traffic tbf queues before it drops
     burst_kb: int = 32
+    port_queue: str = "priority"  # "fifo": tbf's single queue; "priority": small packets first (HTB)
     mgmt: bool = True
     prefix: str = "wn"
     names: list[str] | None = None
@@ -174,13 +185,39 @@ class Cluster:
         return f"198.19.0.{host + 1}"
 
     def _limit(self, ns: str, dev: str, rate: int, delay_ms: float) -> None:
-        tbf = ["tbf", "rate", f"{rate}mbit", "burst", f"{self.burst_kb}kb", "latency", f"{self.latency_ms}ms"]
+        if self.port_queue not in ("fifo", "priority"):
+            raise ValueError(f"port_queue {self.port_queue!r}: 'fifo' or 'priority'")
+        parent = ["root"]
         if delay_ms > 0:
             _tc("-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
                 f"{delay_ms}ms", "limit", "100000")
-            _tc("-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
-        else:
-            _tc("-n", ns, "qdisc", "add", "dev", dev, "root", *tbf)
+            parent = ["parent", "1:1"]
+        if self.port_queue == "fifo":
+            _tc("-n", ns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf", "rate", f"{rate}mbit",
+                "burst", f"{self.burst_kb}kb", "latency", f"{self.latency_ms}ms")
+            return
+        # One HTB class at the port's rate, two leaves: 10:1 (small packets) is assured the whole rate
+        # and so always sent first; 10:2 (bulk) is assured almost nothing and borrows what 10:1 leaves.
+        # The bulk FIFO holds what tbf's latency_ms held (rate x latency + burst), so the data's own
+        # queueing, drops and TCP behaviour stay as with "fifo".
+        burst = ["burst", f"{self.burst_kb}kb", "cburst", f"{self.burst_kb}kb"]
+        limit = rate * 125 * self.latency_ms + self.burst_kb * 1024  # bytes: Mbit/s x ms = 125 bytes
+        _tc("-n", ns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "htb", "default", "2")
+        _tc("-n", ns, "class", "add", "dev", dev, "parent", "10:", "classid", "10:10", "htb",
+            "rate", f"{rate}mbit", "ceil", f"{rate}mbit", *burst)
+        _tc("-n", ns, "class", "add", "dev", dev, "parent", "10:10", "classid", "10:1", "htb",
+            "rate", f"{rate}mbit", "ceil", f"{rate}mbit", "prio", "0", *burst)
+        _tc("-n", ns, "class", "add", "dev", dev, "parent", "10:10", "classid", "10:2", "htb",
+            "rate", "8kbit", "ceil", f"{rate}mbit", "prio", "1", *burst)
+        _tc("-n", ns, "qdisc", "add", "dev", dev, "parent", "10:1", "handle", "11:", "pfifo",
+            "limit", "10000")
+        _tc("-n", ns, "qdisc", "add", "dev", dev, "parent", "10:2", "handle", "12:", "bfifo", "limit",
+            str(limit))
+        # IP total length (bytes 2-3 of the IP header) below 256: pure ACKs and small messages
+        _tc("-n", ns, "filter", "add", "dev", dev, "parent", "10:", "protocol", "ip", "prio", "1", "u32",
+            "match", "u16", "0x0000", "0xff00", "at", "2", "flowid", "10:1")
+        _tc("-n", ns, "filter", "add", "dev", dev, "parent", "10:", "protocol", "arp", "prio", "2", "u32",
+            "match", "u32", "0", "0", "at", "0", "flowid", "10:1")
 
     def create(self) -> Cluster:
         assert self.names is not None and self.rates_mbit is not None
