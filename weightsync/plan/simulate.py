@@ -286,8 +286,11 @@ def simulate_relay(p: Plan, source_hosts: Sequence[int], chain_hosts: Sequence[i
     landed, over its NICs (NVLink where both are on one host). Store and forward, one chunk at a time
     per hop: member k has chunk c at ``max(member k has chunk c-1, member k-1 has chunk c) + its hop
     time``; the head has chunk c when the sources' push into it (``simulate``) has carried the bytes up to
-    its end, at an even rate. ``sim_s`` is when the tail has the last chunk, plus ``push_overhead_s``;
-    ``bound_s`` the slowest link carrying the model once. Gathers and delta pushes are not modelled."""
+    its end, at an even rate. With ``striping="engine"``, as the engine places them: the sources write
+    side by side, each its chunks in order, one per NIC at a time (so in groups) where they stay whole;
+    a chunk up to ``stripe_threshold`` crosses a hop whole on one NIC, the next on the next NIC.
+    ``sim_s`` is when the tail has the last chunk, plus ``push_overhead_s``; ``bound_s`` the slowest
+    link carrying the model once. Gathers and delta pushes are not modelled."""
     cost = cost or CostModel()
     head = simulate(p, source_hosts, list(chain_hosts[:1]),
                     CostModel(**{**asdict(cost), "push_overhead_s": 0.0}))
@@ -298,16 +301,37 @@ def simulate_relay(p: Plan, source_hosts: Sequence[int], chain_hosts: Sequence[i
     total = float(size.sum())
     hosts = np.asarray(chain_hosts, np.int64)
     hop_bw = np.where(hosts[1:] == hosts[:-1], cost.nvlink_bps, cost.nic_bps)  # member k-1 -> k
+    nics = max(int(cost.nics_per_gpu), 1)
     have = head.sim_s * np.cumsum(size) / max(total, 1e-300)  # the head has chunk c
-    for bw in hop_bw:
+    if cost.striping == "engine" and len(size):
+        # The sources write into the head side by side, each its own chunks in order, sharing the head's
+        # links (all finish with the push into the head). A source's chunks up to stripe_threshold go
+        # whole, one per NIC at a time, and land together: that source's chunks arrive in groups of its
+        # NIC count, each group when its last byte is in (striped chunks one at a time).
+        group = nics if bool(np.all(size <= cost.stripe_threshold)) else 1
+        chunk_src = np.repeat(p.ops["src_rank"].astype(np.int64), pieces)
+        for s in np.unique(chunk_src):
+            idx = np.flatnonzero(chunk_src == s)
+            mine = np.cumsum(size[idx])
+            ends = np.minimum((np.arange(len(idx)) // group + 1) * group, len(idx)) - 1
+            have[idx] = head.sim_s * mine[ends] / max(float(mine[-1]), 1e-300)
+    for same_host, bw in zip(hosts[1:] == hosts[:-1], hop_bw, strict=True):
+        order = np.argsort(have, kind="stable")  # a member forwards chunks in the order they land
+        size, have = size[order], have[order]
         hop = size / bw + cost.msg_overhead_us * 1e-6 * np.ceil(size / max(cost.max_piece, 1))
+        # striping="engine": the engine keeps a write up to stripe_threshold whole, on one NIC (the least
+        # loaded), so such a chunk takes nics x its striped time on one lane while the next chunk goes
+        # on another; longer chunks are cut over every NIC (one lane at the full rate).
+        whole = (cost.striping == "engine" and nics > 1 and not same_host
+                 and bool(np.all(size <= cost.stripe_threshold)))
+        lanes = [0.0] * (nics if whole else 1)  # when each of the hop's lanes is free
         nxt = np.empty_like(have)
-        free = 0.0  # the previous member's egress, and this one's ingress: one chunk at a time
         for c in range(len(size)):
-            free = max(free, have[c]) + hop[c]
-            nxt[c] = free
+            k = min(range(len(lanes)), key=lanes.__getitem__)
+            lanes[k] = max(lanes[k], have[c]) + hop[c] * len(lanes)
+            nxt[c] = lanes[k]
         have = nxt
-    sim_s = float(have[-1]) if len(have) else 0.0
+    sim_s = float(have.max()) if len(have) else 0.0
     bound = max([head.bound_s] + [total / float(bw) for bw in hop_bw])
     return SimResult(
         bound_s=bound, sim_s=sim_s + cost.push_overhead_s, ratio=(sim_s + cost.push_overhead_s) / bound
