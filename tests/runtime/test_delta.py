@@ -432,6 +432,45 @@ def test_strided_source_rows_written_directly_and_compared_in_slices(team_factor
             assert all(s.changed_fraction == 0.0 for s in stats)
 
 
+def test_a_header_that_lands_before_its_payload_waits_for_it(team_factory, monkeypatch) -> None:
+    # A source posts each inbox destination's payload, then its header; nothing orders the two on the
+    # wire (the header can take another NIC or copy stream than the payload's pieces, and a 64-byte write
+    # finishes first: seen on 4 x H100, where a destination applied the previous version's entries and
+    # flipped with the changes missing). Here every header lands, and is seen, before its payload is
+    # even posted: each destination must still end every version with exactly its bytes.
+    from weightsync.runtime.source import Source
+    from weightsync.wire import delta_header_imm
+
+    def header_first(self: Source, version: int, imm: int, failed: dict[int, str], ranks: list[int],
+                     works: dict[int, Any]) -> list[tuple[int, Any]]:
+        out: list[tuple[int, Any]] = []
+        hdr = self._delta.headers.itemsize
+        for rank in sorted(ranks):
+            if rank in failed:
+                continue
+            work = works[rank] = self._delta.finalize(rank)
+            ib, peer = self._delta.inboxes[rank], self._dests[rank].peer
+            self._delta.header(rank, self.epoch, version, work)
+            header = self.engine.write(self._delta.header_region, rank * hdr, peer, ib.header,
+                                       self.rank * hdr, hdr, imm=delta_header_imm(self.epoch, version))
+            header.wait(10.0)
+            time.sleep(0.2)  # the destination has the header now, and none of the payload's bytes
+            out.append((rank, header))
+            out.append((rank, self.engine.write(ib.region, 0, peer, ib.payload, ib.offset, work.payload_bytes,
+                                                imm=imm)))
+        return out
+
+    monkeypatch.setattr(Source, "_post_headers", header_first)
+    team = team_factory("delta-late-payload", ["tp0", "replica"], ["inplace", "staged"])
+    team.push()
+    team.check()
+    for v, case in enumerate(["odd", "one", "strided", "odd"], start=1):
+        team.set(step(team.full, case, seed=700 + v))
+        stats = team.push()
+        team.check()
+        assert all(s.delta_destinations == [0, 1] for s in stats), (case, stats)
+
+
 def test_small_inbox_sends_what_does_not_fit_as_planned(team_factory) -> None:
     # 2 sources: 8 KiB each, little more than the entries: most changes go as planned writes.
     team = team_factory("delta-small", ["tp0", "replica"], ["inplace", "staged"],

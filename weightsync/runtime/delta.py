@@ -14,8 +14,10 @@ Who decides what
   :func:`weightsync.wire.delta_header_imm`) after all its other writes to it, held back like a push's
   tail until the source has checked its tensors: how many data immediates it delivers this version and
   where its *entries* lie in the payload area. The destination waits for one header per source, then
-  for the sum of their data immediates, applies the sparse entries, flips the version and acks. An inbox
-  destination always lands this way (dense versions too), so there is no mixed counting.
+  for the sum of their data immediates, and only then reads the entries from the payload (the header may
+  land before its payload: nothing orders two writes on the wire), applies the sparse ones, flips the
+  version and acks. An inbox destination always lands this way (dense versions too), so there is no
+  mixed counting.
 * A source created with ``delta=True`` keeps a copy of what it last pushed (its *reference*, one flat
   tensor per word size holding its local tensors' words end to end, on their device,
   ``PushStats.delta_ref_bytes``) and the version it holds. Its push compares every local tensor with the
@@ -1144,6 +1146,9 @@ class DeltaReceiver:
         self.use_kernels = _kernels_wanted(device)
         # this version's entries, streams and payload offset, per source
         self._entries: list[tuple[np.ndarray, np.ndarray, int]] = []
+        # this version's headers as read (payload offset, entries, room, head bytes), per source, until the
+        # payload has landed and read_entries takes the entries from it
+        self._heads: list[tuple[int, int, int, int]] = []
 
     def descriptor(self) -> list[bytes]:
         return [self.header_region.descriptor, self.payload_region.descriptor,
@@ -1159,15 +1164,16 @@ class DeltaReceiver:
     def granted(self, shadow: int) -> None:
         self.holds[shadow] = -1  # bytes of the new version may land in it from now on
         self._entries = []
+        self._heads = []
 
     def read_headers(self, sources: Sequence[int], epoch: int, version: int) -> int:
-        """The data immediates the version's headers announce (all of them arrived); the entries and
-        streams of every source come to the host in one copy."""
-        import torch
-
+        """The data immediates the version's headers announce (every header has arrived). Only the header
+        records are read: the entries and streams lie in the payload, which may land after its header
+        (nothing orders two writes on the wire); :meth:`read_entries` takes them once the announced
+        immediates, the payload's among them, have all arrived."""
         total = 0
         self._entries = []
-        heads: list[tuple[int, int, int, int]] = []
+        self._heads = []
         for r in sources:
             h = self.headers[r]
             if int(h["version"]) != version or int(h["epoch"]) != epoch:
@@ -1175,9 +1181,19 @@ class DeltaReceiver:
                                       f"epoch {int(h['epoch'])}, not {version} of {epoch}")
             total += int(h["imms"])
             # entries, then (past the room for all of them) the streams
-            heads.append((int(h["offset"]), int(h["entries"]), int(h["room"]), data_at(int(h["room"]))))
+            self._heads.append((int(h["offset"]), int(h["entries"]), int(h["room"]), data_at(int(h["room"]))))
+        return total
+
+    def read_entries(self) -> None:
+        """The entries and streams of every source whose header :meth:`read_headers` read, in one copy to
+        the host: call it once every immediate the headers announce has arrived (the payload is in
+        place)."""
+        import torch
+
+        self._entries = []
+        heads, self._heads = self._heads, []
         if not heads:
-            return total
+            return
         host = torch.cat([self.payload[off:off + size] for off, _, _, size in heads]).cpu().numpy()
         at = 0
         for off, n, room, size in heads:
@@ -1186,7 +1202,6 @@ class DeltaReceiver:
             entries = head[:n * ENTRY_DTYPE.itemsize].view(ENTRY_DTYPE).copy()
             streams = head[streams_at(room):data_at(room)].view(STREAM_DTYPE).copy()
             self._entries.append((entries, streams, off))
-        return total
 
     def apply(self, shadow: int) -> None:
         """Scatters this version's sparse entries into buffer ``shadow``."""

@@ -525,7 +525,8 @@ class Destination(Participant):
 
     def _land_delta(self, target: int, buffer: int, counter: Any, deadline: float) -> tuple[bool, str | None]:
         """A delta inbox destination: waits for every source's header of ``target``, then for the data
-        immediates they announce, then scatters the sparse entries into ``buffer``."""
+        immediates they announce (the payloads' among them), then reads the entries from the payloads and
+        scatters the sparse ones into ``buffer``."""
         assert self._delta is not None
         complete, reason = self._count(self.engine.counter(delta_header_imm(self.epoch, target)),
                                        len(self._sources), target, deadline)
@@ -536,7 +537,8 @@ class Destination(Participant):
         except WeightSyncError as exc:
             return False, str(exc)
         complete, reason = self._count(counter, total, target, deadline)
-        if complete:
+        if complete:  # the payloads are in place only now: a header can land before its payload
+            self._delta.read_entries()
             self._delta.apply(buffer)
         return complete, reason
 
