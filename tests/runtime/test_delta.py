@@ -439,25 +439,16 @@ def test_a_header_that_lands_before_its_payload_waits_for_it(team_factory, monke
     # flipped with the changes missing). Here every header lands, and is seen, before its payload is
     # even posted: each destination must still end every version with exactly its bytes.
     from weightsync.runtime.source import Source
-    from weightsync.wire import delta_header_imm
 
     def header_first(self: Source, version: int, imm: int, failed: dict[int, str], ranks: list[int],
                      works: dict[int, Any]) -> list[tuple[int, Any]]:
         out: list[tuple[int, Any]] = []
-        hdr = self._delta.headers.itemsize
-        for rank in sorted(ranks):
-            if rank in failed:
-                continue
-            work = works[rank] = self._delta.finalize(rank)
-            ib, peer = self._delta.inboxes[rank], self._dests[rank].peer
-            self._delta.header(rank, self.epoch, version, work)
-            header = self.engine.write(self._delta.header_region, rank * hdr, peer, ib.header,
-                                       self.rank * hdr, hdr, imm=delta_header_imm(self.epoch, version))
+        for rank in sorted(r for r in ranks if r not in failed):
+            works[rank] = self._delta_header(rank, version)
+            header = self._post_header(rank, version)
             header.wait(10.0)
             time.sleep(0.2)  # the destination has the header now, and none of the payload's bytes
-            out.append((rank, header))
-            out.append((rank, self.engine.write(ib.region, 0, peer, ib.payload, ib.offset, work.payload_bytes,
-                                                imm=imm)))
+            out += [(rank, header), (rank, self._post_payload(rank, imm, works[rank]))]
         return out
 
     monkeypatch.setattr(Source, "_post_headers", header_first)

@@ -816,24 +816,36 @@ class Source(Participant):
                       works: dict[int, DeltaWork]) -> list[tuple[int, Any]]:
         """Writes each delta inbox destination of ``ranks`` its payload (entries, encoded changes) into
         its share, then its header: the data immediates of this version from this source and where its
-        entries are. Posted with the tails, once the tensors are checked."""
+        entries are. Posted with the tails, once the tensors are checked. Nothing orders the two on the
+        wire: the destination reads the payload only once the immediates the header announces are in."""
         out: list[tuple[int, Any]] = []
-        hdr = self._delta.headers.itemsize
         for rank in sorted(ranks):
             if rank in failed:
                 continue
-            work = works[rank] = self._delta.finalize(rank)
-            ib, peer = self._delta.inboxes[rank], self._dests[rank].peer
-            self._delta.header(rank, self.epoch, version, work)
+            works[rank] = self._delta_header(rank, version)
             try:
-                out.append((rank, self.engine.write(ib.region, 0, peer, ib.payload, ib.offset,
-                                                    work.payload_bytes, imm=imm)))
-                out.append((rank, self.engine.write(self._delta.header_region, rank * hdr, peer, ib.header,
-                                                    self.rank * hdr, hdr, imm=delta_header_imm(self.epoch,
-                                                                                                version))))
+                out.append((rank, self._post_payload(rank, imm, works[rank])))
+                out.append((rank, self._post_header(rank, version)))
             except TransportError as exc:
                 failed[rank] = str(exc)
         return out
+
+    def _delta_header(self, rank: int, version: int) -> DeltaWork:
+        """Destination ``rank``'s payload encoded and its header record filled (nothing posted)."""
+        work = self._delta.finalize(rank)
+        self._delta.header(rank, self.epoch, version, work)
+        return work
+
+    def _post_payload(self, rank: int, imm: int, work: DeltaWork) -> Any:
+        ib = self._delta.inboxes[rank]
+        return self.engine.write(ib.region, 0, self._dests[rank].peer, ib.payload, ib.offset,
+                                 work.payload_bytes, imm=imm)
+
+    def _post_header(self, rank: int, version: int) -> Any:
+        hdr = self._delta.headers.itemsize
+        return self.engine.write(self._delta.header_region, rank * hdr, self._dests[rank].peer,
+                                 self._delta.inboxes[rank].header, self.rank * hdr, hdr,
+                                 imm=delta_header_imm(self.epoch, version))
 
     def _post_rounds(self, imm: int, relay_bits: int, deadline: float, failed: dict[int, str],
                      ranks: set[int], keeps: Mapping[int, dict[int, np.ndarray] | None] | None = None
