@@ -148,3 +148,27 @@ def test_relay_chain_is_store_and_forward_per_chunk() -> None:
     # a hop inside a host goes over NVLink: the head's host forwarding to its neighbour costs ~nothing
     same = simulate_relay(p, [0], [1, 1, 2], cost, chunk_bytes=1 << 20)
     assert 5 * t < same.sim_s < 5.01 * t
+
+
+def test_relay_with_engine_striping_moves_small_chunks_whole_one_per_nic() -> None:
+    """Two 1 Gbit/s NICs per GPU, 4 MiB in 1 MiB chunks from one source to a head and a tail. Ideal
+    striping: the head has chunk c at (c + 1) / 2 chunk times t (4 MiB over 2 Gbit/s take 2 t) and each
+    chunk crosses the hop in t / 2, one after the other: the tail has all at 2.5 t. As the engine places
+    them (chunks up to stripe_threshold go whole on one NIC, measured on the emulated cluster): the head
+    gets the chunks two at a time, at t and 2 t, and each crosses the hop in t on one NIC while the next
+    goes on the other: the tail has all at 3 t. The bound is the model once at both NICs' rate."""
+    g = np.zeros((1024, 1024), np.float32)  # 4 MiB
+    p = plan([describe_tensors({"w": g})], [describe_tensors({"w": np.zeros_like(g)})],
+             source_hosts=[0], destination_hosts=[1])
+    t = (1 << 20) / (1e9 / 8)
+    for striping, want in (("ideal", 2.5), ("engine", 3.0)):
+        cost = CostModel(nic_gbps=1.0, nics_per_gpu=2, msg_overhead_us=0.0, striping=striping)
+        r = simulate_relay(p, [0], [1, 2], cost, chunk_bytes=1 << 20)
+        assert r.sim_s == pytest.approx(want * t, rel=1e-6), striping
+        assert r.bound_s == pytest.approx(2 * t, rel=1e-6)
+    # chunks above stripe_threshold are cut over both NICs: the engine model is the ideal one again
+    cost = CostModel(nic_gbps=1.0, nics_per_gpu=2, msg_overhead_us=0.0, striping="engine",
+                     stripe_threshold=1 << 19)
+    ideal = CostModel(nic_gbps=1.0, nics_per_gpu=2, msg_overhead_us=0.0)
+    assert simulate_relay(p, [0], [1, 2], cost, chunk_bytes=1 << 20).sim_s == pytest.approx(
+        simulate_relay(p, [0], [1, 2], ideal, chunk_bytes=1 << 20).sim_s, rel=0.02)
