@@ -53,11 +53,13 @@ ANNOUNCE_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("buffer", "<i
 # A destination's ack into a source's mailbox: the version now complete there. ``next_buffer`` says which
 # shadow the destination will grant next (for logs and tools only: the grant is what sources obey).
 ACK_RECORD = np.dtype([("version", "<i8"), ("next_buffer", "<i8"), ("reserved", "<i8")])
-# A destination's answer to an announce, in a writer's grant slot: the version it answers (writers match
-# grants by it), the version the destination holds, its plan epoch, the shadow it receives this version
-# into (0 inplace) and whether it takes the version (GRANTED) or why not.
-GRANT_RECORD = np.dtype([("version", "<i8"), ("held", "<i8"), ("epoch", "<i4"), ("shadow", "<i2"),
-                         ("status", "<i2")])
+# A destination's answer to an announce, in a writer's grant slot: the version the destination holds, its
+# plan epoch, the shadow it receives this version into (0 inplace), whether it takes the version (GRANTED)
+# or why not, and last the version it answers (writers match grants by it). A writer reads a slot as soon
+# as its version matches, before the grant's immediate: the version's bytes land last (a write is placed
+# in order), so a slot that shows the version already holds the rest of its record.
+GRANT_RECORD = np.dtype([("held", "<i8"), ("epoch", "<i4"), ("shadow", "<i2"), ("status", "<i2"),
+                         ("version", "<i8")])
 GRANTED = 0
 REFUSED_NOT_NEWER = 1  # the version is not newer than the one the destination holds
 REFUSED_BUSY = 2  # the destination is landing a newer version

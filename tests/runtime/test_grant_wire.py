@@ -23,10 +23,31 @@ def test_grant_record_is_one_slot_and_reads_back() -> None:
     assert wire.GRANT_RECORD.itemsize == wire.SLOT_BYTES
     box = np.full(2, wire.EMPTY, wire.ACK_RECORD).view(wire.GRANT_RECORD)
     assert int(box["version"][0]) == wire.EMPTY and int(box["status"][0]) == wire.EMPTY  # nothing granted
-    box[1] = (41, 40, 7, 1, wire.GRANTED)
+    box[1:2]["version"], box[1:2]["held"], box[1:2]["epoch"], box[1:2]["shadow"] = 41, 40, 7, 1
+    box[1:2]["status"] = wire.GRANTED
     assert (int(box["version"][1]), int(box["held"][1]), int(box["epoch"][1]), int(box["shadow"][1]),
             int(box["status"][1])) == (41, 40, 7, 1, wire.GRANTED)
     assert len({wire.GRANTED, wire.REFUSED_NOT_NEWER, wire.REFUSED_BUSY, wire.REFUSED_EPOCH}) == 4
+
+
+def test_a_grant_slot_that_shows_the_version_holds_the_whole_record() -> None:
+    # A writer reads its grant slot as soon as the version there matches, before the grant's immediate
+    # has arrived; a write is placed in order, so at any moment the slot holds a prefix of the new record
+    # over the old one. Whatever the prefix, a slot that shows the new version must show the new held
+    # version, epoch, shadow and status too (a stale shadow would send a staged destination's bytes into
+    # the buffer its readers use; a stale held version, a delta taken on the wrong base).
+    def record(version: int, held: int, epoch: int, shadow: int, status: int) -> np.ndarray:
+        r = np.zeros(1, wire.GRANT_RECORD)
+        r["version"], r["held"], r["epoch"], r["shadow"], r["status"] = version, held, epoch, shadow, status
+        return r
+
+    old = record(41, 40, 7, 0, wire.GRANTED)  # the grant of version 41 (this slot: versions of one parity)
+    new = record(43, 42, 7, 1, wire.REFUSED_BUSY)
+    for cut in range(wire.SLOT_BYTES + 1):
+        slot = old.copy()
+        slot.view(np.uint8)[:cut] = new.view(np.uint8)[:cut]
+        if int(slot["version"][0]) == 43:
+            assert slot.tobytes() == new.tobytes(), f"the version landed before byte {cut} of the record"
 
 
 def test_relay_immediates_are_scoped_by_version() -> None:

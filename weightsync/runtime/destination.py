@@ -408,7 +408,9 @@ class Destination(Participant):
                 t.wait(1.0)
             except (TransportError, TimeoutError):
                 pass
-        self._grant_out[slot] = (version, self._version if held is None else held, self.epoch, shadow, status)
+        g = self._grant_out[slot:slot + 1]  # a view: the outbox record the engine writes from
+        g["held"] = self._version if held is None else held
+        g["epoch"], g["shadow"], g["status"], g["version"] = self.epoch, shadow, status, version
         return slot
 
     def _grant(self, version: int, shadow: int, status: int, ranks: list[int],
