@@ -102,8 +102,11 @@ def test_push_when_every_destination_was_dropped_says_it_reached_nobody(ray_clus
         ray.get([t.push.remote(1) for t in trainers], timeout=60)
         for r in rollouts:
             ray.kill(r)
-        # The writes to the dead fail: no destination confirms, and each source reports them dead.
-        for ref in [t.push.remote(2, timeout=8.0) for t in trainers]:
+        # The writes to the dead fail: no destination confirms, and each source reports them dead. A write
+        # into a killed process can sit in the socket until the engine's stall timeout (5 s) fails its
+        # path: the push's timeout leaves that room (with 8 s one CI run, on a loaded VM, timed out first
+        # and kept a destination that was never reported).
+        for ref in [t.push.remote(2, timeout=20.0) for t in trainers]:
             with pytest.raises(ray.exceptions.RayTaskError):
                 ray.get(ref, timeout=60)
         deadline = time.monotonic() + 30
