@@ -531,11 +531,20 @@ def main() -> None:
 
         if not args.only:
             b.record("compare", "torch nonzero path", b.torch_compare, cmp_bytes, b.restore, b.check_compact)
-        comp = dk.Compactor(2, b.starts, device)
-        if not args.only:
-            b.record("compare", "Compactor.compare as is (sliced)",
-                     lambda comp=comp, k=k: comp.compare(b.views, b.ref, k), cmp_bytes, b.restore,
-                     b.check_compact)
+        # as a push runs it: the CUDA C++ kernel (weightsync.runtime.delta_cuda; one pass, no slices) and
+        # the Triton kernels (slices of slots); hint = this push's count, as a push after one alike
+        for backend in ("cuda", "triton"):
+            label = f"Compactor.compare {backend}"
+            if args.only and args.only not in label:
+                continue
+            os.environ["WEIGHTSYNC_DELTA_KERNELS"] = backend
+            comp = dk.Compactor(2, b.starts, device)
+            b.record("compare", label, lambda comp=comp, k=k: comp.compare(b.views, b.ref, k + k // 8),
+                     cmp_bytes, b.restore, b.check_compact)
+            if comp.backend != backend:
+                print(f"  compare  {label}: ran on {comp.backend or 'nothing'}", flush=True)
+            del comp
+        os.environ.pop("WEIGHTSYNC_DELTA_KERNELS", None)
         variants: list[tuple[str, dict[str, Any]]] = []
         orig = [(4096, 512, 8), (4096, 512, 4), (4096, 512, 16), (8192, 1024, 8), (8192, 1024, 16),
                 (16384, 2048, 16), (2048, 256, 4)]

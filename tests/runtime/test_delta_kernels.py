@@ -76,9 +76,11 @@ def _change(tensors: dict[str, torch.Tensor], case: str, g: torch.Generator, til
             iv[3] ^= 1
 
 
-def check_cases(device: str, slice_tiles: int = 3, aligned: bool = False) -> list[str]:
-    """Every case on ``device``; slices of ``slice_tiles`` tiles (several slices per space). Returns what
-    was checked, one line per push."""
+def check_cases(device: str, slice_tiles: int = 3, aligned: bool = False,
+                backend: str = "triton") -> list[str]:
+    """Every case on ``device``; slices of ``slice_tiles`` tiles (several slices per space); the compares
+    must have run on ``backend`` (``cuda``: weightsync.runtime.delta_cuda, else the Triton kernels).
+    Returns what was checked, one line per push."""
     import weightsync as ws
     import weightsync.runtime.delta_kernels as dk
     from weightsync.runtime.delta import DeltaSender
@@ -137,6 +139,7 @@ def check_cases(device: str, slice_tiles: int = 3, aligned: bool = False) -> lis
             assert sender.ref_version == version
             for w, sp in sender._spaces.items():  # vector loads exactly where every key is aligned
                 assert sp.compactor.vec == (16 // w if aligned else 1), (w, sp.compactor.vec)
+                assert sp.compactor.backend == backend, (w, sp.compactor.backend)
             lines.append(f"{case}: " + ", ".join(f"w{w} {int(i.numel())}" for w, (i, _) in got.items()))
         sender.use_kernels = True
     finally:
@@ -342,8 +345,95 @@ def test_kernels_match_the_torch_path_on_cuda(slice_tiles: int, aligned: bool,
     import weightsync.runtime.delta_kernels as dk
 
     monkeypatch.setattr(dk, "COMPARE_SLICE", dk.COMPARE_SLICE)  # check_cases changes it: restored after
-    monkeypatch.delenv("WEIGHTSYNC_DELTA_KERNELS", raising=False)
+    monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "triton")
     check_overflow_leaves_reference("cuda")
     assert check_scatter("cuda") > 0
     lines: Any = check_cases("cuda", slice_tiles, aligned)
     assert len(lines) == len(CASES)
+
+
+def _nvrtc() -> bool:
+    from weightsync.runtime import nvrtc
+
+    try:
+        nvrtc.nvrtc_library()
+    except nvrtc.NvrtcUnavailable:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _nvrtc(), reason="needs the NVRTC library (the test extra's nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_cuda_compare_compiles(arch: str) -> None:
+    """The CUDA C++ compare compiles (NVRTC needs no GPU): a source error shows on every CI run, not only
+    on a GPU host."""
+    from weightsync.runtime import delta_cuda, nvrtc
+
+    image = nvrtc.compile_to_cubin(delta_cuda.SOURCE, arch, list(delta_cuda.SIGNATURES))
+    assert image[:4] == b"\x7fELF"
+    with pytest.raises(nvrtc.NvrtcUnavailable, match="ws_compact_w3"):
+        nvrtc.compile_to_cubin(delta_cuda.SOURCE, arch, ["ws_compact_w3"])
+    with pytest.raises(nvrtc.NvrtcUnavailable, match="error"):
+        nvrtc.compile_to_cubin(delta_cuda.SOURCE + "\nint broken(", arch, [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not _nvrtc(), reason="needs CUDA and NVRTC")
+@pytest.mark.parametrize("slice_tiles,aligned", [(3, False), (3, True)])
+def test_the_cuda_compare_matches_the_torch_path(slice_tiles: int, aligned: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case (hint 0: the first run's room is small, so the second run over the rest is taken in
+    the cases that change much) against the torch ops, bit for bit, outputs poisoned first."""
+    import weightsync.runtime.delta_kernels as dk
+    from weightsync.runtime import delta_cuda
+
+    monkeypatch.setattr(dk, "COMPARE_SLICE", dk.COMPARE_SLICE)
+    monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "cuda")
+    assert delta_cuda.module(torch.device("cuda")) is not None, delta_cuda.unavailable(torch.device("cuda"))
+    lines: Any = check_cases("cuda", slice_tiles, aligned, backend="cuda")
+    assert len(lines) == len(CASES)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not _nvrtc(), reason="needs CUDA and NVRTC")
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
+    """Thousands of tiles (the look-back across windows of 32 predecessors and beyond), keys whose words
+    and addresses are 16-byte aligned (vector loads) or of odd sizes at odd addresses, output room far too
+    small (second run), against torch."""
+    from weightsync.runtime import delta_cuda
+    from weightsync.runtime.delta_kernels import Compactor
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(word)
+    dt = INTS[word]
+    if aligned:
+        sizes = [4096 * 700 + 16, 16, 4096 * 1300, 16, 4096 * 5 + 4080]
+    else:
+        sizes = [4096 * 700 + 3, 17, 4096 * 1300, 1, 4096 * 5 + 4095]
+    base = torch.randint(-(1 << 62), 1 << 62, (sum(sizes) + 64,), generator=g, device=dev).to(dt)
+    views, a = [], 0
+    for i, n in enumerate(sizes):
+        off = a if aligned else a + (i % 3)  # some keys at addresses that are not 16-byte aligned
+        views.append(base[off:off + n])
+        a = off + n
+    starts = torch.tensor([0, *sizes]).cumsum(0).numpy()
+    ref = torch.cat(views).clone()
+    for v in views:  # changes: sparse random, a dense run crossing tiles, the very last word
+        m = torch.rand(v.numel(), generator=g, device=dev) < 0.02
+        v[m] ^= 1
+    views[0][4096 * 10 - 5:4096 * 13 + 7] ^= 3
+    views[-1][-1] ^= 1
+    cur = torch.cat(views)
+    want = torch.nonzero(cur != ref).reshape(-1)
+    for hint in (len(want) + 10, 1024):
+        r = ref.clone()
+        c = Compactor(word, starts, dev)
+        c.poison = 0x5A
+        idx, vals = c.compare(views, r, hint)
+        assert c.backend == "cuda", delta_cuda.unavailable(dev)
+        assert c.vec == (16 // word if aligned else 1)
+        assert torch.equal(idx, want), (hint, idx.numel(), want.numel())
+        assert torch.equal(vals, cur[want]), hint
+        assert torch.equal(r, cur), hint

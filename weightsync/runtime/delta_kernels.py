@@ -179,6 +179,8 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
 
     from weightsync.runtime.delta import BLOCK, _align, word_dtype
 
+    if triton is None:
+        return False
     nb = -(-n // BLOCK)
     vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
     low = payload[_align(4 * nb):_align(4 * nb) + 2 * k].view(torch.int16)
@@ -215,8 +217,10 @@ def enabled(device: Any) -> bool:
     flag = os.environ.get(ENV, "")
     if flag == "0":
         return False
-    if device.type == "cuda":
-        return triton is not None
+    if device.type == "cuda":  # the CUDA C++ compare needs no triton (the receiver's scatter does)
+        from weightsync.runtime import delta_cuda
+
+        return triton is not None or delta_cuda.wanted()
     return flag == "1" and os.environ.get("TRITON_INTERPRET", "") == "1" and triton is not None
 
 
@@ -235,6 +239,9 @@ class Compactor:
         self.vec = 1  # words per 16 bytes where every key's words and address are 16-byte aligned
         self.slice_ends: list[int] = []
         self.scratch_bytes = 0
+        self.ntiles = 0
+        # the kernels of the last compare: "cuda" (weightsync.runtime.delta_cuda), "triton" (these)
+        self.backend = ""
         # tests: fill the scratch and the outputs with this byte first (an entry left unwritten shows)
         self.poison: int | None = None
 
@@ -264,6 +271,7 @@ class Compactor:
         self.vec = 16 // self.word if aligned else 1
         per_slice = max(1, min(COMPARE_SLICE // TILE, SCRATCH_BYTES // (SLOT * (2 + self.word))))
         total = len(tile_key)
+        self.ntiles = total
         self.slices = [(a, min(a + per_slice, total)) for a in range(0, total, per_slice)]
         # the word after each slice's last (where its last tile ends in the space)
         self.slice_ends = [int(min(tile_start[b - 1] + TILE, self.starts[tile_key[b - 1] + 1]))
@@ -277,11 +285,23 @@ class Compactor:
         whole number of words from the reference's (the torch path compares that space)."""
         import torch
 
-        compact, place = _compact, _place
         self._tables(views, ref)
         if not self.usable:
             return None
         total = int(self.starts[-1])
+        if self.device.type == "cuda":
+            from weightsync.runtime import delta_cuda
+
+            mod = delta_cuda.module(self.device) if delta_cuda.wanted() else None
+            if mod is not None:
+                self.backend = "cuda"
+                self.scratch_bytes = (self.ntiles + 2) * 8  # the tiles' published counts
+                return delta_cuda.compare(mod, self.tables, self.ntiles, self.vec > 1, self.word, ref, hint,
+                                          total, self.poison)
+        if triton is None:
+            return None
+        self.backend = "triton"
+        compact, place = _compact, _place
         out_idx = torch.empty(min(max(hint, 1024), max(total, 1)), dtype=torch.int64, device=self.device)
         out_val = torch.empty(out_idx.numel(), dtype=ref.dtype, device=self.device)
         if self.poison is not None:

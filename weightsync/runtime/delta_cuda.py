@@ -1,0 +1,289 @@
+"""The delta sender's compare as one CUDA C++ kernel per word space (issue 18), compiled at run time
+(:mod:`weightsync.runtime.nvrtc`): the same result as :meth:`weightsync.runtime.delta_kernels.Compactor.
+compare` (the sorted int64 positions of the space's changed words, their values, the reference updated)
+in one pass over the current tensors and the reference, with no scratch and one host synchronization.
+
+Why not the Triton kernels: their in-tile compaction (a prefix over the tile, masked stores) costs more
+than the reads themselves (docs/BENCHMARKS.md, "Where the compare kernel loses its time"), and their
+slot scratch forces slices, each with a host synchronization. Here each block of 256 threads takes one
+tile of :data:`TILE` words (the tiles of :class:`~weightsync.runtime.delta_kernels.Compactor`'s tables),
+loads it in 16-byte vectors where aligned, counts its changes with ``__popc`` of per-thread bit masks and
+a warp-shuffle scan, and finds where its changes go in the output from its predecessors' counts by a
+*decoupled look-back* (each tile publishes its count, then its inclusive prefix, in one 64-bit word;
+a tile sums its predecessors' words back to the first inclusive one). Tiles take their index from an
+atomic ticket, so a tile only ever waits for tiles that started before it.
+
+The output has room for ``cap`` changes (the caller's guess: the last push's count and a margin). A
+change at output position ``>= cap`` is neither written nor put into the reference; the total comes back
+(one host read), and if it exceeds ``cap`` the kernel runs again over the same tiles into a buffer of the
+rest: what it finds then is exactly the changes the first run left out, in order (the first run's are in
+the reference now), so the two outputs concatenate.
+
+The reference takes a changed word as the 16-byte vector holding it (its neighbours' values are their
+reference values or equal new ones, both the current values); a thread whose changes straddle ``cap``
+writes word by word.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from weightsync.runtime import nvrtc
+
+THREADS = 256
+TILE = 4096  # words per tile (as the Triton compactor's tables)
+_STATUS_SHIFT = 62
+
+SOURCE = r"""
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+struct __align__(16) V16 { u64 a, b; };
+
+#define THREADS 256
+#define TILE 4096
+#define FULL 0xffffffffu
+#define VALUE_MASK ((1ull << 62) - 1)
+#define AGGREGATE (1ull << 62)
+#define INCLUSIVE (2ull << 62)
+
+// Exclusive prefix over the block's threads of v, and the block's total (two barriers).
+__device__ __forceinline__ int block_scan(int v, int* warp_sums, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int x = v;
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        int y = __shfl_up_sync(FULL, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int s = lane < THREADS / 32 ? warp_sums[lane] : 0;
+        #pragma unroll
+        for (int d = 1; d < THREADS / 32; d <<= 1) {
+            int y = __shfl_up_sync(FULL, s, d);
+            if (lane >= d) s += y;
+        }
+        if (lane < THREADS / 32) warp_sums[lane] = s;  // inclusive per warp
+    }
+    __syncthreads();
+    const int before = warp ? warp_sums[warp - 1] : 0;
+    *total = warp_sums[THREADS / 32 - 1];
+    return before + x - v;
+}
+
+// Word k of a 16-byte chunk by shifts (an index into a register array would put it on the stack).
+template <typename W>
+__device__ __forceinline__ W word_of(const V16& v, int k) {
+    const int bit = k * (int)sizeof(W) * 8;
+    const u64 half = bit < 64 ? v.a : v.b;
+    return (W)(half >> (bit & 63));
+}
+
+__device__ __forceinline__ u64 load_state(const u64* p) { return *(volatile const u64*)p; }
+__device__ __forceinline__ void store_state(u64* p, u64 v) { *(volatile u64*)p = v; }
+
+// Warp 0: the tile's exclusive prefix from its predecessors' published words (decoupled look-back).
+__device__ __forceinline__ i64 look_back(u64* state, i64 t, i64 agg) {
+    const int lane = threadIdx.x & 31;
+    if (t == 0) {
+        if (lane == 0) store_state(&state[0], INCLUSIVE | (u64)agg);
+        return 0;
+    }
+    if (lane == 0) store_state(&state[t], AGGREGATE | (u64)agg);
+    i64 excl = 0;
+    i64 top = t - 1;
+    while (true) {
+        const i64 p = top - lane;
+        u64 s = INCLUSIVE;  // before tile 0: an inclusive prefix of nothing
+        if (p >= 0) {
+            do { s = load_state(&state[p]); } while ((s >> 62) == 0);
+        }
+        const u32 incl = __ballot_sync(FULL, (s >> 62) == 2);
+        i64 v = (i64)(s & VALUE_MASK);
+        if (incl) {
+            const int first = __ffs(incl) - 1;  // the nearest predecessor with its inclusive prefix
+            if (lane > first) v = 0;
+        }
+        #pragma unroll
+        for (int d = 16; d > 0; d >>= 1) v += __shfl_down_sync(FULL, v, d);
+        excl += __shfl_sync(FULL, v, 0);
+        if (incl) break;
+        top -= 32;
+    }
+    if (lane == 0) store_state(&state[t], INCLUSIVE | (u64)(excl + agg));
+    return excl;
+}
+
+// W: the word type; VW = 16 / sizeof(W) words per 16-byte chunk; R = TILE / (VW * THREADS) rounds: in
+// round i thread j holds chunk i * THREADS + j, so each round's loads are coalesced and the output order
+// (round, thread, word) is the words' order.
+template <typename W>
+__device__ __forceinline__ void compact(const i64* key_at, const i64* key_start, const i64* key_end,
+                                        const int* tile_key, const i64* tile_start, W* ref, u64* state,
+                                        u32* ticket, i64* out_idx, W* out_val, i64 cap, i64 ntiles,
+                                        i64* total, int vec) {
+    constexpr int VW = 16 / sizeof(W);
+    constexpr int R = TILE / (VW * THREADS);
+    __shared__ u32 s_tile;
+    __shared__ int s_warps[THREADS / 32];
+    __shared__ i64 s_excl;
+    if (threadIdx.x == 0) s_tile = atomicAdd(ticket, 1u);
+    __syncthreads();
+    const i64 t = s_tile;
+    const int key = tile_key[t];
+    const i64 start = tile_start[t];
+    const i64 left = key_end[key] - start;
+    const int n = left < TILE ? (int)left : TILE;
+    const W* cur = ref + key_at[key] + (start - key_start[key]);
+    W* rf = ref + start;
+    const bool whole = vec && n == TILE;
+
+    union Chunk { V16 v; W w[VW]; };
+    Chunk x[R];
+    u32 mask[R];
+    int before[R];
+    int count = 0;
+    #pragma unroll
+    for (int i = 0; i < R; i++) {
+        const int c = i * THREADS + threadIdx.x;
+        Chunk r;
+        if (whole) {
+            x[i].v = reinterpret_cast<const V16*>(cur)[c];
+            r.v = reinterpret_cast<const V16*>(rf)[c];
+        } else {
+            #pragma unroll
+            for (int k = 0; k < VW; k++) {
+                const int o = c * VW + k;
+                x[i].w[k] = o < n ? cur[o] : (W)0;
+                r.w[k] = o < n ? rf[o] : (W)0;
+            }
+        }
+        u32 m = 0;
+        #pragma unroll
+        for (int k = 0; k < VW; k++) m |= (u32)(x[i].w[k] != r.w[k]) << k;
+        mask[i] = m;
+        before[i] = count;
+        count += __popc(m);
+    }
+    int agg;
+    const int mine = block_scan(count, s_warps, &agg);
+    if (threadIdx.x < 32) {
+        const i64 e = look_back(state, t, agg);
+        if (threadIdx.x == 0) {
+            s_excl = e;
+            if (t == ntiles - 1) *total = e + agg;
+        }
+    }
+    __syncthreads();
+    const i64 excl = s_excl;
+    if (count == 0) return;
+    #pragma unroll
+    for (int i = 0; i < R; i++) {
+        u32 m = mask[i];
+        if (!m) continue;
+        const int c = i * THREADS + threadIdx.x;
+        i64 pos = excl + mine + before[i];
+        const bool fits = pos + __popc(m) <= cap;
+        if (fits && whole) reinterpret_cast<V16*>(rf)[c] = x[i].v;
+        while (m) {
+            const int k = __ffs(m) - 1;
+            m &= m - 1;
+            if (pos < cap) {
+                out_idx[pos] = start + c * VW + k;
+                const W val = word_of<W>(x[i].v, k);
+                out_val[pos] = val;
+                if (!(fits && whole)) rf[c * VW + k] = val;
+            }
+            pos++;
+        }
+    }
+}
+
+#define COMPACT(NAME, W)                                                                                  \
+extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
+        const i64* key_at, const i64* key_start, const i64* key_end, const int* tile_key,                 \
+        const i64* tile_start, W* ref, u64* state, u32* ticket, i64* out_idx, W* out_val, i64 cap,        \
+        i64 ntiles, i64* total, int vec) {                                                                \
+    compact<W>(key_at, key_start, key_end, tile_key, tile_start, ref, state, ticket, out_idx, out_val,   \
+               cap, ntiles, total, vec);                                                                  \
+}
+COMPACT(ws_compact_w1, unsigned char)
+COMPACT(ws_compact_w2, unsigned short)
+COMPACT(ws_compact_w4, unsigned int)
+COMPACT(ws_compact_w8, u64)
+"""
+
+_P, _Q, _I = nvrtc.PTR, nvrtc.I64, nvrtc.I32
+SIGNATURES = {f"ws_compact_w{w}": _P * 10 + _Q * 2 + _P + _I for w in (1, 2, 4, 8)}
+ENV = "WEIGHTSYNC_DELTA_KERNELS"
+
+
+def wanted() -> bool:
+    """Whether the CUDA kernels are to be tried (``WEIGHTSYNC_DELTA_KERNELS``: unset, ``1`` or ``cuda``;
+    ``triton`` takes the Triton kernels, ``0`` the torch ops)."""
+    return os.environ.get(ENV, "") in ("", "1", "cuda")
+
+
+_failed: dict[int, str] = {}  # device index -> why the module did not load (tried once per process)
+
+
+def module(device: Any) -> nvrtc.Module | None:
+    """The compiled kernels on ``device``, or None where they cannot be had (no NVRTC, compile failure):
+    the reason is kept in :func:`unavailable` and the caller takes the Triton or torch path."""
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else 0
+    if idx in _failed:
+        return None
+    try:
+        return nvrtc.load("delta_compact", SOURCE, SIGNATURES, device)
+    except nvrtc.NvrtcUnavailable as exc:
+        _failed[idx] = str(exc)
+        return None
+
+
+def unavailable(device: Any) -> str | None:
+    return _failed.get(device.index if device.index is not None else 0)
+
+
+def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
+            hint: int, total_words: int, poison: int | None = None) -> tuple[Any, Any]:
+    """The space's changed words as (sorted int64 positions, values), the reference updated: one kernel
+    run (two where more than ``hint``-and-margin changed), one host synchronization each. ``tables``:
+    the Compactor's (key_at, key_start, key_end, tile_key, tile_start) on the device."""
+    import torch
+
+    device = ref.device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    kernel = mod[f"ws_compact_w{word}"]
+    # no hint (the first compare): room for 1/64 of the words (RL steps change 1-5% of BF16 values)
+    cap = min(max(hint or total_words // 64, 1024), max(total_words, 1))
+    outs: list[tuple[Any, Any]] = []
+    while True:
+        out_idx = torch.empty(cap, dtype=torch.int64, device=device)
+        out_val = torch.empty(cap, dtype=ref.dtype, device=device)
+        if poison is not None:
+            out_idx.view(torch.uint8).fill_(poison)
+            out_val.view(torch.uint8).fill_(poison)
+        # per tile its published word, then the ticket and the total (zeroed: no tile has published)
+        state = torch.zeros(ntiles + 2, dtype=torch.int64, device=device)
+        ticket = state[ntiles:ntiles + 1]
+        total = state[ntiles + 1:ntiles + 2]
+        if ntiles:
+            with torch.cuda.device(device):
+                kernel.launch(ntiles, THREADS, [*tables, ref, state, ticket, out_idx, out_val, cap, ntiles,
+                                                total, int(vec)], stream)
+        k = int(total.item()) if ntiles else 0  # the host synchronization
+        outs.append((out_idx, out_val))
+        if k <= cap:
+            outs[-1] = (out_idx[:k], out_val[:k])
+            break
+        # the first cap changes are out and in the reference; the rest are found by a second run
+        cap = k - cap
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
