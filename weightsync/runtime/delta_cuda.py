@@ -33,8 +33,11 @@ from typing import Any
 from weightsync.runtime import nvrtc
 
 THREADS = 256
-TILE = 4096  # words per tile (as the Triton compactor's tables)
-_STATUS_SHIFT = 62
+ROUNDS = 8  # a block's tile: 8 rounds of 256 threads' 16-byte chunks (32 KB)
+
+
+def tile_words(word: int, rounds: int = ROUNDS) -> int:
+    return rounds * THREADS * 16 // word
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -43,34 +46,51 @@ typedef unsigned int u32;
 struct __align__(16) V16 { u64 a, b; };
 
 #define THREADS 256
-#define TILE 4096
+// Compile-time choices (scripts/bench_delta_kernels.py times others): 16-byte chunks per thread per tile,
+// the blocks per multiprocessor the registers are limited for (0: the compiler's choice), and whether a
+// tile's index is a ticket (1) or the block index (0: rests on blocks starting in index order).
+#ifndef ROUNDS
+#define ROUNDS 8
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 0
+#endif
+#ifndef TICKET
+#define TICKET 1
+#endif
+#if MIN_BLOCKS
+#define BOUNDS __launch_bounds__(THREADS, MIN_BLOCKS)
+#else
+#define BOUNDS __launch_bounds__(THREADS)
+#endif
 #define FULL 0xffffffffu
 #define VALUE_MASK ((1ull << 62) - 1)
 #define AGGREGATE (1ull << 62)
 #define INCLUSIVE (2ull << 62)
 
-// Exclusive prefix over the block's threads of v, and the block's total (two barriers).
-__device__ __forceinline__ int block_scan(int v, int* warp_sums, int* total) {
+// Exclusive prefix over the block's threads of v (four 16-bit counts side by side: no field carries, a
+// round's count per block is at most 4096), and the block's total. warp_sums: this scan's own.
+__device__ __forceinline__ u64 block_scan(u64 v, u64* warp_sums, u64* total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int x = v;
+    u64 x = v;
     #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-        int y = __shfl_up_sync(FULL, x, d);
+        u64 y = __shfl_up_sync(FULL, x, d);
         if (lane >= d) x += y;
     }
     if (lane == 31) warp_sums[warp] = x;
     __syncthreads();
     if (warp == 0) {
-        int s = lane < THREADS / 32 ? warp_sums[lane] : 0;
+        u64 s = lane < THREADS / 32 ? warp_sums[lane] : 0;
         #pragma unroll
         for (int d = 1; d < THREADS / 32; d <<= 1) {
-            int y = __shfl_up_sync(FULL, s, d);
+            u64 y = __shfl_up_sync(FULL, s, d);
             if (lane >= d) s += y;
         }
         if (lane < THREADS / 32) warp_sums[lane] = s;  // inclusive per warp
     }
     __syncthreads();
-    const int before = warp ? warp_sums[warp - 1] : 0;
+    const u64 before = warp ? warp_sums[warp - 1] : 0;
     *total = warp_sums[THREADS / 32 - 1];
     return before + x - v;
 }
@@ -86,7 +106,9 @@ __device__ __forceinline__ W word_of(const V16& v, int k) {
 __device__ __forceinline__ u64 load_state(const u64* p) { return *(volatile const u64*)p; }
 __device__ __forceinline__ void store_state(u64* p, u64 v) { *(volatile u64*)p = v; }
 
-// Warp 0: the tile's exclusive prefix from its predecessors' published words (decoupled look-back).
+// Warp 0: the tile's exclusive prefix from its predecessors' published words (decoupled look-back). A
+// tile's index is its ticket: a predecessor waited for has started and publishes its count without
+// waiting for anything (block indices would rest on blocks starting in index order).
 __device__ __forceinline__ i64 look_back(u64* state, i64 t, i64 agg) {
     const int lane = threadIdx.x & 31;
     if (t == 0) {
@@ -118,22 +140,27 @@ __device__ __forceinline__ i64 look_back(u64* state, i64 t, i64 agg) {
     return excl;
 }
 
-// W: the word type; VW = 16 / sizeof(W) words per 16-byte chunk; R = TILE / (VW * THREADS) rounds: in
-// round i thread j holds chunk i * THREADS + j, so each round's loads are coalesced and the output order
-// (round, thread, word) is the words' order.
+// A tile is ROUNDS * THREADS 16-byte chunks (32 KB at 8 rounds: 32768 / sizeof(W) words; a key's last
+// tile may be short). VW = 16 / sizeof(W) words a chunk. In round i thread j holds chunk i * THREADS + j,
+// so each round's loads are coalesced and the output order (round, thread, word) is the words' order.
 template <typename W>
 __device__ __forceinline__ void compact(const i64* key_at, const i64* key_start, const i64* key_end,
                                         const int* tile_key, const i64* tile_start, W* ref, u64* state,
                                         u32* ticket, i64* out_idx, W* out_val, i64 cap, i64 ntiles,
                                         i64* total, int vec) {
     constexpr int VW = 16 / sizeof(W);
-    constexpr int R = TILE / (VW * THREADS);
-    __shared__ u32 s_tile;
-    __shared__ int s_warps[THREADS / 32];
+    constexpr int TILE = ROUNDS * THREADS * VW;
+    constexpr int G = (ROUNDS + 3) / 4;  // 64-bit scans of four rounds' counts each
+    __shared__ u64 s_warps[G][THREADS / 32];
     __shared__ i64 s_excl;
+#if TICKET
+    __shared__ u32 s_tile;
     if (threadIdx.x == 0) s_tile = atomicAdd(ticket, 1u);
     __syncthreads();
     const i64 t = s_tile;
+#else
+    const i64 t = blockIdx.x;
+#endif
     const int key = tile_key[t];
     const i64 start = tile_start[t];
     const i64 left = key_end[key] - start;
@@ -143,34 +170,52 @@ __device__ __forceinline__ void compact(const i64* key_at, const i64* key_start,
     const bool whole = vec && n == TILE;
 
     union Chunk { V16 v; W w[VW]; };
-    Chunk x[R];
-    u32 mask[R];
-    int before[R];
-    int count = 0;
-    #pragma unroll
-    for (int i = 0; i < R; i++) {
-        const int c = i * THREADS + threadIdx.x;
-        Chunk r;
-        if (whole) {
+    Chunk x[ROUNDS], r[ROUNDS];
+    if (whole) {
+        #pragma unroll
+        for (int i = 0; i < ROUNDS; i++) {
+            const int c = i * THREADS + threadIdx.x;
             x[i].v = reinterpret_cast<const V16*>(cur)[c];
-            r.v = reinterpret_cast<const V16*>(rf)[c];
-        } else {
+            r[i].v = reinterpret_cast<const V16*>(rf)[c];
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < ROUNDS; i++) {
+            const int c = i * THREADS + threadIdx.x;
             #pragma unroll
             for (int k = 0; k < VW; k++) {
                 const int o = c * VW + k;
                 x[i].w[k] = o < n ? cur[o] : (W)0;
-                r.w[k] = o < n ? rf[o] : (W)0;
+                r[i].w[k] = o < n ? rf[o] : (W)0;
             }
         }
+    }
+    u32 mask[ROUNDS];
+    u64 packed[G];
+    #pragma unroll
+    for (int g = 0; g < G; g++) packed[g] = 0;
+    #pragma unroll
+    for (int i = 0; i < ROUNDS; i++) {
         u32 m = 0;
         #pragma unroll
-        for (int k = 0; k < VW; k++) m |= (u32)(x[i].w[k] != r.w[k]) << k;
+        for (int k = 0; k < VW; k++) m |= (u32)(x[i].w[k] != r[i].w[k]) << k;
         mask[i] = m;
-        before[i] = count;
-        count += __popc(m);
+        packed[i / 4] |= (u64)__popc(m) << (16 * (i % 4));
     }
-    int agg;
-    const int mine = block_scan(count, s_warps, &agg);
+    // where round i's changes of this thread start in the tile: the rounds before it, then the threads
+    // before this one in round i
+    int at[ROUNDS];
+    int agg = 0;
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+        u64 tot;
+        const u64 pre = block_scan(packed[g], s_warps[g], &tot);
+        #pragma unroll
+        for (int q = 0; q < 4 && 4 * g + q < ROUNDS; q++) {
+            at[4 * g + q] = agg + (int)((pre >> (16 * q)) & 0xffff);
+            agg += (int)((tot >> (16 * q)) & 0xffff);
+        }
+    }
     if (threadIdx.x < 32) {
         const i64 e = look_back(state, t, agg);
         if (threadIdx.x == 0) {
@@ -180,21 +225,20 @@ __device__ __forceinline__ void compact(const i64* key_at, const i64* key_start,
     }
     __syncthreads();
     const i64 excl = s_excl;
-    if (count == 0) return;
     #pragma unroll
-    for (int i = 0; i < R; i++) {
+    for (int i = 0; i < ROUNDS; i++) {
         u32 m = mask[i];
         if (!m) continue;
         const int c = i * THREADS + threadIdx.x;
-        i64 pos = excl + mine + before[i];
+        i64 pos = excl + at[i];
         const bool fits = pos + __popc(m) <= cap;
         if (fits && whole) reinterpret_cast<V16*>(rf)[c] = x[i].v;
         while (m) {
             const int k = __ffs(m) - 1;
             m &= m - 1;
             if (pos < cap) {
-                out_idx[pos] = start + c * VW + k;
                 const W val = word_of<W>(x[i].v, k);
+                out_idx[pos] = start + c * VW + k;
                 out_val[pos] = val;
                 if (!(fits && whole)) rf[c * VW + k] = val;
             }
@@ -204,7 +248,7 @@ __device__ __forceinline__ void compact(const i64* key_at, const i64* key_start,
 }
 
 #define COMPACT(NAME, W)                                                                                  \
-extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
+extern "C" __global__ void BOUNDS NAME(                                               \
         const i64* key_at, const i64* key_start, const i64* key_end, const int* tile_key,                 \
         const i64* tile_start, W* ref, u64* state, u32* ticket, i64* out_idx, W* out_val, i64 cap,        \
         i64 ntiles, i64* total, int vec) {                                                                \
@@ -271,8 +315,7 @@ def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, wo
             out_val.view(torch.uint8).fill_(poison)
         # per tile its published word, then the ticket and the total (zeroed: no tile has published)
         state = torch.zeros(ntiles + 2, dtype=torch.int64, device=device)
-        ticket = state[ntiles:ntiles + 1]
-        total = state[ntiles + 1:ntiles + 2]
+        ticket, total = state[ntiles:ntiles + 1], state[ntiles + 1:]
         if ntiles:
             with torch.cuda.device(device):
                 kernel.launch(ntiles, THREADS, [*tables, ref, state, ticket, out_idx, out_val, cap, ntiles,

@@ -239,7 +239,8 @@ class Compactor:
         self.vec = 1  # words per 16 bytes where every key's words and address are 16-byte aligned
         self.slice_ends: list[int] = []
         self.scratch_bytes = 0
-        self.ntiles = 0
+        self.keys: tuple[Any, ...] = ()
+        self.cuda_tables: tuple[Any, ...] | None = None
         # the kernels of the last compare: "cuda" (weightsync.runtime.delta_cuda), "triton" (these)
         self.backend = ""
         # tests: fill the scratch and the outputs with this byte first (an entry left unwritten shows)
@@ -255,28 +256,33 @@ class Compactor:
         # compiler knows its alignment): the distance in words, which must be whole.
         dist = np.array(addrs, np.int64) - int(ref.data_ptr())
         self.usable = not np.any(dist % self.word)
-        sizes = np.diff(self.starts)
-        ntiles = -(-sizes // TILE)
-        tile_key = np.repeat(np.arange(len(sizes), dtype=np.int32), ntiles)
-        first = np.concatenate([[0], np.cumsum(ntiles)])[:-1]
-        within = np.arange(int(ntiles.sum()), dtype=np.int64) - np.repeat(first, ntiles)
-        tile_start = self.starts[:-1][tile_key] + within * TILE
+        tile_key, tile_start = self._tiles(TILE)
         dev = self.device
-        self.tables = (torch.from_numpy(dist // self.word).to(dev),
-                       torch.from_numpy(self.starts[:-1].copy()).to(dev),
-                       torch.from_numpy(self.starts[1:].copy()).to(dev),
-                       torch.from_numpy(tile_key).to(dev), torch.from_numpy(tile_start).to(dev))
+        self.keys = (torch.from_numpy(dist // self.word).to(dev),
+                     torch.from_numpy(self.starts[:-1].copy()).to(dev),
+                     torch.from_numpy(self.starts[1:].copy()).to(dev))
+        self.tables = (*self.keys, torch.from_numpy(tile_key).to(dev), torch.from_numpy(tile_start).to(dev))
+        self.cuda_tables = None
         aligned = all(a % 16 == 0 for a in [*addrs, int(ref.data_ptr())]) and \
             not np.any(self.starts * self.word % 16)
         self.vec = 16 // self.word if aligned else 1
         per_slice = max(1, min(COMPARE_SLICE // TILE, SCRATCH_BYTES // (SLOT * (2 + self.word))))
         total = len(tile_key)
-        self.ntiles = total
         self.slices = [(a, min(a + per_slice, total)) for a in range(0, total, per_slice)]
         # the word after each slice's last (where its last tile ends in the space)
         self.slice_ends = [int(min(tile_start[b - 1] + TILE, self.starts[tile_key[b - 1] + 1]))
                            for _, b in self.slices]
         self.addrs, self.ref_addr = addrs, int(ref.data_ptr())
+
+    def _tiles(self, tile: int) -> tuple[np.ndarray, np.ndarray]:
+        """The space cut into tiles of ``tile`` words (a key's last one may be short): each tile's key and
+        first word."""
+        sizes = np.diff(self.starts)
+        ntiles = -(-sizes // tile)
+        tile_key = np.repeat(np.arange(len(sizes), dtype=np.int32), ntiles)
+        first = np.concatenate([[0], np.cumsum(ntiles)])[:-1]
+        within = np.arange(int(ntiles.sum()), dtype=np.int64) - np.repeat(first, ntiles)
+        return tile_key, self.starts[:-1][tile_key] + within * tile
 
     def compare(self, views: Sequence[Any], ref: Any, hint: int) -> tuple[Any, Any] | None:
         """The changed words of the space (``views``: its keys' word views in order, ``ref``: its
@@ -294,9 +300,14 @@ class Compactor:
 
             mod = delta_cuda.module(self.device) if delta_cuda.wanted() else None
             if mod is not None:
+                if self.cuda_tables is None:  # its tiles are larger (32 KB)
+                    tile_key, tile_start = self._tiles(delta_cuda.tile_words(self.word))
+                    self.cuda_tables = (*self.keys, torch.from_numpy(tile_key).to(self.device),
+                                        torch.from_numpy(tile_start).to(self.device))
+                nt = int(self.cuda_tables[3].numel())
                 self.backend = "cuda"
-                self.scratch_bytes = (self.ntiles + 2) * 8  # the tiles' published counts
-                return delta_cuda.compare(mod, self.tables, self.ntiles, self.vec > 1, self.word, ref, hint,
+                self.scratch_bytes = (nt + 2) * 8  # the tiles' published counts
+                return delta_cuda.compare(mod, self.cuda_tables, nt, self.vec > 1, self.word, ref, hint,
                                           total, self.poison)
         if triton is None:
             return None

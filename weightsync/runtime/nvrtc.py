@@ -150,10 +150,12 @@ class Module:
         return self.kernels[name]
 
 
-def load(key: str, source: str, signatures: dict[str, str], device: Any) -> Module:
+def load(key: str, source: str, signatures: dict[str, str], device: Any,
+         options: Sequence[str] = ()) -> Module:
     """The module of ``source`` (cached under ``key`` per device) on torch CUDA ``device``: compiled for
     its architecture and loaded into its primary context (made current on this thread by torch's device
-    guard). ``signatures``: kernel name -> argument kinds (:data:`PTR`, :data:`I64`, :data:`I32`)."""
+    guard). ``signatures``: kernel name -> argument kinds (:data:`PTR`, :data:`I64`, :data:`I32`);
+    ``options``: NVRTC's (``-D`` macros; the key must tell them apart)."""
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -161,7 +163,7 @@ def load(key: str, source: str, signatures: dict[str, str], device: Any) -> Modu
     if cached is not None:
         return cached
     major, minor = torch.cuda.get_device_capability(index)
-    image = compile_to_cubin(source, f"sm_{major}{minor}", list(signatures))
+    image = compile_to_cubin(source, f"sm_{major}{minor}", list(signatures), options)
     lib = _driver()
     with torch.cuda.device(index):
         torch.cuda.current_stream(index)  # the runtime has made the device's primary context current
