@@ -545,6 +545,35 @@ def main() -> None:
                 print(f"  compare  {label}: ran on {comp.backend or 'nothing'}", flush=True)
             del comp
         os.environ.pop("WEIGHTSYNC_DELTA_KERNELS", None)
+        # the CUDA kernel's compile-time choices (weightsync/runtime/delta_cuda.py's macros): rounds of
+        # 16-byte chunks per tile, blocks per SM its registers are limited for, ticket or block index
+        if gpu:
+            from weightsync.runtime import delta_cuda, nvrtc
+
+            variants_cuda = [(8, 0, 1), (8, 0, 0), (4, 0, 1), (4, 4, 1), (2, 0, 1), (8, 3, 1), (16, 0, 1)]
+            for rounds, blocks, ticket in variants_cuda:
+                label = f"cuda compact ROUNDS={rounds} MIN_BLOCKS={blocks} TICKET={ticket}"
+                if args.only and args.only not in label:
+                    continue
+                try:
+                    mod = nvrtc.load(f"bench{rounds}.{blocks}.{ticket}", delta_cuda.SOURCE,
+                                     delta_cuda.SIGNATURES, device,
+                                     [f"-DROUNDS={rounds}", f"-DMIN_BLOCKS={blocks}", f"-DTICKET={ticket}"])
+                except nvrtc.NvrtcUnavailable as e:
+                    print(f"  compare  {label}: {e}", flush=True)
+                    continue
+                comp = dk.Compactor(2, b.starts, device)
+                comp._tables(b.views, b.ref)
+                tile_key, tile_start = comp._tiles(delta_cuda.tile_words(2, rounds))
+                tabs = (*comp.keys, torch.from_numpy(tile_key).to(device),
+                        torch.from_numpy(tile_start).to(device))
+
+                def run(mod: Any = mod, tabs: Any = tabs, nt: int = len(tile_key), k: int = k,
+                        vec: bool = comp.vec > 1) -> Any:
+                    return delta_cuda.compare(mod, tabs, nt, vec, 2, b.ref, k + k // 8, N)
+
+                b.record("compare", label, run, cmp_bytes, b.restore, b.check_compact)
+                del comp, tabs
         variants: list[tuple[str, dict[str, Any]]] = []
         orig = [(4096, 512, 8), (4096, 512, 4), (4096, 512, 16), (8192, 1024, 8), (8192, 1024, 16),
                 (16384, 2048, 16), (2048, 256, 4)]
