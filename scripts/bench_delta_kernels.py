@@ -471,9 +471,13 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=None, help="warm-up reps (default 2 on GPU, 0 on CPU)")
     ap.add_argument("--quick", action="store_true", help="fewer variants (the default on CPU)")
     ap.add_argument("--all", action="store_true", help="every variant, on CPU too")
-    ap.add_argument("--only", default="", help="compare variants whose label contains this (and skip the "
-                    "ceiling and scatter groups)")
+    ap.add_argument("--only", default="", help="compare variants whose label contains this (several: "
+                    "comma-separated; and skip the ceiling and scatter groups)")
     args = ap.parse_args()
+
+    def skip(label: str) -> bool:  # --only: comma-separated parts of labels
+        return bool(args.only) and not any(o in label for o in args.only.split(","))
+
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     if gpu:
@@ -535,7 +539,7 @@ def main() -> None:
         # the Triton kernels (slices of slots); hint = this push's count, as a push after one alike
         for backend in ("cuda", "triton"):
             label = f"Compactor.compare {backend}"
-            if args.only and args.only not in label:
+            if skip(label):
                 continue
             os.environ["WEIGHTSYNC_DELTA_KERNELS"] = backend
             comp = dk.Compactor(2, b.starts, device)
@@ -553,7 +557,7 @@ def main() -> None:
             variants_cuda = [(8, 0, 1), (8, 0, 0), (4, 0, 1), (4, 4, 1), (2, 0, 1), (8, 3, 1), (16, 0, 1)]
             for rounds, blocks, ticket in variants_cuda:
                 label = f"cuda compact ROUNDS={rounds} MIN_BLOCKS={blocks} TICKET={ticket}"
-                if args.only and args.only not in label:
+                if skip(label):
                     continue
                 try:
                     mod = nvrtc.load(f"bench{rounds}.{blocks}.{ticket}", delta_cuda.SOURCE,
@@ -600,7 +604,7 @@ def main() -> None:
         alone = [(f"{lab} (compact kernel alone)", dict(k, alone=True)) for lab, k in variants
                  if k["kernel"] in ("orig", "2d") and k["tile"] == 4096 and k["warps"] == 8]
         for label, kw in alone + variants:
-            if args.only and args.only not in label:
+            if skip(label):
                 continue
             try:
                 fn = b.compact_pipeline(**kw)
