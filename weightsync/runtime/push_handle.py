@@ -48,13 +48,15 @@ def watched_tensors(tensors: dict[str, Any], locals_: dict[str, Any]) -> list[tu
     for key, value in tensors.items():
         local = locals_[key]
         inner = getattr(value, "local_tensor", None)  # Sharded, Fused, Placed: the user's tensor
+        kept: list[Any] = []  # this key's tensors so far (the user's and the local one may be one object)
         for t in (value if inner is None else inner, local):
-            if not isinstance(t, torch.Tensor) or any(t is seen for k, seen in out if k == key):
+            if not isinstance(t, torch.Tensor) or any(t is seen for seen in kept):
                 continue
             try:
                 t._version  # noqa: B018 - raises for inference tensors, which keep no counter
             except RuntimeError:
                 continue
+            kept.append(t)
             out.append((key, t))
     return out
 
