@@ -13,9 +13,10 @@ tag (bits)     value                                       meaning
                | chunk & 0xFFFF``                            it is)
 ``0b110``      ``epoch & 0x1F << 24 | version``             a gatherer has used its provider's rows
 ``0b1110``     ``epoch & 0xF << 24 | version & 0xFFFFFF``   a delta header landed in a destination's inbox
+``0b1111``     ``version & 0xFF << 10 | sender``            a grant of ``version`` landed in ``sender``'s
+                                                           grant slot (:func:`grant_imm`)
 ``0xFFFFFFFF``                                             an announce landed in a destination's mailbox
 ``0xFFFFFFFE``                                             an ack landed in a source's mailbox
-``0xFFFFFFFD``                                             a grant landed in a writer's mailbox
 =============  ==========================================  ==================================
 
 Mailboxes: every participant registers an array of fixed-size slots, one per peer of the other role
@@ -25,9 +26,11 @@ Mailboxes: every participant registers an array of fixed-size slots, one per pee
 * a source writes an :data:`ANNOUNCE_RECORD` (epoch, version) into each destination's mailbox;
 * the destination decides whether it takes that version (newer than the one it holds, of the plan it
   holds) and into which shadow, raises ``updating``, then writes one :data:`GRANT_RECORD` into each of its
-  writers' grant slots (its sources; in a relay chain also its predecessor, which forwards into it).
-  Refusals go to the announcing source only. The destination is the authority: sources keep no shadow
-  or version state of their own, and no data byte is written before the grant;
+  writers' grant slots (its sources; in a relay chain also its predecessor, which forwards into it),
+  each write with the immediate :func:`grant_imm` of that slot and version; a writer reads a slot only
+  once that immediate has arrived. Refusals go to the announcing source only. The destination is the
+  authority: sources keep no shadow or version state of their own, and no data byte is written before
+  the grant;
 * the source writes its data into the granted shadow;
 * the destination writes an :data:`ACK_RECORD` into each source's mailbox once the version is complete.
 
@@ -45,7 +48,6 @@ import numpy as np
 
 ANNOUNCE = 0xFFFFFFFF
 ACK = 0xFFFFFFFE
-GRANT = 0xFFFFFFFD
 
 # A source's announce into a destination's mailbox: the plan epoch and version it is about to write.
 # ``buffer`` is no longer read (the destination picks the shadow and says so in its grant); kept 0.
@@ -55,9 +57,12 @@ ANNOUNCE_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("buffer", "<i
 ACK_RECORD = np.dtype([("version", "<i8"), ("next_buffer", "<i8"), ("reserved", "<i8")])
 # A destination's answer to an announce, in a writer's grant slot: the version the destination holds, its
 # plan epoch, the shadow it receives this version into (0 inplace), whether it takes the version (GRANTED)
-# or why not, and last the version it answers (writers match grants by it). A writer reads a slot as soon
-# as its version matches, before the grant's immediate: the version's bytes land last (a write is placed
-# in order), so a slot that shows the version already holds the rest of its record.
+# or why not, and last the version it answers (writers match grants by it). A writer reads a slot only
+# once the immediate of the write that placed the record there has arrived (grant_imm names the slot and
+# the version): nothing orders a write's bytes as they are placed (EFA SRD and multipath place packets
+# out of order) nor, on a weakly ordered CPU (aarch64), a reader's loads of a slot still being written,
+# so a slot that already shows the version may still hold the last grant's shadow, held version or
+# status beside it. Only the immediate, counted once every byte of its write is placed, says it is whole.
 GRANT_RECORD = np.dtype([("held", "<i8"), ("epoch", "<i4"), ("shadow", "<i2"), ("status", "<i2"),
                          ("version", "<i8")])
 GRANTED = 0
@@ -68,6 +73,23 @@ SLOT_BYTES = ANNOUNCE_RECORD.itemsize
 assert ACK_RECORD.itemsize == GRANT_RECORD.itemsize == SLOT_BYTES
 MAX_SLOTS = 1024  # mailbox slots per participant: peers of the other role, by rank
 EMPTY = -1  # every field of a slot nothing has been written into (0 would read as version 0)
+
+
+GRANT_VERSIONS = 256  # grant immediates repeat every this many versions (8 version bits)
+
+
+def grant_imm(sender: int, version: int) -> int:
+    """The immediate of a grant record of ``version`` written into the grant slot of ``sender``
+    (:func:`grant_slot`): tag 0b1111 in the top bits, the version's low 8 bits, the sender's index
+    (below :data:`MAX_SLOTS`, 10 bits); 0xF003FFFF at most, so never equal to ANNOUNCE, ACK or any other
+    kind.
+
+    It names the slot so that a writer learns *which* record is whole: with one immediate value for all
+    grants, k immediates counted beside k + 1 slots that show the version would leave unknown which one
+    is still being written. The version bits keep a late grant of an earlier version into the same slot
+    (same parity) from counting for this one, for 256 versions. Each (sender, version bits) is one
+    counter at the writer: at most 256 per peer."""
+    return 0xF0000000 | ((version & (GRANT_VERSIONS - 1)) << 10) | (sender & (MAX_SLOTS - 1))
 
 
 def grant_slot(sender: int, version: int) -> int:
@@ -94,7 +116,8 @@ def gather_imm(epoch: int, version: int) -> int:
 
 def relay_imm(epoch: int, chunk: int, version: int = 0) -> int:
     """The immediate of relay chunk ``chunk`` of ``version``: tag 0b101 in the top bits, so never equal to
-    a data immediate (top bit 0), a gather (0b100), gathered (0b110), ANNOUNCE, ACK or GRANT.
+    a data immediate (top bit 0), a gather (0b100), gathered (0b110), a grant (0b1111), ANNOUNCE or
+    ACK.
 
     The version's low 8 bits make every version count on counters of its own: pieces of an abandoned
     version that arrive late (a slow or stopped chain member completes it after all) can never count

@@ -1,6 +1,7 @@
-"""The grant records and version-scoped relay immediates of the push protocol (announce -> grant -> data
--> ack), without Ray or an engine: slots never collide, and relay immediates of different versions differ
-while staying in the relay tag."""
+"""The grant records, grant immediates and version-scoped relay immediates of the push protocol (announce
+-> grant -> data -> ack), without Ray or an engine: slots never collide, each grant slot and version has an
+immediate of its own in the grant tag, and relay immediates of different versions differ while staying in
+the relay tag. That a grant is read only once its immediate is in: test_grant_immediate.py."""
 
 from __future__ import annotations
 
@@ -31,11 +32,10 @@ def test_grant_record_is_one_slot_and_reads_back() -> None:
 
 
 def test_a_grant_slot_that_shows_the_version_holds_the_whole_record() -> None:
-    # A writer reads its grant slot as soon as the version there matches, before the grant's immediate
-    # has arrived; a write is placed in order, so at any moment the slot holds a prefix of the new record
-    # over the old one. Whatever the prefix, a slot that shows the new version must show the new held
-    # version, epoch, shadow and status too (a stale shadow would send a staged destination's bytes into
-    # the buffer its readers use; a stale held version, a delta taken on the wrong base).
+    # Writers read a grant slot only once the grant's immediate is in (test_grant_immediate.py); the
+    # version stays the record's last field, filled last, so that where a write is placed in order (a
+    # prefix of the new record over the old one) a slot that shows the new version also shows the new
+    # held version, epoch, shadow and status: a second line of defence, not the one relied on.
     def record(version: int, held: int, epoch: int, shadow: int, status: int) -> np.ndarray:
         r = np.zeros(1, wire.GRANT_RECORD)
         r["version"], r["held"], r["epoch"], r["shadow"], r["status"] = version, held, epoch, shadow, status
@@ -50,6 +50,20 @@ def test_a_grant_slot_that_shows_the_version_holds_the_whole_record() -> None:
             assert slot.tobytes() == new.tobytes(), f"the version landed before byte {cut} of the record"
 
 
+def test_grant_immediates_name_the_slot_and_version_and_no_other_kind() -> None:
+    senders = (0, 1, 2, 511, wire.MAX_SLOTS - 1)
+    imms = {(s, v): wire.grant_imm(s, v) for s in senders for v in range(wire.GRANT_VERSIONS)}
+    # one counter per grant slot and version: a writer knows which record is whole, and a late grant of
+    # an earlier version into the same slot (same parity) does not count for this one
+    assert len(set(imms.values())) == len(imms)
+    assert wire.grant_imm(3, 10) != wire.grant_imm(3, 12) and wire.grant_imm(3, 10) != wire.grant_imm(4, 10)
+    assert wire.grant_imm(3, 10) == wire.grant_imm(3, 10 + wire.GRANT_VERSIONS)  # 8 version bits wrap
+    for imm in imms.values():
+        assert imm >> 28 == 0xF  # the grant tag: no data, gather, relay, gathered or delta header immediate
+        assert imm not in (wire.ANNOUNCE, wire.ACK)
+    assert max(imms.values()) == 0xF003FFFF
+
+
 def test_relay_immediates_are_scoped_by_version() -> None:
     chunks = range(0, wire.RELAY_MAX_CHUNKS, 4099)
     for epoch in (0, 5, 31):
@@ -60,4 +74,3 @@ def test_relay_immediates_are_scoped_by_version() -> None:
             assert wire.relay_imm(epoch, 123, v) == base | wire.relay_version_bits(v)  # what a push ORs in
             assert wire.relay_imm(epoch, 123, v) >> 29 == 0b101  # still the relay tag
     assert wire.relay_imm(3, 9, 7) == wire.relay_imm(3, 9, 7 + wire.RELAY_VERSIONS)  # 8 version bits wrap
-    assert wire.GRANT not in (wire.ANNOUNCE, wire.ACK) and wire.GRANT >> 29 == 0b111

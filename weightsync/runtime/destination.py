@@ -51,7 +51,6 @@ from weightsync.wire import (
     ANNOUNCE,
     ANNOUNCE_RECORD,
     EMPTY,
-    GRANT,
     GRANTED,
     MAX_SLOTS,
     REFUSED_BUSY,
@@ -60,6 +59,7 @@ from weightsync.wire import (
     SLOT_BYTES,
     data_imm,
     delta_header_imm,
+    grant_imm,
     grant_slot,
 )
 
@@ -129,7 +129,6 @@ class Destination(Participant):
         self._relay: RelayMember | None = None  # this member's place in the relay chain, if any
         self._stop = threading.Event()
         self._announces = self.engine.counter(ANNOUNCE)
-        self._grants = self.engine.counter(GRANT)  # relay: the successor's grants
         # Per source slot, the announce (epoch, version) last answered: a slot holds its last announce
         # forever, and each is answered once.
         self._answered = np.full(MAX_SLOTS, EMPTY, dtype=_ANSWERED)
@@ -428,7 +427,7 @@ class Destination(Participant):
             try:
                 writes.append(self.engine.write(
                     self._outbox_region, slot * SLOT_BYTES, link.peer, link.mailbox,
-                    grant_slot(sender, version) * SLOT_BYTES, SLOT_BYTES, imm=GRANT))
+                    grant_slot(sender, version) * SLOT_BYTES, SLOT_BYTES, imm=grant_imm(sender, version)))
             except TransportError as exc:
                 self.log.warning("destination %d: grant of version %d to %s failed: %s", self.rank, version,
                                  what, exc)
@@ -575,11 +574,15 @@ class Destination(Participant):
         complete, reason = relay.wait(deadline, self._stop, superseded, WAIT_SLICE_S, arm_if_granted)
         return complete, reason, armed
 
-    def _successor_answered(self, target: int) -> bool:
+    def _successor_answered(self, target: int, credited: bool = False) -> bool:
         """Whether the relay successor answered ``target``; if it granted it, arms the forwards into the
-        shadow it granted."""
+        shadow it granted. ``credited``: the caller took the grant's immediate with a wait."""
         relay = self._relay
         assert relay is not None and relay.successor is not None
+        # The slot only once the immediate of the write that filled it is in (weightsync.wire.GRANT_RECORD:
+        # before that it may show the version beside the last grant's shadow).
+        if self.engine.counter(grant_imm(0, target)).reset() == 0 and not credited:
+            return False
         g = self._grant_box[grant_slot(0, target) - MAX_SLOTS]
         if int(g["version"]) != target or int(g["epoch"]) != self.epoch:
             return False
@@ -594,15 +597,18 @@ class Destination(Participant):
         """``target`` is complete here but the successor has not granted it yet: waits for its grant (until
         the deadline, or a newer announce) and arms the forwards then (they fire at once: every chunk is
         here)."""
-        self._grants.reset()  # credits of earlier grants: what arrives from now on is also in the slot
-        while not self._successor_answered(target):
+        counter = self.engine.counter(grant_imm(0, target))
+        credited = False
+        while not self._successor_answered(target, credited):
+            credited = False
             left = deadline - time.monotonic()
             if self._stop.is_set() or left <= 0:
                 self.log.warning("destination %d: relay successor granted no version %d: not forwarding it",
                                  self.rank, target)
                 return
             try:
-                self._grants.wait(1, timeout=min(WAIT_SLICE_S, left))
+                counter.wait(1, timeout=min(WAIT_SLICE_S, left))
+                credited = True
             except TimeoutError:
                 if self._announces.value and self._unanswered_during(target) is not None:
                     return  # a newer version is announced: the successor will be asked for that one

@@ -7,9 +7,10 @@ A push, from one source's point of view (every source does this at the same time
    unless the watcher is unhealthy;
 2. per destination write a 24-byte *announce* (weightsync.wire.ANNOUNCE_RECORD: epoch, version) into
    its mailbox slot with immediate ``ANNOUNCE``, and wait for its *grant* (weightsync.wire.GRANT_RECORD,
-   immediate ``GRANT``): the destination decides whether it takes the version (newer than what it
-   holds, of its plan) and into which shadow, and raises ``updating`` before it grants, so no byte is
-   written before that. The first staged chunks are prepared while the grants travel;
+   read only once its immediate ``grant_imm(rank, version)`` is in): the destination decides whether it
+   takes the version (newer than what it holds, of its plan) and into which shadow, and raises
+   ``updating`` before it grants, so no byte is written before that. The first staged chunks are
+   prepared while the grants travel;
 3. post the direct writes (contiguous or 2-D, no transform) into the granted shadows round by round
    with immediate ``data_imm(epoch, version)``;
 4. run the staged chunks (weightsync.runtime.staging): gathers of FP8 tile rows other sources own
@@ -69,7 +70,6 @@ from weightsync.wire import (
     ANNOUNCE,
     ANNOUNCE_RECORD,
     EMPTY,
-    GRANT,
     GRANTED,
     MAX_SLOTS,
     REFUSED_EPOCH,
@@ -77,6 +77,7 @@ from weightsync.wire import (
     data_imm,
     delta_header_imm,
     gathered_imm,
+    grant_imm,
     grant_slot,
     relay_version_bits,
 )
@@ -88,6 +89,10 @@ ROUNDS_IN_FLIGHT = 2  # direct-write rounds a source keeps posted: one running, 
 ORDERED_ROUNDS_IN_FLIGHT: int | None = None
 DEFAULT_CPU_STAGING = 256 << 20
 GRANT_SLICE_S = 0.02  # between looks at announce transfers that failed (a dead destination)
+# Each destination's grant has a counter of its own and a wait watches one: while several are pending,
+# the one watched is changed this often, so that another's grant is seen at most this late (it only
+# matters while one is slow: when every destination answers at once, each wait returns at its arrival).
+GRANT_TURN_S = 0.002
 # Once the first destination has answered, how much longer the others get before the writes start
 # without them (they are then served as their grants come in): at least this, or twice the first's time.
 GRANT_GRACE_S = 0.05
@@ -207,9 +212,12 @@ class _Grants:
         self.commit = commit  # the tails of destinations whose other writes are all posted
         self.stopped = False  # the push failed its check: serve no more late destinations
         self.announces = dict(announces)
-        self.counter = src.engine.counter(GRANT)
-        # Credits of earlier grants: from now on every grant's credit follows its record into the slot.
-        self.counter.reset()
+        # Per destination, the counter of its grant's immediate: its slot is read only once a credit is in.
+        # Its credits are not dropped here: a destination grants a version to all its sources at the first
+        # announce of it, so the grant can be in before this source has announced.
+        self.counters = {r: src.engine.counter(grant_imm(r, version)) for r in src._dests}
+        self.credited: set[int] = set()  # credit taken by a wait, slot not read yet
+        self.turn = 0  # which pending destination's counter the next wait watches
         self.pending = {r for r in src._dests if r not in failed}
         self.granted: dict[int, int] = {}  # rank -> shadow
         self.bases: dict[int, int] = {}  # rank -> the version a delta into its shadow may be taken on
@@ -225,11 +233,17 @@ class _Grants:
         src, v = self.src, self.version
         newly = []
         for r in sorted(self.pending):
+            # The slot only once the immediate of the write that filled it is in: until then it may hold
+            # any mix of this record's bytes and the last one's, version included (the counter's lock
+            # also orders the reads below after the engine thread's count, on a weakly ordered CPU).
+            credited = self.counters[r].reset() > 0 or r in self.credited
+            self.credited.discard(r)
             g = src._grant_box[grant_slot(r, v) - MAX_SLOTS]
-            if int(g["version"]) == v:
+            # Credit beside another version: a late grant of an earlier version with the same low bits.
+            if credited and int(g["version"]) == v:
                 epoch, status = int(g["epoch"]), int(g["status"])
                 if epoch < src.epoch or (epoch == src.epoch and status == REFUSED_EPOCH):
-                    pass  # an answer to an announce of an earlier plan (or a slot read half-written)
+                    pass  # an answer to an announce of an earlier plan
                 elif epoch > src.epoch:
                     self.pending.discard(r)
                     self.stale.add(r)
@@ -264,8 +278,13 @@ class _Grants:
         if self.pending and not newly:
             left = until - time.monotonic()
             if left > 0:
+                pending = sorted(self.pending)
+                r = pending[self.turn % len(pending)]
+                self.turn += 1
+                turn = GRANT_SLICE_S if len(pending) == 1 else GRANT_TURN_S
                 try:
-                    self.counter.wait(1, timeout=min(GRANT_SLICE_S, left))
+                    self.counters[r].wait(1, timeout=min(turn, left))
+                    self.credited.add(r)
                 except TimeoutError:
                     pass
                 newly = self._poll()
@@ -319,6 +338,9 @@ class _Grants:
                 self.commit({r})
         self.ungranted |= self.pending
         self.pending = set()
+        # Grants that come after this (past the deadline) must not count for a version 256 later.
+        for counter in self.counters.values():
+            counter.reset()
 
 
 class Source(Participant):
