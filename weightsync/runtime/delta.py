@@ -1242,9 +1242,11 @@ class DeltaReceiver:
                     from weightsync.runtime.delta_kernels import scatter_idx16
 
                     nwords = ents["rows"] * ents["row_bytes"] // w
-                    todo = [(words(self.buffers[self.keys[int(key[i])]][shadow], w), int(shift[i]),
-                             int(starts[i]), int(ends[j - 1]), int(ents["data"][i]),
-                             int(ents["data"][j - 1] + nwords[j - 1])) for i, j in runs if not strided[i]]
+                    # the kernel needs each key's address only (a word view per run costs tens of us of
+                    # host time, on the apply's critical path)
+                    todo = [(self._address(int(key[i]), shadow), int(shift[i]), int(starts[i]),
+                             int(ends[j - 1]), int(ents["data"][i]), int(ents["data"][j - 1] + nwords[j - 1]))
+                            for i, j in runs if not strided[i]]
                     if todo and scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device):
                         runs = [(i, j) for i, j in runs if strided[i]]
                 if not runs:
@@ -1268,6 +1270,10 @@ class DeltaReceiver:
                         seg -= r * m
                         seg += t[4][jid] + r * t[3][jid]
                     target[seg] = vals[a:b]
+
+    def _address(self, key: int, shadow: int) -> int:
+        """The address of key ``key``'s buffer ``shadow`` (contiguous: it was registered so)."""
+        return int(self.buffers[self.keys[key]][shadow].data_ptr())
 
     def completed(self, version: int, shadow: int) -> None:
         self.holds[shadow] = version

@@ -172,7 +172,7 @@ if triton is not None:
 def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any) -> bool:
     """Scatters the contiguous runs of an ENC_IDX16 stream (``payload``: uint8 from the stream's start,
     ``n`` words of which ``k`` changed, values at byte ``vals_at``) into their keys with one kernel:
-    ``runs`` rows of (target: a ``w``-byte word view of the key, shift: the key's word of stream
+    ``runs`` rows of (target: the address of the key's first byte, shift: the key's word of stream
     position 0, first and last+1 changed index, first and last+1 stream position). False (nothing done)
     where a target is not a whole number of words from the values (the caller's torch ops scatter)."""
     import torch
@@ -184,7 +184,7 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
     nb = -(-n // BLOCK)
     vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
     low = payload[_align(4 * nb):_align(4 * nb) + 2 * k].view(torch.int16)
-    dist = np.array([int(t.data_ptr()) for t, *_ in runs], np.int64) - int(vals.data_ptr())
+    dist = np.array([int(r[0]) for r in runs], np.int64) - int(vals.data_ptr())
     if np.any(dist % w):
         return False
     table = np.array([r[1:] for r in runs], np.int64).reshape(-1, 5)
