@@ -64,15 +64,18 @@ writes the reference takes the changed values with one indexed copy per word siz
 each stream once (``repeat_interleave`` of the block bases, the low bits copied in) and scatters each
 run of entries of one key and one placement with one indexed copy.
 
-On CUDA, where triton imports (and unless ``WEIGHTSYNC_DELTA_KERNELS=0``), the sender's compare is two
-Triton kernels per slice instead (:mod:`weightsync.runtime.delta_kernels`): the changed words' positions
-and values found per tile of 4096 words reading each tensor and the reference once, the reference
+On CUDA (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the sender's compare is a device kernel instead: the
+changed words' positions and values found reading each tensor and the reference once, the reference
 updated in the same pass (so ``finish`` has nothing left to copy for those spaces: a push that fails
-leaves the reference's version at -1, and the next push copies the tensors whole into it), one host
-synchronization per slice for its count; its slot scratch (``DeltaSender.scratch_bytes``, 256 MiB a
-slice at most) comes from torch's caching allocator and is not in ``PushStats.delta_ref_bytes``. The
-receiver scatters an ENC_IDX16 stream's contiguous runs there with one kernel per stream, without
-decoding (:func:`weightsync.runtime.delta_kernels.scatter_idx16`).
+leaves the reference's version at -1, and the next push copies the tensors whole into it). First choice,
+one CUDA C++ kernel per space compiled at run time with NVRTC (:mod:`weightsync.runtime.delta_cuda`: one
+pass, each tile's place in the output by a decoupled look-back, one host synchronization per space); where
+NVRTC cannot be had, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``, two Triton kernels per slice
+(:mod:`weightsync.runtime.delta_kernels`: one host synchronization per slice, a slot scratch of 256 MiB a
+slice at most). Their scratch (``DeltaSender.scratch_bytes``) comes from torch's caching allocator and is
+not in ``PushStats.delta_ref_bytes``. Where triton imports, the receiver scatters an ENC_IDX16 stream's
+contiguous runs with one kernel per stream, without decoding
+(:func:`weightsync.runtime.delta_kernels.scatter_idx16`).
 
 Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` (or the kernels' count) per
 :data:`COMPARE_SLICE` words of each word size, one copy of the counts, two more when direct writes read
@@ -365,8 +368,8 @@ def placed(local: Any, base: int, row_words: int, pitch_words: int, rows: int) -
 
 
 def _kernels_wanted(device: Any) -> bool:
-    """Whether the sender compares with the Triton kernels (:mod:`weightsync.runtime.delta_kernels`:
-    on CUDA where triton imports, unless ``WEIGHTSYNC_DELTA_KERNELS=0``); triton is not imported for a
+    """Whether the sender compares with device kernels (on CUDA: the CUDA C++ or the Triton ones, unless
+    ``WEIGHTSYNC_DELTA_KERNELS=0``; :mod:`weightsync.runtime.delta_kernels`); triton is not imported for a
     CPU sender unless the tests force the kernels under Triton's interpreter."""
     flag = os.environ.get("WEIGHTSYNC_DELTA_KERNELS", "")
     if flag == "0" or (device.type != "cuda" and flag != "1"):

@@ -34,7 +34,9 @@ decoding the positions into int64 first: per (run, 65536-word block) pair, the b
 cumsum of the block counts, each changed word stored at ``block * 65536 + low16 + shift`` of its key.
 Strided runs and bitmap streams keep the torch ops.
 
-Used when the device is CUDA and ``triton`` imports, unless ``WEIGHTSYNC_DELTA_KERNELS=0``. With Triton's
+The sender's compare runs here only where the CUDA C++ kernel (:mod:`weightsync.runtime.delta_cuda`,
+twice as fast) cannot be compiled, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``; the receiver's scatter runs
+here where ``triton`` imports. Both only on CUDA, unless ``WEIGHTSYNC_DELTA_KERNELS=0``. With Triton's
 interpreter (``TRITON_INTERPRET=1`` before triton is imported) and ``WEIGHTSYNC_DELTA_KERNELS=1`` the
 kernels also run on CPU tensors (the tests do that); without the interpreter they never run on CPU.
 """
