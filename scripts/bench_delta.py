@@ -86,6 +86,15 @@ import weightsync as ws  # noqa: E402
 # The same actor set-up and byte check as the non-blocking push benchmark (importing it also turns NVLink
 # multicast off in this process, as NO_MULTICAST says).
 from scripts.bench_async import NO_MULTICAST, _device, _sync, digest  # noqa: E402
+from scripts.bench_common import (  # noqa: E402
+    DELTA_GOAL,
+    add_adam_options,
+    met,
+    percents,
+    round_into,
+    step_span,
+    untimed_steps,
+)
 
 
 def adam_step(master: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], gen: torch.Generator,
@@ -97,12 +106,10 @@ def adam_step(master: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
         p = torch.nn.Parameter(master[name].to(dev, non_blocking=True))
         p.grad = torch.randn(p.shape, generator=gen, device=dev, dtype=torch.float32)
         torch.optim.Adam([p], lr=lr).step()
-        new = p.detach().to(w.dtype)
-        changed += int((new.view(torch.int16) != w.view(torch.int16)).sum())
+        changed += int(round_into(w, p.detach()))
         total += w.numel()
-        w.copy_(new)
         master[name].copy_(p.detach(), non_blocking=True)
-        del p, new
+        del p
     _sync(dev)
     return changed / total
 
@@ -145,12 +152,8 @@ class KeptAdamState:
 
         for i, p in self.adam.step(lr, grad):
             name, a, b = self.chunks[i]
-            w = weights[name].view(-1)[a:b]
-            new = p.to(w.dtype)
-            changed += (new.view(torch.int16) != w.view(torch.int16)).sum()
+            changed += round_into(weights[name].view(-1)[a:b], p)
             total += b - a
-            w.copy_(new)
-            del new
         _sync(dev)
         return int(changed) / total
 
@@ -162,9 +165,7 @@ def adam_what(adam: str, steps: list[int]) -> str:
     """The Adam mode and the step numbers of the timed pushes, as printed beside every figure."""
     if adam == "first":
         return "first step"
-    if not steps:
-        return "kept"
-    return f"kept {steps[0]}" if steps[0] == steps[-1] else f"kept {steps[0]}-{steps[-1]}"
+    return f"kept {step_span(steps)}" if steps else "kept"
 
 
 def model_config(model: str) -> dict[str, Any]:
@@ -389,7 +390,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for kind in groups:  # first pushes: dense everywhere (no reference yet), and warm-up
             ray.get(trainer.push.remote(kind, version), timeout=1200)
         ray.get(rollout.wait.remote(version), timeout=600)
-        untimed = adam_untimed(args)
+        untimed = untimed_steps(args.adam, args.adam_warmup, args.warmup)
         for lr in args.lrs:
             rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
             fractions, all_fractions, adam_steps, step_s = [], [], [], []
@@ -416,7 +417,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if n >= untimed or n == untimed + args.steps - 1:
                     check_replicas(trainer, rollout, groups, lr, version)
             print(f"  lr {lr:g}: Adam {args.adam}, {len(all_fractions)} steps changed "
-                  f"{', '.join(f'{x:.2%}' for x in all_fractions)} of BF16 values (timed: steps "
+                  f"{percents(all_fractions)} of BF16 values (timed: steps "
                   f"{adam_steps}); one Adam step {_med(step_s):.2f} s (median)", flush=True)
             d = rows["dense"]
             for kind in kinds[1:]:
@@ -452,14 +453,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     goals = []
     for r in results:
         if cuda and abs(r["lr"] - 1e-6) < 1e-12:
-            met = "met" if r["delta_over_dense"] <= 0.35 else "NOT met"
-            goals.append(f"goal: delta push <= 0.35x dense at lr 1e-6 ({r['kind']}, {r['path']} compare, "
-                         f"Adam {adam_what(r['adam'], r['adam_steps'])}, {r['changed_fraction']:.2%} "
-                         f"changed): {r['delta_over_dense']:.3f}x ({met})")
+            x = r["delta_over_dense"]
+            goals.append(f"goal: delta push <= {DELTA_GOAL:g}x dense at lr 1e-6 ({r['kind']}, {r['path']} "
+                         f"compare, Adam {adam_what(r['adam'], r['adam_steps'])}, "
+                         f"{r['changed_fraction']:.2%} changed): {x:.3f}x ({met(x <= DELTA_GOAL)})")
         if not cuda:
-            met = "met" if r["delta_over_dense"] <= 0.2 else "NOT met"
             goals.append(f"goal (CPU): delta >= 5x faster than dense at lr {r['lr']:g} ({r['kind']}): "
-                         f"{1 / r['delta_over_dense']:.1f}x ({met})")
+                         f"{1 / r['delta_over_dense']:.1f}x ({met(r['delta_over_dense'] <= 0.2)})")
     out["goals"] = goals
     if results:
         r = results[0]
@@ -478,12 +478,6 @@ def check_replicas(trainer: Any, rollout: Any, groups: dict[str, str], lr: float
         if bad:
             raise SystemExit(f"lr {lr}: the {kind} replica's version {version} differs from the trainer's "
                              f"weights in {len(bad)} tensors, e.g. {bad[:3]}")
-
-
-def adam_untimed(args: argparse.Namespace) -> int:
-    """Steps per learning rate pushed before the timed ones: --warmup, or with kept moments
-    --adam-warmup (at least one: the delta path's own warm-up)."""
-    return max(1, args.adam_warmup) if args.adam == "kept" else args.warmup
 
 
 def _delta_classes(path: str) -> tuple[Any, Any]:
@@ -561,7 +555,7 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
         version = 1
         for kind in kinds:
             push(kind, version)  # dense: no reference yet
-        untimed = adam_untimed(args)
+        untimed = untimed_steps(args.adam, args.adam_warmup, args.warmup)
         kept = KeptAdamState(master, dev) if args.adam == "kept" else None
         for lr in args.lrs:
             rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
@@ -785,12 +779,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps per learning rate (default 5; cpu 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per learning rate (--adam first)")
-    ap.add_argument("--adam", choices=["kept", "first"], default="kept",
-                    help="Adam's moments kept across steps like a trainer's optimizer (a fresh one per "
-                         "learning rate), or Adam's first step (fresh moments) every step, as before")
-    ap.add_argument("--adam-warmup", type=int, default=2,
-                    help="--adam kept: Adam steps per learning rate pushed untimed before the timed ones "
-                         "(which are then steps K+1 on)")
+    add_adam_options(ap)  # kept: a fresh optimizer per learning rate, --adam-warmup steps of each untimed
     ap.add_argument("--inbox", type=float, default=0.125,
                     help="the delta inbox, a fraction of the model bytes")
     ap.add_argument("--out", default="", help="write the JSON result here too")

@@ -93,6 +93,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import weightsync as ws  # noqa: E402
+from scripts.bench_common import (  # noqa: E402
+    DELTA_GOAL,
+    add_adam_options,
+    met,
+    percents,
+    round_into,
+    step_span,
+    untimed_steps,
+)
 from scripts.bench_worker import DTYPE, Worker, bucket_plan  # noqa: E402
 
 # NVLink multicast stays off in every process this benchmark starts (the lent GPU hosts require it).
@@ -689,11 +698,7 @@ class DeltaWorker(Worker):
                 return g
 
             for i, p in self.kept.step(lr, grad):
-                w = self.flat[i * ADAM_CHUNK:i * ADAM_CHUNK + p.numel()]
-                new = p.to(DTYPE)
-                changed += (new.view(torch.int16) != w.view(torch.int16)).sum()
-                w.copy_(new)
-                del new
+                changed += round_into(self.flat[i * ADAM_CHUNK:i * ADAM_CHUNK + p.numel()], p)
             self._sync()
             return {"changed": int(changed), "total": self.real_elements, "step_s": time.perf_counter() - t0,
                     "adam_step": self.kept.steps}
@@ -705,13 +710,10 @@ class DeltaWorker(Worker):
             self._zero_gaps(grad, c0, c1)  # a zero gradient leaves Adam's first step at zero
             p.grad = grad
             torch.optim.Adam([p], lr=lr).step()
-            new = p.detach().to(DTYPE)
-            w = self.flat[c0:c1]
-            changed += (new.view(torch.int16) != w.view(torch.int16)).sum()
-            w.copy_(new)
+            changed += round_into(self.flat[c0:c1], p.detach())
             if self.master_apart:
                 master.copy_(p.detach(), non_blocking=True)
-            del p, grad, new
+            del p, grad
         self._sync()
         return {"changed": int(changed), "total": self.real_elements, "step_s": time.perf_counter() - t0,
                 "adam_step": 1}
@@ -929,7 +931,7 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
             res["masters"] = team.call("delta_masters", res["adam"], timeout=tmo, who=team.trainers)
             # untimed steps (each pushed and checked): the first warms the delta path up; with kept moments
             # --adam-warmup of them, so the timed pushes are Adam's steps warm-up + 1 on
-            untimed = max(1, args.adam_warmup) if res["adam"] == "kept" else 1
+            untimed = untimed_steps(res["adam"], args.adam_warmup, 1)
             res["adam_steps"] = []
             for i in range(untimed + args.pushes):
                 if len(res["times"]) >= 2 and time.monotonic() > args.deadline:
@@ -1055,7 +1057,7 @@ def _say_delta(res: dict[str, Any]) -> None:
     ratio = res["delta_over_dense"]
     wire, dense = res["wire_bytes_median"], res["dense_bytes_median"]
     print(f"    delta push at lr {res['lr']:g}, {_adam_what(res)}: {res['changed_fraction_median']:.3%} of "
-          f"BF16 values changed (per step {', '.join(f'{x:.2%}' for x in res['changed_fraction'])}); "
+          f"BF16 values changed (per step {percents(res['changed_fraction'])}); "
           f"median {res['median_s'] * 1e3:.2f} ms over {len(res['times'])} "
           f"({', '.join(f'{t * 1e3:.1f}' for t in res['times'])}), dense {_ms(res['dense_median_s'])} ms, "
           f"delta/dense {'–' if ratio is None else f'{ratio:.3f}x'}; wire {_size(wire)} of {_size(dense)} "
@@ -1089,9 +1091,7 @@ def _adam_what(d: dict[str, Any]) -> str:
         return "Adam's first step (fresh moments) each push" + (" [fallback]" if d.get("adam_note") else "")
     if not steps:
         return "Adam kept"
-    if steps[0] == steps[-1]:
-        return f"Adam kept, step {steps[0]}"
-    return f"Adam kept, steps {steps[0]}-{steps[-1]}"
+    return f"Adam kept, step{'' if steps[0] == steps[-1] else 's'} {step_span(steps)}"
 
 
 def _size(n: float) -> str:
@@ -1315,27 +1315,26 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
         r = by.get(s, {})
         x = r.get("ratio_to_bound")
         out.append(f"goal: scenario {s} within 1.15x of the bound: "
-                   + ("not measured" if x is None else f"{x:.2f}x, {'met' if x <= 1.15 else 'NOT met'}"))
+                   + ("not measured" if x is None else f"{x:.2f}x, {met(x <= 1.15)}"))
     r = by.get(1, {})
     x = r.get("speedup_over_broadcast")
     out.append("goal: scenario 1 at least 1.7x faster than the best broadcast (a, b): "
-               + ("not measured" if x is None else f"{x:.2f}x, {'met' if x >= 1.7 else 'NOT met'}"))
+               + ("not measured" if x is None else f"{x:.2f}x, {met(x >= 1.7)}"))
     x = r.get("speedup_over_checkpoint_engine")
     out.append("goal: scenario 1 faster than checkpoint-engine: "
-               + ("not measured" if x is None else f"{x:.2f}x, {'met' if x > 1 else 'NOT met'}"))
+               + ("not measured" if x is None else f"{x:.2f}x, {met(x > 1)}"))
     for r in rows:  # --delta-lr (issue 21: at lr 1e-6)
         if "delta" not in r:
             continue
         d = r["delta"]
         x = d.get("delta_over_dense")
-        what = f"goal: scenario {r['scenario']} delta push at most 0.35x its dense push"
+        what = f"goal: scenario {r['scenario']} delta push at most {DELTA_GOAL:g}x its dense push"
         if x is None:
             out.append(f"{what}: not measured ({(d.get('error') or 'no dense push')[:120]})")
         else:
             out.append(f"{what} (lr {d['lr']:g}, {_adam_what(d)}, {d['changed_fraction_median']:.2%} "
-                       f"changed): {x:.3f}x, "
-                       f"{'met' if x <= 0.35 else 'NOT met'}" + (" (direct, not relayed)" if "relay_note" in d
-                                                                  else ""))
+                       f"changed): {x:.3f}x, {met(x <= DELTA_GOAL)}"
+                       + (" (direct, not relayed)" if "relay_note" in d else ""))
     return out
 
 
@@ -1377,12 +1376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--delta-lr", type=float, default=None,
                     help="also push each scenario as deltas: per push one Adam step at this learning rate "
                          "(issue 21: 1e-6), against the scenario's dense push")
-    ap.add_argument("--adam", choices=["kept", "first"], default="kept",
-                    help="with --delta-lr: Adam's moments kept across steps like a trainer's optimizer, or "
-                         "Adam's first step (fresh moments) every push, as before")
-    ap.add_argument("--adam-warmup", type=int, default=2,
-                    help="with --adam kept: Adam steps pushed untimed before the timed pushes (the timed "
-                         "ones are steps K+1 on; at lr 1e-6 step 3 changes about 2.3%%, step 1 4.2%%)")
+    add_adam_options(ap, when="with --delta-lr: ")
     ap.add_argument("--adam-host-fraction", type=float, default=0.4,
                     help="with --adam kept: a scenario whose trainers' Adam state (masters, moments) would "
                          "take more of the host's RAM than this falls back to --adam first, and says so")
