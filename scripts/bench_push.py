@@ -102,7 +102,7 @@ from scripts.bench_common import (  # noqa: E402
     step_span,
     untimed_steps,
 )
-from scripts.bench_worker import DTYPE, Worker, bucket_plan  # noqa: E402
+from scripts.bench_worker import Worker, bucket_plan  # noqa: E402
 
 # NVLink multicast stays off in every process this benchmark starts (the lent GPU hosts require it).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -734,38 +734,17 @@ class DeltaWorker(Worker):
         bucket of checkpoint tensors (VERIFY_BUCKET bytes), trainer 0 broadcasts it to the rollouts, which
         compare every piece they hold with it (the broadcast baseline's path, comparing instead of
         copying): a check against the sources' bytes, which after Adam steps no rollout can recompute."""
-        dist = self.dist
         buckets = bucket_plan(self.cfg, VERIFY_BUCKET)
         buf = torch.empty(max(sum(n for _, _, n in b) for b in buckets), dtype=torch.uint8, device=self.dev)
         bad: list[str] = []
         checked = 0
-        for bucket in buckets:
-            total = sum(n for _, _, n in bucket)
-            if self.trainer:
-                off = 0
-                for name, _, n in bucket:
-                    shard = self.local[name].view(-1).view(torch.uint8)
-                    out = buf[off:off + n]
-                    if self.T == 1:
-                        out.copy_(shard)
-                    elif self.cuda:
-                        dist.all_gather_into_tensor(out, shard, group=self.trainer_pg)
-                    else:  # gloo has no all_gather_into_tensor
-                        dist.all_gather(list(out.chunk(self.T)), shard, group=self.trainer_pg)
-                    off += n
-                if self.rank == 0:
-                    dist.broadcast(buf[:total], src=0, group=self.bcast_pg)
-                continue
-            dist.broadcast(buf[:total], src=0, group=self.bcast_pg)
-            off = 0
+        for tensors in self.gather_broadcast(buckets, buf):
             names, differs = [], []
-            for name, shape, n in bucket:
-                full = buf[off:off + n].view(DTYPE).view(shape)
+            for name, full in tensors:
                 for view, src_box in self.consumers.get(name, ()):
                     names.append(name)
                     differs.append((view.view(torch.int16) != full[src_box].view(torch.int16)).any())
                     checked += view.numel() * view.element_size()
-                off += n
             if differs:  # one host sync per bucket
                 bad += [nm for nm, d in zip(names, torch.stack(differs).tolist(), strict=True) if d]
         self._sync()

@@ -23,6 +23,7 @@ import os
 import re
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -449,12 +450,30 @@ class Worker:
         the bucket), trainer 0 broadcasts the bucket to the rollouts, every rollout copies each tensor's
         slices into its (fused, sharded) parameters. ``bucket_bytes == 0``: one tensor at a time
         (OpenRLHF). Returns this worker's seconds from a common barrier to its last byte."""
-        dist = self.dist
         buckets = bucket_plan(self.cfg, bucket_bytes)
         size = max(sum(n for _, _, n in b) for b in buckets)
         buf = torch.empty(size, dtype=torch.uint8, device=self.dev)
         self._barrier(self.world_pg)
         t0 = time.perf_counter()
+        for tensors in self.gather_broadcast(buckets, buf):
+            for name, full in tensors:
+                for view, src_box in self.consumers.get(name, ()):
+                    view.copy_(full[src_box])
+        self._sync()
+        seconds = time.perf_counter() - t0
+        del buf
+        if self.cuda:
+            torch.cuda.empty_cache()
+        return seconds
+
+    def gather_broadcast(self, buckets: list[list[tuple[str, tuple[int, ...], int]]],
+                         buf: torch.Tensor) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Each bucket of checkpoint tensors (``bucket_plan``'s), whole, into ``buf`` on every rollout, as
+        the broadcast baselines move it: every trainer all-gathers the bucket's dim-0 shards into ``buf``
+        (FSDP full_tensor(): all_gather_into_tensor), trainer 0 broadcasts it to the rollouts. On rollouts
+        yields, per bucket once it is in, its tensors as (name, full tensor: a view of ``buf``, valid until
+        the next bucket); on trainers yields nothing."""
+        dist = self.dist
         for bucket in buckets:
             total = sum(n for _, _, n in bucket)
             if self.trainer:
@@ -471,20 +490,13 @@ class Worker:
                     off += n
                 if self.rank == 0:
                     dist.broadcast(buf[:total], src=0, group=self.bcast_pg)
-            else:
-                dist.broadcast(buf[:total], src=0, group=self.bcast_pg)
-                off = 0
-                for name, shape, n in bucket:
-                    full = buf[off:off + n].view(DTYPE).view(shape)
-                    for view, src_box in self.consumers.get(name, ()):
-                        view.copy_(full[src_box])
-                    off += n
-        self._sync()
-        seconds = time.perf_counter() - t0
-        del buf
-        if self.cuda:
-            torch.cuda.empty_cache()
-        return seconds
+                continue
+            dist.broadcast(buf[:total], src=0, group=self.bcast_pg)
+            tensors, off = [], 0
+            for name, shape, n in bucket:
+                tensors.append((name, buf[off:off + n].view(DTYPE).view(shape)))
+                off += n
+            yield tensors
 
     def close(self) -> None:
         """Leaves the process as it was (the CPU section hosts several workers in one process in turn)."""
