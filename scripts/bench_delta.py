@@ -801,14 +801,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def emit(out: dict[str, Any], path: str) -> None:
+    """The result as the last printed line (one JSON object), and to ``path`` too where one is given."""
+    print(json.dumps(out), flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.compare:
         out = compare_only(args)
-        print(json.dumps(out), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+        emit(out, args.out)
         return
     if args.device == "cpu" and args.adam == "kept":
         from scripts.bench_push import adam_self_check
@@ -816,10 +821,7 @@ def main(argv: list[str] | None = None) -> None:
         print(adam_self_check(), flush=True)  # the kept-moment Adam against torch.optim.Adam, bitwise
     if args.micro:
         out = micro(args)
-        print(json.dumps(out), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+        emit(out, args.out)
         return
     out = run(args)
     print()
@@ -838,10 +840,7 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
     if "simulate" in out:
         print(f"simulator inputs at lr {out['results'][0]['lr']:g}: {out['simulate']}")
-    print(json.dumps(out), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out, args.out)
 
 
 if __name__ == "__main__":
