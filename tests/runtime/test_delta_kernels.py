@@ -15,6 +15,7 @@ byte first) and by the torch ops; positions, values and the reference after ``fi
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -437,3 +438,60 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
         assert torch.equal(idx, want), (hint, idx.numel(), want.numel())
         assert torch.equal(vals, cur[want]), hint
         assert torch.equal(r, cur), hint
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not _nvrtc(), reason="needs CUDA and NVRTC")
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+def test_the_cuda_encode_matches_the_index_writer(word: int) -> None:
+    """An ENC_IDX16 stream written by the CUDA encode (runs of the compare's output, a strided write's
+    entries between them by the index writer) equals the one the index writer's torch ops write, byte for
+    byte, both buffers poisoned first: its block counts, low bits and values."""
+    from weightsync.runtime import delta_cuda
+    from weightsync.runtime.delta import ENC_IDX16, _IndexWriter, _values_at, sparse_sizes, word_dtype
+
+    dev = torch.device("cuda")
+    mod = delta_cuda.module(dev)
+    assert mod is not None, delta_cuda.unavailable(dev)
+    g = torch.Generator(device="cuda").manual_seed(word)
+    n = 3_000_017  # stream words (46 blocks and a short one)
+    stream = torch.unique(torch.randint(0, n, (90_000,), generator=g, device=dev))
+    k = int(stream.numel())
+    cuts = [0, k // 5, k // 5 + 7000, k // 2, k // 2 + 1, k]  # run, strided piece, run, run of one, run
+    kinds = ["run", "piece", "run", "run", "run"]
+    space_idx, space_vals, runs = [], [], []
+    at = 0
+    for r, (a, b) in enumerate(itertools.pairwise(cuts)):
+        if kinds[r] == "run":
+            shift = -1000 * (r + 1) - 3  # space position = stream position - shift
+            space_idx.append(stream[a:b] - shift)
+            space_vals.append(torch.randint(-(1 << 62), 1 << 62, (b - a,), generator=g, device=dev))
+            runs.append((at, shift, a, b - a))
+            at += b - a
+    idx = torch.cat(space_idx)
+    vals = torch.cat(space_vals).to(word_dtype(word))
+    piece_vals = torch.randint(-(1 << 62), 1 << 62, (k,), generator=g, device=dev).to(word_dtype(word))
+    size = sparse_sizes(n, k, word)[ENC_IDX16]
+    outs = []
+    for use_kernel in (False, True):
+        out = torch.full((size,), 0xA5, dtype=torch.uint8, device=dev)
+        values = out[_values_at(ENC_IDX16, n, k):][:word * k].view(word_dtype(word))
+        index = _IndexWriter(out, ENC_IDX16, n, k, dev)
+        table = []
+        for r, (a, b) in enumerate(itertools.pairwise(cuts)):
+            if kinds[r] == "piece":
+                index.add(stream[a:b], 0)
+                values[a:b].copy_(piece_vals[a:b])
+                continue
+            lo, shift = next((x[0], x[1]) for x in runs if x[2] == a)
+            if use_kernel:
+                table.append((lo, shift, index.reserve(b - a), b - a))
+            else:
+                index.add(idx[lo:lo + b - a], shift)
+                values[a:b].copy_(vals[lo:lo + b - a])
+        if table:
+            delta_cuda.encode_runs(mod, idx, vals, table, index.low, values, index.kernel_counts())
+        index.close()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert int(outs[1][:4 * (-(-n // 65536))].view(torch.int32).sum()) == k

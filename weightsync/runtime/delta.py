@@ -243,8 +243,9 @@ class _IndexWriter:
         import torch
 
         self.out, self.enc, self.n = out, enc, n
-        self.done = 0  # positions written
+        self.done = 0  # positions written (or reserved: :meth:`reserve`)
         self.fill = 0  # positions in the scratch
+        self.extra: Any = None  # ENC_IDX16: block counts added by a kernel (int32), besides ``below``'s
         if enc == ENC_IDX16:
             self.nb = -(-n // BLOCK)
             self.ends = torch.arange(1, self.nb + 1, device=device, dtype=torch.int64) * BLOCK
@@ -297,6 +298,20 @@ class _IndexWriter:
             if self.fill == self.scratch.numel():
                 self._flush()
 
+    def reserve(self, m: int) -> int:
+        """ENC_IDX16: the next ``m`` entries are written by a kernel (which counts their blocks into
+        :meth:`kernel_counts`); returns the first one's index."""
+        at = self.done
+        self.done += m
+        return at
+
+    def kernel_counts(self) -> Any:
+        import torch
+
+        if self.extra is None:
+            self.extra = torch.zeros(self.nb, dtype=torch.int32, device=self.below.device)
+        return self.extra
+
     def _flush(self) -> None:
         import torch
 
@@ -315,6 +330,8 @@ class _IndexWriter:
             counts = self.out[: 4 * self.nb].view(torch.int32)
             counts[:1].copy_(self.below[:1])
             counts[1:].copy_(self.below[1:] - self.below[:-1])
+            if self.extra is not None:
+                counts += self.extra
 
 
 def encode_into(out: Any, enc: int, local: Any, values: Any, n: int) -> None:
@@ -1075,8 +1092,16 @@ class DeltaSender:
         """The sparse direct writes' changes (``f``, ``h``: by start) first in the stream: their positions
         (the write's base plus the word's index in it) to ``index``, their values at the head of
         ``values``. Writes that follow each other in the reference form one run whose positions are one
-        slice of the reference's changed positions plus a constant: one add and one copy per run. Returns
-        how many."""
+        slice of the reference's changed positions plus a constant: one add and one copy per run, or on
+        CUDA one kernel for all runs (:func:`weightsync.runtime.delta_cuda.encode_runs`; the per-run ops
+        cost about 0.1 ms of host time each, on the push's critical path). Returns how many."""
+        mod = None
+        if index.enc == ENC_IDX16 and sp.idx is not None and sp.idx.is_cuda and \
+                str(sp.idx.dtype) == "torch.int64":
+            from weightsync.runtime import delta_cuda
+
+            mod = delta_cuda.module(sp.idx.device) if delta_cuda.wanted() else None
+        runs: list[tuple[int, int, int, int]] = []  # for the kernel: lo, shift, first entry, count
         o = 0
         i, m = 0, len(f)
         while i < m:
@@ -1092,11 +1117,19 @@ class DeltaSender:
             while j < m and not f["strided"][j] and f["start"][j] == f["start"][j - 1] + f["n"][j - 1]:
                 j += 1
             lo, hi = int(h["lo"][i]), int(h["hi"][j - 1])
-            index.add(sp.idx[lo:hi], int(bases[i]) - int(f["start"][i]),
-                      (int(bases[i]), int(bases[j - 1] + f["n"][j - 1])))
-            values[o:o + hi - lo].copy_(sp.vals[lo:hi])
+            if mod is not None:
+                if hi > lo:
+                    runs.append((lo, int(bases[i]) - int(f["start"][i]), index.reserve(hi - lo), hi - lo))
+            else:
+                index.add(sp.idx[lo:hi], int(bases[i]) - int(f["start"][i]),
+                          (int(bases[i]), int(bases[j - 1] + f["n"][j - 1])))
+                values[o:o + hi - lo].copy_(sp.vals[lo:hi])
             o += hi - lo
             i = j
+        if runs:
+            from weightsync.runtime import delta_cuda
+
+            delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, index.low, values, index.kernel_counts())
         return o
 
     def header(self, rank: int, epoch: int, version: int, work: DeltaWork) -> None:

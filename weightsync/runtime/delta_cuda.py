@@ -259,10 +259,60 @@ COMPACT(ws_compact_w1, unsigned char)
 COMPACT(ws_compact_w2, unsigned short)
 COMPACT(ws_compact_w4, unsigned int)
 COMPACT(ws_compact_w8, u64)
+
+// An ENC_IDX16 stream's entries from runs of the compare's output: run r (table rows lo, shift, out,
+// count) takes changed words lo .. lo + count of the space (positions idx, values vals) to entries
+// out .. out + count of the stream: stream position p = idx + shift, its low 16 bits and its value there,
+// and p's 65536-word block counted (one atomic per block a warp's entries fall in). Entries between runs
+// are other writes' (not touched). One thread per entry j < total.
+template <typename W>
+__device__ __forceinline__ void encode_runs(const i64* idx, const W* vals, const i64* table, int nruns,
+                                            i64 total, short* low, W* out_vals, int* counts) {
+    const i64 j = (i64)blockIdx.x * THREADS + threadIdx.x;
+    const i64* lo = table;
+    const i64* shift = table + nruns;
+    const i64* out = table + 2 * (i64)nruns;
+    const i64* count = table + 3 * (i64)nruns;
+    bool live = false;
+    int block = 0;
+    if (j < total) {
+        int a = 0, b = nruns - 1;  // the last run whose first entry is at or before j
+        while (a < b) {
+            const int m = (a + b + 1) >> 1;
+            if (out[m] <= j) a = m; else b = m - 1;
+        }
+        const i64 k = j - out[a];
+        if (k >= 0 && k < count[a]) {
+            const i64 i = lo[a] + k;
+            const i64 p = idx[i] + shift[a];
+            low[j] = (short)(p & 0xffff);
+            out_vals[j] = vals[i];
+            block = (int)(p >> 16);
+            live = true;
+        }
+    }
+    const u32 active = __ballot_sync(FULL, live);
+    if (live) {
+        const u32 same = __match_any_sync(active, block);
+        if ((int)(threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&counts[block], __popc(same));
+    }
+}
+
+#define ENCODE(NAME, W)                                                                                   \
+extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
+        const i64* idx, const W* vals, const i64* table, int nruns, i64 total, short* low, W* out_vals,   \
+        int* counts) {                                                                                    \
+    encode_runs<W>(idx, vals, table, nruns, total, low, out_vals, counts);                               \
+}
+ENCODE(ws_encode_w1, unsigned char)
+ENCODE(ws_encode_w2, unsigned short)
+ENCODE(ws_encode_w4, unsigned int)
+ENCODE(ws_encode_w8, u64)
 """
 
 _P, _Q, _I = nvrtc.PTR, nvrtc.I64, nvrtc.I32
-SIGNATURES = {f"ws_compact_w{w}": _P * 10 + _Q * 2 + _P + _I for w in (1, 2, 4, 8)}
+SIGNATURES = {**{f"ws_compact_w{w}": _P * 10 + _Q * 2 + _P + _I for w in (1, 2, 4, 8)},
+              **{f"ws_encode_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)}}
 ENV = "WEIGHTSYNC_DELTA_KERNELS"
 
 
@@ -330,3 +380,24 @@ def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, wo
     if len(outs) == 1:
         return outs[0]
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, low: Any, out_vals: Any,
+                counts: Any) -> None:
+    """ENC_IDX16 entries of a stream from runs of the compare's output, on the tensors' stream (no host
+    synchronization): ``runs`` rows (first changed word in ``idx``/``vals``, shift from space to stream
+    positions, first entry in the stream, count); ``low`` (int16) and ``out_vals`` the stream's index and
+    value sections, ``counts`` (int32, zeroed or holding other entries' counts) its block counts, added to."""
+    import numpy as np
+    import torch
+
+    if not len(runs):
+        return
+    table = np.ascontiguousarray(np.asarray(runs, np.int64).T)
+    total = int(table[2, -1] + table[3, -1])
+    dev_table = torch.from_numpy(table).pin_memory().to(idx.device, non_blocking=True)
+    kernel = mod[f"ws_encode_w{vals.element_size()}"]
+    with torch.cuda.device(idx.device):
+        kernel.launch(-(-total // THREADS), THREADS,
+                      [idx, vals, dev_table, len(runs), total, low, out_vals, counts],
+                      torch.cuda.current_stream(idx.device).cuda_stream)
