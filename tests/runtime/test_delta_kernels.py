@@ -179,7 +179,7 @@ def check_overflow_leaves_reference(device: str) -> None:
     assert torch.equal(old, cur)
 
 
-def check_scatter(device: str) -> int:
+def check_scatter(device: str, backend: str = "triton") -> int:
     """The receiver's scatter of an ENC_IDX16 stream with the kernel (contiguous runs) against the torch
     ops: entries of three keys, runs of two entries with one shift, a run of another shift in the same
     key, a strided entry (torch ops either way), changes at block edges and the stream's last word.
@@ -234,6 +234,8 @@ def check_scatter(device: str) -> int:
             recv._entries = [(entries, streams, 0)]
             recv.use_kernels = use
             recv._scatter_all(0)
+            if use:
+                assert recv.scatter_backend == backend, recv.scatter_backend
             out[use] = {key: b[0].cpu() for key, b in bufs.items()}
             engine.deregister(recv.payload_region)
             engine.deregister(recv.header_region)
@@ -307,7 +309,7 @@ def counted_scatter(*args, **kwargs):
 dk.Compactor.compare = counted
 dk.scatter_idx16 = counted_scatter
 rc = pytest.main(["tests/runtime/test_delta.py", "-q", "-x", "-p", "no:cacheprovider", "-k", {select!r}])
-print("kernel scatters", sum(scatters))
+print("kernel scatters", sum(1 for x in scatters if x))
 print("kernel compares", len(calls))
 sys.exit(rc)
 """
@@ -384,13 +386,15 @@ def test_the_cuda_compare_compiles(arch: str) -> None:
 def test_the_cuda_compare_matches_the_torch_path(slice_tiles: int, aligned: bool,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Every case (hint 0: the first run's room is small, so the second run over the rest is taken in
-    the cases that change much) against the torch ops, bit for bit, outputs poisoned first."""
+    the cases that change much) against the torch ops, bit for bit, outputs poisoned first; and the
+    receiver's scatter by the CUDA kernel against the torch ops."""
     import weightsync.runtime.delta_kernels as dk
     from weightsync.runtime import delta_cuda
 
     monkeypatch.setattr(dk, "COMPARE_SLICE", dk.COMPARE_SLICE)
     monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "cuda")
     assert delta_cuda.module(torch.device("cuda")) is not None, delta_cuda.unavailable(torch.device("cuda"))
+    assert check_scatter("cuda", backend="cuda") > 0
     lines: Any = check_cases("cuda", slice_tiles, aligned, backend="cuda")
     assert len(lines) == len(CASES)
 

@@ -1178,8 +1178,9 @@ class DeltaReceiver:
         self.payload_region = engine.register(self.payload, name=f"destination {rank} delta payload")
         self.holds = [-1, -1] if mode == "staged" else [-1]  # the version each buffer holds exactly
         self.apply_seconds = 0.0
-        # ENC_IDX16 streams' contiguous runs scattered by a Triton kernel (as the sender's compare)
+        # ENC_IDX16 streams' contiguous runs scattered by a device kernel (CUDA C++ or Triton)
         self.use_kernels = _kernels_wanted(device)
+        self.scatter_backend = ""  # the kernels of the last scatter by kernel
         # this version's entries, streams and payload offset, per source
         self._entries: list[tuple[np.ndarray, np.ndarray, int]] = []
         # this version's headers as read (payload offset, entries, room, head bytes), per source, until the
@@ -1283,7 +1284,10 @@ class DeltaReceiver:
                     todo = [(self._address(int(key[i]), shadow), int(shift[i]), int(starts[i]),
                              int(ends[j - 1]), int(ents["data"][i]), int(ents["data"][j - 1] + nwords[j - 1]))
                             for i, j in runs if not strided[i]]
-                    if todo and scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device):
+                    done = scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device) \
+                        if todo else ""
+                    if done:
+                        self.scatter_backend = done
                         runs = [(i, j) for i, j in runs if strided[i]]
                 if not runs:
                     continue

@@ -308,11 +308,51 @@ ENCODE(ws_encode_w1, unsigned char)
 ENCODE(ws_encode_w2, unsigned short)
 ENCODE(ws_encode_w4, unsigned int)
 ENCODE(ws_encode_w8, u64)
+
+// The receiver: an ENC_IDX16 stream's entries scattered into their keys, one block per 65536-word block
+// of the stream (its entries ends[b] .. ends[b + 1]). Run r (table rows lo, hi, shift, address: entries
+// lo .. hi go to key words stream position + shift of the key at that address) is found by a binary
+// search for a thread's first entry, then by stepping (entries only increase). Entries of no run (a
+// strided write's: the caller's torch ops) are left.
+template <typename W>
+__device__ __forceinline__ void scatter_runs(const i64* ends, const unsigned short* low, const W* vals,
+                                             const i64* table, int nruns) {
+    const i64 b = blockIdx.x;
+    const i64* lo = table;
+    const i64* hi = table + nruns;
+    const i64* shift = table + 2 * (i64)nruns;
+    const i64* addr = table + 3 * (i64)nruns;
+    const i64 first = ends[b], last = ends[b + 1];
+    i64 j = first + threadIdx.x;
+    if (j >= last) return;
+    int r = 0, top = nruns - 1;  // the last run starting at or before j
+    while (r < top) {
+        const int m = (r + top + 1) >> 1;
+        if (lo[m] <= j) r = m; else top = m - 1;
+    }
+    for (; j < last; j += THREADS) {
+        while (r + 1 < nruns && lo[r + 1] <= j) r++;
+        if (j < lo[r] || j >= hi[r]) continue;
+        W* key = reinterpret_cast<W*>(addr[r]);
+        key[b * 65536 + low[j] + shift[r]] = vals[j];
+    }
+}
+
+#define SCATTER(NAME, W)                                                                                  \
+extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
+        const i64* ends, const unsigned short* low, const W* vals, const i64* table, int nruns) {         \
+    scatter_runs<W>(ends, low, vals, table, nruns);                                                       \
+}
+SCATTER(ws_scatter_w1, unsigned char)
+SCATTER(ws_scatter_w2, unsigned short)
+SCATTER(ws_scatter_w4, unsigned int)
+SCATTER(ws_scatter_w8, u64)
 """
 
 _P, _Q, _I = nvrtc.PTR, nvrtc.I64, nvrtc.I32
 SIGNATURES = {**{f"ws_compact_w{w}": _P * 10 + _Q * 2 + _P + _I for w in (1, 2, 4, 8)},
-              **{f"ws_encode_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)}}
+              **{f"ws_encode_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)},
+              **{f"ws_scatter_w{w}": _P * 4 + _I for w in (1, 2, 4, 8)}}
 ENV = "WEIGHTSYNC_DELTA_KERNELS"
 
 
@@ -401,3 +441,21 @@ def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, low: Any, out
         kernel.launch(-(-total // THREADS), THREADS,
                       [idx, vals, dev_table, len(runs), total, low, out_vals, counts],
                       torch.cuda.current_stream(idx.device).cuda_stream)
+
+
+def scatter_runs(mod: nvrtc.Module, ends: Any, low: Any, vals: Any, runs: Any) -> None:
+    """The receiver's scatter of an ENC_IDX16 stream's contiguous runs, on the tensors' stream: ``ends``
+    (int64, the cumsum of the block counts from 0), ``low`` (int16) and ``vals`` its sections, ``runs``
+    rows (first and last+1 entry, shift from stream positions to the key's words, the key's address)."""
+    import numpy as np
+    import torch
+
+    nb = int(ends.numel()) - 1
+    if not len(runs) or nb <= 0:
+        return
+    table = torch.from_numpy(np.ascontiguousarray(np.asarray(runs, np.int64).T)).pin_memory()
+    table = table.to(vals.device, non_blocking=True)
+    kernel = mod[f"ws_scatter_w{vals.element_size()}"]
+    with torch.cuda.device(vals.device):
+        kernel.launch(nb, THREADS, [ends, low, vals, table, len(runs)],
+                      torch.cuda.current_stream(vals.device).cuda_stream)

@@ -171,24 +171,35 @@ if triton is not None:
             tl.store(vals_ptr + base + low, tl.load(vals_ptr + j, mask=m, other=0), mask=m)
 
 
-def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any) -> bool:
+def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any) -> str:
     """Scatters the contiguous runs of an ENC_IDX16 stream (``payload``: uint8 from the stream's start,
     ``n`` words of which ``k`` changed, values at byte ``vals_at``) into their keys with one kernel:
     ``runs`` rows of (target: the address of the key's first byte, shift: the key's word of stream
-    position 0, first and last+1 changed index, first and last+1 stream position). False (nothing done)
-    where a target is not a whole number of words from the values (the caller's torch ops scatter)."""
+    position 0, first and last+1 changed index, first and last+1 stream position). Returns which kernels
+    scattered (``cuda``: weightsync.runtime.delta_cuda's, else ``triton``), "" (nothing done) where a
+    target is not a whole number of words from the values or no kernel can run (the caller's torch ops
+    scatter)."""
     import torch
 
     from weightsync.runtime.delta import BLOCK, _align, word_dtype
 
-    if triton is None:
-        return False
     nb = -(-n // BLOCK)
     vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
     low = payload[_align(4 * nb):_align(4 * nb) + 2 * k].view(torch.int16)
     dist = np.array([int(r[0]) for r in runs], np.int64) - int(vals.data_ptr())
     if np.any(dist % w):
-        return False
+        return ""
+    if device.type == "cuda":  # the CUDA C++ scatter first (weightsync.runtime.delta_cuda)
+        from weightsync.runtime import delta_cuda
+
+        mod = delta_cuda.module(device) if delta_cuda.wanted() else None
+        if mod is not None:
+            ends = torch.zeros(nb + 1, dtype=torch.int64, device=device)
+            torch.cumsum(payload[:4 * nb].view(torch.int32), 0, out=ends[1:])
+            delta_cuda.scatter_runs(mod, ends, low, vals, [(r[2], r[3], r[1], r[0]) for r in runs])
+            return "cuda"
+    if triton is None:
+        return ""
     table = np.array([r[1:] for r in runs], np.int64).reshape(-1, 5)
     at = dist // w + table[:, 0]
     first, last = table[:, 3] // BLOCK, (table[:, 4] - 1) // BLOCK
@@ -203,23 +214,23 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
         dev = dev.pin_memory().to(device, non_blocking=True)
         pairs = pairs.pin_memory().to(device, non_blocking=True)
     if not len(pair_run):
-        return True
+        return "triton"
     ends = torch.zeros(nb + 1, dtype=torch.int64, device=device)
     torch.cumsum(payload[:4 * nb].view(torch.int32), 0, out=ends[1:])
     m = len(runs)
     with _launching(device):
         _scatter16[(len(pair_run),)](pairs[0], pairs[1], dev[:m], dev[m:2 * m], dev[2 * m:], ends, low, vals,
                                      BLOCK=BLOCK, CH=1024, num_warps=4)
-    return True
+    return "triton"
 
 
 def enabled(device: Any) -> bool:
-    """Whether the kernels run for tensors on ``device``: CUDA with triton, unless the environment turns
-    them off; on CPU only when forced under Triton's interpreter (tests)."""
+    """Whether the kernels run for tensors on ``device``: CUDA with triton or NVRTC's kernels, unless the
+    environment turns them off; on CPU only when forced under Triton's interpreter (tests)."""
     flag = os.environ.get(ENV, "")
     if flag == "0":
         return False
-    if device.type == "cuda":  # the CUDA C++ compare needs no triton (the receiver's scatter does)
+    if device.type == "cuda":  # the CUDA C++ kernels need no triton
         from weightsync.runtime import delta_cuda
 
         return triton is not None or delta_cuda.wanted()
