@@ -329,19 +329,23 @@ void FabricMsgLane::drop_conn(Conn& c, Conn::State state, int error, int queued_
   }
 }
 
-void FabricMsgLane::flush_queued(Conn& c) {
-  while (c.state == Conn::kUp && !c.queued.empty()) {
-    const ssize_t rc = post_up(c, c.queued.front());
+void FabricMsgLane::flush_held(Conn& c, bool control) {
+  std::deque<WriteRequest>& queue = control ? c.ctl_queued : c.queued;
+  while ((control ? c.ctl_state == Conn::kCtlUp : c.state == Conn::kUp) && !queue.empty()) {
+    // A held write goes through post_up: a control message held behind data writes (posted before the
+    // data connection was up) goes on to the control connection from there.
+    const ssize_t rc = control ? post_on(c.ctl_ep, queue.front()) : post_up(c, queue.front());
     if (rc == -FI_EAGAIN) return;  // the provider's queue is full: the rest go with the next poll
     if (rc != 0) {
       Completion f;
       f.kind = Completion::kLocalError;
-      f.context = c.queued.front().context;
+      f.context = queue.front().context;
       f.error = static_cast<int>(rc < 0 ? -rc : rc);
-      f.message = "posting a write queued while connecting failed: " + fi_error(static_cast<int>(rc));
+      f.message = std::string("posting ") + (control ? "a control message" : "a write") +
+                  " queued while connecting failed: " + fi_error(static_cast<int>(rc));
       failed_.push_back(std::move(f));
     }
-    c.queued.pop_front();
+    queue.pop_front();
   }
 }
 
@@ -379,22 +383,6 @@ int FabricMsgLane::start_control_connect(Conn& c) {
   c.ctl_state = Conn::kCtlConnecting;
   conn_by_fid_[&ep->fid] = c.handle;
   return 0;
-}
-
-void FabricMsgLane::flush_control(Conn& c) {
-  while (c.ctl_state == Conn::kCtlUp && !c.ctl_queued.empty()) {
-    const ssize_t rc = post_on(c.ctl_ep, c.ctl_queued.front());
-    if (rc == -FI_EAGAIN) return;
-    if (rc != 0) {
-      Completion f;
-      f.kind = Completion::kLocalError;
-      f.context = c.ctl_queued.front().context;
-      f.error = static_cast<int>(rc < 0 ? -rc : rc);
-      f.message = "posting a control message queued while connecting failed: " + fi_error(static_cast<int>(rc));
-      failed_.push_back(std::move(f));
-    }
-    c.ctl_queued.pop_front();
-  }
 }
 
 uint64_t FabricMsgLane::reset_path(uint64_t peer) {
@@ -535,11 +523,10 @@ void FabricMsgLane::on_connected(Conn& c, bool control, const fi_eq_cm_entry* en
   }
   if (control) {
     c.ctl_state = Conn::kCtlUp;
-    flush_control(c);
   } else {
     c.state = Conn::kUp;
-    flush_queued(c);
   }
+  flush_held(c, control);
 }
 
 void FabricMsgLane::progress_cm() {
@@ -612,7 +599,7 @@ int FabricMsgLane::post_write(const WriteRequest& req) {
       drop_conn(c, Conn::kFailed, FI_ETIMEDOUT, FI_ETIMEDOUT, "no connection within the connect timeout");
     }
     if (c.state == Conn::kFailed) return -(c.error ? c.error : FI_EIO);  // reset_path starts over
-    if (c.state == Conn::kUp) flush_queued(c);
+    if (c.state == Conn::kUp) flush_held(c, false);
     if (c.state != Conn::kUp || !c.queued.empty()) {
       // Held until the connection is up (behind the writes held before it): the path keeps its order.
       if (c.queued.size() >= tx_size_) return -EAGAIN;
@@ -669,8 +656,8 @@ ssize_t FabricMsgLane::post_on(fid_ep* ep, const WriteRequest& req) {
 size_t FabricMsgLane::poll(std::vector<Completion>& out, size_t max) {
   progress_cm();
   for (auto& [handle, conn] : conns_) {
-    if (!conn.queued.empty()) flush_queued(conn);
-    if (!conn.ctl_queued.empty()) flush_control(conn);
+    if (!conn.queued.empty()) flush_held(conn, false);
+    if (!conn.ctl_queued.empty()) flush_held(conn, true);
   }
   size_t got = 0;
   // Writes that failed before reaching the provider (their connection was refused or dropped).

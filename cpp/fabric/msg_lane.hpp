@@ -122,14 +122,15 @@ class FabricMsgLane final : public Lane {
   // the writes still queued for it with `queued_error` (an FI_E* code) and `why`.
   void drop_conn(Conn& c, Conn::State state, int error, int queued_error = FI_ECANCELED,
                  const std::string& why = "connection closed before it was made");
-  // Posts the writes queued while connecting, in order, until done or the provider refuses (EAGAIN).
-  void flush_queued(Conn& c);
+  // Posts the requests held while a connection of the path was being made (`control`: the control
+  // connection's queue, else the data connection's), in order, while that connection is up, until done
+  // or the provider refuses (EAGAIN). A request the provider refuses otherwise fails alone.
+  void flush_held(Conn& c, bool control);
   // Where a request goes once the data connection is up: control messages to the control connection
   // (connecting it first, holding them meanwhile), the rest to the data endpoint. 0, -FI_EAGAIN or an
   // FI error for this request alone (the connections stay as they are).
   ssize_t post_up(Conn& c, const WriteRequest& req);
   int start_control_connect(Conn& c);
-  void flush_control(Conn& c);
   // Events of our connections (data or control endpoint `fid` of `c`).
   void on_connect_error(Conn& c, bool control, const fi_eq_err_entry& err);
   void on_connected(Conn& c, bool control, const fi_eq_cm_entry* entry, size_t len);
