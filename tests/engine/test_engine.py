@@ -61,6 +61,31 @@ def test_ten_thousand_small_writes_in_flight(engine: TransferEngine, remote: Pee
     remote.call("counter_wait", imm=6, n=n, timeout=30)
 
 
+def test_batch_naming_a_few_entries_of_large_tables(engine: TransferEngine, remote: PeerProcess) -> None:
+    # A plan round reads a few of a source's many tensors into a few of a destination's: write_batch hands
+    # the engine only the entries the batch names, renumbered; the bytes must land as the columns say.
+    size, nsrc, ndst = 97, 300, 40
+    srcs = [random_bytes(size, seed=100 + i) for i in range(nsrc)]
+    regions = [engine.register(s) for s in srcs]
+    peer = engine.connect(remote.address)
+    dsts = [remote.call("alloc", size=2 * size) for _ in range(ndst)]
+    table = [(peer, desc) for _, desc in dsts]
+    # out of order, one source read twice, most entries of both tables unused
+    si = np.array([250, 3, 77, 3, 299, 140], dtype=np.uint32)
+    di = np.array([39, 0, 17, 5, 17, 22], dtype=np.uint32)
+    do = np.array([0, size, size, 0, 0, 1], dtype=np.uint64)
+    t = engine.write_batch(regions, table, si, np.zeros(len(si)), di, do, np.full(len(si), size), imm=13)
+    t.wait(timeout=30)
+    remote.call("counter_wait", imm=13, n=len(si), timeout=30)
+    for s, d, o in zip(si.tolist(), di.tolist(), do.tolist(), strict=True):
+        assert remote.call("digest", region=dsts[d][0], off=o, size=size) == digest(srcs[s]), (s, d, o)
+    # An index out of range is still the engine's error, naming the write.
+    with pytest.raises(ws.TransportError, match="write 1 of the batch: source region index out of range"):
+        engine.write_batch(regions, table, [5, nsrc], [0, 0], [1, 2], [0, 0], [size, size], imm=13)
+    with pytest.raises(ws.TransportError, match="write 0 of the batch: destination descriptor index out of"):
+        engine.write_batch(regions, table, [5, 6], [0, 0], [ndst, 2], [0, 0], [size, size], imm=13)
+
+
 def test_immediates_before_wait_are_kept_and_consumed(engine: TransferEngine, remote: PeerProcess) -> None:
     src = random_bytes(8 * MiB, seed=3)
     region = engine.register(src)

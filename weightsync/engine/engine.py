@@ -644,6 +644,11 @@ class TransferEngine:
             _column(dst_off, np.uint64, "destination offset"),
             _column(nbytes, np.uint64, "size"),
         ]
+        # Only the table entries the batch uses go to the engine: the binding converts (and the engine
+        # pins) every entry of both tables per call, and a plan round of a source holding Qwen3-30B-A3B's
+        # 18,867 tensors uses about a fifteenth of them (3.3 ms of conversion per round on the CPU VM).
+        srcs, cols[0] = _used(srcs, cols[0])
+        remotes, cols[2] = _used(remotes, cols[2])
         imm_col = None
         if imm is not None:
             imm_col = (
@@ -800,6 +805,24 @@ def _column(values: Any, dtype: type[np.unsignedinteger], name: str) -> np.ndarr
         if not 0 <= v <= limit:
             raise TransportError(f"write {k} of the batch: {name} {v} is outside 0..{limit}")
     return np.ascontiguousarray(flat.astype(dtype), dtype=dtype).reshape(arr.shape)
+
+
+def _used(table: Sequence[Any], index: np.ndarray) -> tuple[Sequence[Any], np.ndarray]:
+    """The entries of ``table`` that ``index`` (a uint32 batch column) names, in table order, and the
+    column renumbered into them: the same writes from the same regions. The table as given where the
+    batch names all of it, or an index out of range (the engine's error then names the write)."""
+    n = len(table)
+    if index.ndim != 1 or not index.size or n <= 1:
+        return table, index
+    if int(index.max()) >= n:
+        return table, index
+    named = np.zeros(n, dtype=bool)
+    named[index] = True
+    kept = np.flatnonzero(named)
+    if len(kept) == n:
+        return table, index
+    renumber = np.cumsum(named, dtype=np.uint32) - np.uint32(1)
+    return [table[i] for i in kept.tolist()], np.ascontiguousarray(renumber[index])
 
 
 def _imm(imm: int | None) -> int | None:
