@@ -79,6 +79,13 @@ def test_batch_naming_a_few_entries_of_large_tables(engine: TransferEngine, remo
     remote.call("counter_wait", imm=13, n=len(si), timeout=30)
     for s, d, o in zip(si.tolist(), di.tolist(), do.tolist(), strict=True):
         assert remote.call("digest", region=dsts[d][0], off=o, size=size) == digest(srcs[s]), (s, d, o)
+    # The same table object again, one entry replaced in place: the write goes where the entry now says.
+    extra_id, extra_desc = remote.call("alloc", size=size)
+    table[17] = (peer, extra_desc)
+    t = engine.write_batch(regions, table, [42], [0], [17], [0], [size], imm=14)
+    t.wait(timeout=30)
+    remote.call("counter_wait", imm=14, n=1, timeout=30)
+    assert remote.call("digest", region=extra_id, off=0, size=size) == digest(srcs[42])
     # An index out of range is still the engine's error, naming the write.
     with pytest.raises(ws.TransportError, match="write 1 of the batch: source region index out of range"):
         engine.write_batch(regions, table, [5, nsrc], [0, 0], [1, 2], [0, 0], [size, size], imm=13)

@@ -49,6 +49,7 @@ is described in cpp/core/announce.hpp.)
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -427,6 +428,8 @@ class TransferEngine:
         if auth_key is not None:
             config.auth_key = bytes(auth_key).hex()
         self._native = _ext.Engine.create(config, _test_hooks)
+        # write_batch's last descriptor table: (the table, its entries, their imports)
+        self._last_table: tuple[Sequence[Any], tuple[Any, ...], list[_ext.RemoteRegion]] | None = None
         _drain_log()
         self.transport = "fabric" if config.cuda_device < 0 else "fabric+cuda"
         """The lanes this engine opened: "fabric" or "fabric+cuda"."""
@@ -578,6 +581,19 @@ class TransferEngine:
             peer._imported[descriptor] = remote
         return remote
 
+    def _import_table(self, table: Sequence[tuple[Peer, bytes]]) -> list[_ext.RemoteRegion]:
+        """``_import`` of every (peer, descriptor) of a write_batch table. A source passes one table per
+        destination to every round and staged chunk of a push (hundreds of descriptors, a lock and a
+        lookup each): the same table object holding the same entries as last time reuses that call's
+        imports."""
+        last = self._last_table
+        if (last is not None and last[0] is table and len(last[1]) == len(table)
+                and all(map(operator.is_, last[1], table))):
+            return last[2]
+        remotes = [self._import(peer, desc) for peer, desc in table]
+        self._last_table = (table, tuple(table), remotes)
+        return remotes
+
     # --- writes ---------------------------------------------------------------------------------------
     def imm_count(self, nbytes: int, imm: bool = True, rows: int = 1) -> int:
         """Immediates a write of ``nbytes`` (per row) from this engine delivers (see the module docstring)."""
@@ -636,7 +652,7 @@ class TransferEngine:
         ``rows``/``src_pitch``/``dst_pitch`` (optional columns) make writes 2-D as in ``write``;
         ``nbytes`` is then the bytes per row.
         """
-        remotes = [self._import(peer, desc) for peer, desc in peer_descriptors]
+        remotes = self._import_table(peer_descriptors)
         cols = [
             _column(src_index, np.uint32, "source index"),
             _column(src_off, np.uint64, "source offset"),
