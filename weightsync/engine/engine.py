@@ -801,8 +801,10 @@ def _u64(value: Any, name: str, where: str) -> int:
 def _column(values: Any, dtype: type[np.unsignedinteger], name: str) -> np.ndarray:
     """A batch column as a contiguous array of ``dtype``; a value out of its range is a TransportError
     naming the column and the first offending write (numpy would wrap negatives or raise OverflowError)."""
-    limit = int(np.iinfo(dtype).max)
     arr = np.asarray(values)
+    if arr.dtype == dtype:  # the plan's columns: every value of an unsigned type is in its range
+        return np.ascontiguousarray(arr)
+    limit = int(np.iinfo(dtype).max)
     if arr.dtype.kind in "ui":
         bad = np.flatnonzero((arr < 0) | (arr > limit)) if arr.size else np.empty(0, dtype=np.int64)
         if bad.size:
