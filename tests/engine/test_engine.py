@@ -96,6 +96,9 @@ def test_batch_naming_a_few_entries_of_large_tables(engine: TransferEngine, remo
         engine.write_batch(regions, table, [5, 6], np.array([0, -1]), [1, 2], [0, 0], [size, size], imm=13)
     with pytest.raises(ws.TransportError, match=r"write 0 of the batch: source index 4294967296 is outside"):
         engine.write_batch(regions, table, np.array([1 << 32], np.uint64), [0], [1], [0], [size], imm=13)
+    # A value with a fraction is refused, not cut to its integer part (integral floats are integers).
+    with pytest.raises(ws.TransportError, match=r"write 1 of the batch: source offset 1\.5 is not an int"):
+        engine.write_batch(regions, table, [5, 6], np.array([0.0, 1.5]), [1, 2], [0, 0], [size, size], imm=13)
 
 
 def test_immediates_before_wait_are_kept_and_consumed(engine: TransferEngine, remote: PeerProcess) -> None:

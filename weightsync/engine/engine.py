@@ -817,9 +817,12 @@ def _column(values: Any, dtype: type[np.unsignedinteger], name: str) -> np.ndarr
     for k, v in enumerate(flat.tolist()):
         if not isinstance(v, int) or isinstance(v, bool):
             try:
-                v = int(v)
-            except (TypeError, ValueError):
+                i = int(v)
+            except (TypeError, ValueError, OverflowError):  # OverflowError: inf
                 raise TransportError(f"write {k} of the batch: {name} {v!r} is not an integer") from None
+            if i != v:  # a fraction (int() would cut it off: bytes at another offset)
+                raise TransportError(f"write {k} of the batch: {name} {v!r} is not an integer")
+            v = i
         if not 0 <= v <= limit:
             raise TransportError(f"write {k} of the batch: {name} {v} is outside 0..{limit}")
     return np.ascontiguousarray(flat.astype(dtype), dtype=dtype).reshape(arr.shape)
