@@ -689,10 +689,12 @@ class Source(Participant):
                                   "source without delta); nothing was written")
         t = time.perf_counter()
         self._snapshot_direct_tails()
-        self._delta.start()  # compares the tensors with what the last push sent (reads them now)
         works: dict[int, DeltaWork] = {}
         failed: dict[int, str] = {}
+        # The announces first: the grants travel while the delta compare reads the tensors (nothing in a
+        # grant depends on the compare; the compare's outcome is used only once a grant is in).
         announces = self._announce(version, failed)
+        self._delta.start()  # compares the tensors with what the last push sent (reads them now)
         transfers: list[tuple[int, Any]] = []
         imm = data_imm(self.epoch, version)
         relay_bits = relay_version_bits(version)
