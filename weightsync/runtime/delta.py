@@ -1100,7 +1100,7 @@ class DeltaSender:
                 str(sp.idx.dtype) == "torch.int64":
             from weightsync.runtime import delta_cuda
 
-            mod = delta_cuda.module(sp.idx.device) if delta_cuda.wanted() else None
+            mod = delta_cuda.module(sp.idx.device)
         runs: list[tuple[int, int, int, int]] = []  # for the kernel: lo, shift, first entry, count
         o = 0
         i, m = 0, len(f)

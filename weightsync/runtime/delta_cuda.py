@@ -1,16 +1,18 @@
-"""The delta sender's compare as one CUDA C++ kernel per word space (issue 18), compiled at run time
-(:mod:`weightsync.runtime.nvrtc`): the same result as :meth:`weightsync.runtime.delta_kernels.Compactor.
-compare` (the sorted int64 positions of the space's changed words, their values, the reference updated)
-in one pass over the current tensors and the reference, with no scratch and one host synchronization.
+"""The delta push's device kernels in CUDA C++ (issue 18), compiled at run time
+(:mod:`weightsync.runtime.nvrtc`): the sender's compare, the encode of an ENC_IDX16 stream from the
+compare's runs, and the receiver's scatter of such a stream.
 
-Why not the Triton kernels: their in-tile compaction (a prefix over the tile, masked stores) costs more
-than the reads themselves (docs/BENCHMARKS.md, "Where the compare kernel loses its time"), and their
-slot scratch forces slices, each with a host synchronization. Here each block of 256 threads takes one
-tile of :data:`TILE` words (the tiles of :class:`~weightsync.runtime.delta_kernels.Compactor`'s tables),
-loads it in 16-byte vectors where aligned, counts its changes with ``__popc`` of per-thread bit masks and
-a warp-shuffle scan, and finds where its changes go in the output from its predecessors' counts by a
-*decoupled look-back* (each tile publishes its count, then its inclusive prefix, in one 64-bit word;
-a tile sums its predecessors' words back to the first inclusive one). Tiles take their index from an
+The compare gives the same result as the Triton path of :meth:`weightsync.runtime.delta_kernels.
+Compactor.compare` (the sorted int64 positions of the space's changed words, their values, the reference
+updated) in one pass over the current tensors and the reference, with no scratch and one host
+synchronization. Why not the Triton kernels: their in-tile compaction (a prefix over the tile, masked
+stores) costs more than the reads themselves (docs/BENCHMARKS.md, "Where the compare kernel loses its
+time"), and their slot scratch forces slices, each with a host synchronization. Here each block of 256
+threads takes one 32 KB tile (:func:`tile_words` words; the Compactor's tables of these tiles), loads it
+in 16-byte vectors where aligned, counts its changes with ``__popc`` of per-thread bit masks and a
+warp-shuffle scan, and finds where its changes go in the output from its predecessors' counts by a
+*decoupled look-back* (each tile publishes its count, then its inclusive prefix, in one 64-bit word; a
+tile sums its predecessors' words back to the first inclusive one). Tiles take their index from an
 atomic ticket, so a tile only ever waits for tiles that started before it.
 
 The output has room for ``cap`` changes (the caller's guess: the last push's count and a margin). A
@@ -22,6 +24,9 @@ the reference now), so the two outputs concatenate.
 The reference takes a changed word as the 16-byte vector holding it (its neighbours' values are their
 reference values or equal new ones, both the current values); a thread whose changes straddle ``cap``
 writes word by word.
+
+Every kernel runs on torch's current stream of its tensors' device; :func:`module` gives them where
+NVRTC can compile them and ``WEIGHTSYNC_DELTA_KERNELS`` does not choose another path.
 """
 
 from __future__ import annotations
@@ -366,9 +371,10 @@ _failed: dict[int, str] = {}  # device index -> why the module did not load (tri
 
 
 def module(device: Any) -> nvrtc.Module | None:
-    """The compiled kernels on ``device``, or None where they cannot be had (no NVRTC, compile failure):
-    the reason is kept in :func:`unavailable` and the caller takes the Triton or torch path."""
-    if device.type != "cuda":
+    """The compiled kernels on ``device``, or None where they are not :func:`wanted` or cannot be had
+    (no NVRTC, compile failure: the reason is kept in :func:`unavailable`); the caller takes the Triton or
+    torch path then."""
+    if device.type != "cuda" or not wanted():
         return None
     idx = device.index if device.index is not None else 0
     if idx in _failed:
@@ -384,6 +390,24 @@ def unavailable(device: Any) -> str | None:
     return _failed.get(device.index if device.index is not None else 0)
 
 
+def _launch(mod: nvrtc.Module, name: str, grid: int, args: Sequence[Any], device: Any) -> None:
+    """Kernel ``name`` of ``mod`` on torch's current stream of ``device`` (made current around it)."""
+    import torch
+
+    with torch.cuda.device(device):
+        mod[name].launch(grid, THREADS, args, torch.cuda.current_stream(device).cuda_stream)
+
+
+def _table(rows: Any, device: Any) -> Any:
+    """Rows of int64 fields as a column-major table on ``device`` (one array per field, as the kernels
+    read them), sent without waiting for the device."""
+    import numpy as np
+
+    from weightsync.runtime.delta import _to_device
+
+    return _to_device(np.ascontiguousarray(np.asarray(rows, np.int64).T), device)
+
+
 def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
             hint: int, total_words: int, poison: int | None = None) -> tuple[Any, Any]:
     """The space's changed words as (sorted int64 positions, values), the reference updated: one kernel
@@ -392,8 +416,6 @@ def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, wo
     import torch
 
     device = ref.device
-    stream = torch.cuda.current_stream(device).cuda_stream
-    kernel = mod[f"ws_compact_w{word}"]
     # no hint (the first compare): room for 1/64 of the words (RL steps change 1-5% of BF16 values)
     cap = min(max(hint or total_words // 64, 1024), max(total_words, 1))
     outs: list[tuple[Any, Any]] = []
@@ -407,9 +429,8 @@ def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, wo
         state = torch.zeros(ntiles + 2, dtype=torch.int64, device=device)
         ticket, total = state[ntiles:ntiles + 1], state[ntiles + 1:]
         if ntiles:
-            with torch.cuda.device(device):
-                kernel.launch(ntiles, THREADS, [*tables, ref, state, ticket, out_idx, out_val, cap, ntiles,
-                                                total, int(vec)], stream)
+            _launch(mod, f"ws_compact_w{word}", ntiles,
+                    [*tables, ref, state, ticket, out_idx, out_val, cap, ntiles, total, int(vec)], device)
         k = int(total.item()) if ntiles else 0  # the host synchronization
         outs.append((out_idx, out_val))
         if k <= cap:
@@ -428,34 +449,19 @@ def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, low: Any, out
     synchronization): ``runs`` rows (first changed word in ``idx``/``vals``, shift from space to stream
     positions, first entry in the stream, count); ``low`` (int16) and ``out_vals`` the stream's index and
     value sections, ``counts`` (int32, zeroed or holding other entries' counts) its block counts, added to."""
-    import numpy as np
-    import torch
-
     if not len(runs):
         return
-    table = np.ascontiguousarray(np.asarray(runs, np.int64).T)
-    total = int(table[2, -1] + table[3, -1])
-    dev_table = torch.from_numpy(table).pin_memory().to(idx.device, non_blocking=True)
-    kernel = mod[f"ws_encode_w{vals.element_size()}"]
-    with torch.cuda.device(idx.device):
-        kernel.launch(-(-total // THREADS), THREADS,
-                      [idx, vals, dev_table, len(runs), total, low, out_vals, counts],
-                      torch.cuda.current_stream(idx.device).cuda_stream)
+    total = int(runs[-1][2] + runs[-1][3])  # the last run's last entry, plus one
+    _launch(mod, f"ws_encode_w{vals.element_size()}", -(-total // THREADS),
+            [idx, vals, _table(runs, idx.device), len(runs), total, low, out_vals, counts], idx.device)
 
 
 def scatter_runs(mod: nvrtc.Module, ends: Any, low: Any, vals: Any, runs: Any) -> None:
     """The receiver's scatter of an ENC_IDX16 stream's contiguous runs, on the tensors' stream: ``ends``
     (int64, the cumsum of the block counts from 0), ``low`` (int16) and ``vals`` its sections, ``runs``
     rows (first and last+1 entry, shift from stream positions to the key's words, the key's address)."""
-    import numpy as np
-    import torch
-
     nb = int(ends.numel()) - 1
     if not len(runs) or nb <= 0:
         return
-    table = torch.from_numpy(np.ascontiguousarray(np.asarray(runs, np.int64).T)).pin_memory()
-    table = table.to(vals.device, non_blocking=True)
-    kernel = mod[f"ws_scatter_w{vals.element_size()}"]
-    with torch.cuda.device(vals.device):
-        kernel.launch(nb, THREADS, [ends, low, vals, table, len(runs)],
-                      torch.cuda.current_stream(vals.device).cuda_stream)
+    _launch(mod, f"ws_scatter_w{vals.element_size()}", nb,
+            [ends, low, vals, _table(runs, vals.device), len(runs)], vals.device)

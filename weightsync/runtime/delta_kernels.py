@@ -192,11 +192,10 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
     if device.type == "cuda":  # the CUDA C++ scatter first (weightsync.runtime.delta_cuda)
         from weightsync.runtime import delta_cuda
 
-        mod = delta_cuda.module(device) if delta_cuda.wanted() else None
+        mod = delta_cuda.module(device)
         if mod is not None:
-            ends = torch.zeros(nb + 1, dtype=torch.int64, device=device)
-            torch.cumsum(payload[:4 * nb].view(torch.int32), 0, out=ends[1:])
-            delta_cuda.scatter_runs(mod, ends, low, vals, [(r[2], r[3], r[1], r[0]) for r in runs])
+            delta_cuda.scatter_runs(mod, _block_ends(payload, nb, device), low, vals,
+                                    [(r[2], r[3], r[1], r[0]) for r in runs])
             return "cuda"
     if triton is None:
         return ""
@@ -215,13 +214,22 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
         pairs = pairs.pin_memory().to(device, non_blocking=True)
     if not len(pair_run):
         return "triton"
-    ends = torch.zeros(nb + 1, dtype=torch.int64, device=device)
-    torch.cumsum(payload[:4 * nb].view(torch.int32), 0, out=ends[1:])
     m = len(runs)
     with _launching(device):
-        _scatter16[(len(pair_run),)](pairs[0], pairs[1], dev[:m], dev[m:2 * m], dev[2 * m:], ends, low, vals,
-                                     BLOCK=BLOCK, CH=1024, num_warps=4)
+        _scatter16[(len(pair_run),)](pairs[0], pairs[1], dev[:m], dev[m:2 * m], dev[2 * m:],
+                                     _block_ends(payload, nb, device), low, vals, BLOCK=BLOCK, CH=1024,
+                                     num_warps=4)
     return "triton"
+
+
+def _block_ends(payload: Any, nb: int, device: Any) -> Any:
+    """An ENC_IDX16 stream's ``nb`` block counts (its head) as the int64 cumsum from 0: block ``b``'s
+    entries are ``ends[b]:ends[b + 1]``."""
+    import torch
+
+    ends = torch.zeros(nb + 1, dtype=torch.int64, device=device)
+    torch.cumsum(payload[:4 * nb].view(torch.int32), 0, out=ends[1:])
+    return ends
 
 
 def enabled(device: Any) -> bool:
@@ -311,7 +319,7 @@ class Compactor:
         if self.device.type == "cuda":
             from weightsync.runtime import delta_cuda
 
-            mod = delta_cuda.module(self.device) if delta_cuda.wanted() else None
+            mod = delta_cuda.module(self.device)
             if mod is not None:
                 if self.cuda_tables is None:  # its tiles are larger (32 KB)
                     tile_key, tile_start = self._tiles(delta_cuda.tile_words(self.word))
