@@ -36,6 +36,44 @@ def imm_counts(
     own rule (cpp PieceRule), evaluated for each element.
     """
 
+def delta_compare(
+    word: int,
+    ref: int,
+    ref_words: int,
+    addrs: Annotated[NDArray[numpy.uint64], dict(shape=(None,), order="C", device="cpu", writable=False)],
+    words: Annotated[NDArray[numpy.int64], dict(shape=(None,), order="C", device="cpu", writable=False)],
+    out_idx: int,
+    out_val: int,
+    cap: int,
+    threads: int = 1,
+) -> int:
+    """
+    The changed words of a word space (its keys at `addrs`, `words` each, end to end in the reference at
+    `ref`), compared bitwise as `word`-byte integers: their sorted positions (int64) to `out_idx` and
+    values to `out_val`, each put into the reference; the first `cap` only (the rest is neither written
+    nor put into the reference: a second run finds exactly it; entries past the count may be
+    overwritten). Returns how many changed in all. Up to `threads` threads, without the GIL. ValueError
+    names a bad argument.
+    """
+
+def delta_scatter_idx16(
+    word: int,
+    n: int,
+    k: int,
+    counts: int,
+    low: int,
+    vals: int,
+    runs: Annotated[NDArray[numpy.int64], dict(shape=(None, None), order="C", device="cpu", writable=False)],
+    threads: int = 1,
+) -> None:
+    """
+    Scatters an ENC_IDX16 stream of `n` words of which `k` changed (its int32 block counts, 16-bit
+    indices and values at these addresses) into its contiguous runs' keys: `runs` rows (key address,
+    key words, shift, first and last+1 entry, first and last+1 stream position); entry j of a run goes
+    to word `position + shift` of its key. Every entry is checked against its run and key (ValueError).
+    Up to `threads` threads, without the GIL.
+    """
+
 def discover(provider: str = "") -> list[tuple[str, str, str]]: ...
 
 class ImmRing:

@@ -18,6 +18,7 @@
 
 #include "cuda/cuda_lane.hpp"
 #include "core/engine.hpp"
+#include "delta/host_delta.hpp"
 #include "cuda/imm_ring.hpp"
 #include "core/errors.hpp"
 #include "fabric/fabric_lane.hpp"
@@ -126,6 +127,52 @@ NB_MODULE(_core, m) {
       "max_piece (an engine's values: TransferEngine.stripe_threshold, .max_piece). Every write carries an\n"
       "immediate; rows > 1 makes it a 2-D write of rows x nbytes, which delivers exactly one. The engine's\n"
       "own rule (cpp PieceRule), evaluated for each element.");
+  // The delta push's compare and scatter for tensors in host memory (cpp/delta/host_delta.hpp), by address:
+  // weightsync.runtime.delta_host checks the tensors and passes their data pointers.
+  m.def(
+      "delta_compare",
+      [](int word, uintptr_t ref, int64_t ref_words, Column<uint64_t> addrs, Column<int64_t> words,
+         uintptr_t out_idx, uintptr_t out_val, int64_t cap, int threads) {
+        const size_t n = addrs.shape(0);
+        if (words.shape(0) != n) throw std::invalid_argument("delta_compare: addrs and words differ in length");
+        std::vector<ws::host_delta::Segment> keys(n);
+        for (size_t i = 0; i < n; ++i) keys[i] = {reinterpret_cast<const void*>(uintptr_t(addrs(i))), words(i)};
+        nb::gil_scoped_release release;
+        return ws::host_delta::compare(word, reinterpret_cast<void*>(ref), ref_words, keys.data(), n,
+                                       reinterpret_cast<int64_t*>(out_idx), reinterpret_cast<void*>(out_val),
+                                       cap, threads);
+      },
+      "word"_a, "ref"_a, "ref_words"_a, "addrs"_a, "words"_a, "out_idx"_a, "out_val"_a, "cap"_a, "threads"_a = 1,
+      "The changed words of a word space (its keys at `addrs`, `words` each, end to end in the reference at\n"
+      "`ref`), compared bitwise as `word`-byte integers: their sorted positions (int64) to `out_idx` and\n"
+      "values to `out_val`, each put into the reference; the first `cap` only (the rest is neither written\n"
+      "nor put into the reference: a second run finds exactly it; entries past the count may be\n"
+      "overwritten). Returns how many changed in all. Up to `threads` threads, without the GIL. ValueError\n"
+      "names a bad argument.");
+  m.def(
+      "delta_scatter_idx16",
+      [](int word, int64_t n, int64_t k, uintptr_t counts, uintptr_t low, uintptr_t vals,
+         nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> runs, int threads) {
+        if (runs.shape(0) > 0 && runs.shape(1) != 7) {
+          throw std::invalid_argument("delta_scatter_idx16: runs must have 7 columns (address, words, shift, lo, "
+                                      "hi, pos_lo, pos_hi), not " + std::to_string(runs.shape(1)));
+        }
+        std::vector<ws::host_delta::ScatterRun> rs(runs.shape(0));
+        for (size_t i = 0; i < rs.size(); ++i) {
+          rs[i] = {reinterpret_cast<void*>(uintptr_t(runs(i, 0))), runs(i, 1), runs(i, 2), runs(i, 3), runs(i, 4),
+                   runs(i, 5), runs(i, 6)};
+        }
+        nb::gil_scoped_release release;
+        ws::host_delta::scatter_idx16(word, n, k, reinterpret_cast<const int32_t*>(counts),
+                                      reinterpret_cast<const uint16_t*>(low), reinterpret_cast<const void*>(vals),
+                                      rs.data(), rs.size(), threads);
+      },
+      "word"_a, "n"_a, "k"_a, "counts"_a, "low"_a, "vals"_a, "runs"_a, "threads"_a = 1,
+      "Scatters an ENC_IDX16 stream of `n` words of which `k` changed (its int32 block counts, 16-bit\n"
+      "indices and values at these addresses) into its contiguous runs' keys: `runs` rows (key address,\n"
+      "key words, shift, first and last+1 entry, first and last+1 stream position); entry j of a run goes\n"
+      "to word `position + shift` of its key. Every entry is checked against its run and key (ValueError).\n"
+      "Up to `threads` threads, without the GIL.");
   m.def("discover", [](const std::string& provider) {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& nic : ws::FabricLane::discover(provider)) out.emplace_back(nic.provider, nic.domain, nic.fabric);
