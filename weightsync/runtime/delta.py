@@ -77,6 +77,10 @@ not in ``PushStats.delta_ref_bytes``. Where triton imports, the receiver scatter
 contiguous runs with one kernel per stream, without decoding
 (:func:`weightsync.runtime.delta_kernels.scatter_idx16`).
 
+On CPU (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the same two steps are C++ (:mod:`weightsync.runtime.
+delta_host`, cpp/delta/): the compare in one pass on torch's intra-op threads, the reference updated in
+it, and the receiver's scatter of an ENC_IDX16 stream's contiguous runs.
+
 Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` (or the kernels' count) per
 :data:`COMPARE_SLICE` words of each word size, one copy of the counts, two more when direct writes read
 strided source rows, one wait before the engine reads each destination's payload and one after the
@@ -389,8 +393,15 @@ def _kernels_wanted(device: Any) -> bool:
     ``WEIGHTSYNC_DELTA_KERNELS=0``; :mod:`weightsync.runtime.delta_kernels`); triton is not imported for a
     CPU sender unless the tests force the kernels under Triton's interpreter."""
     flag = os.environ.get("WEIGHTSYNC_DELTA_KERNELS", "")
-    if flag == "0" or (device.type != "cuda" and flag != "1"):
+    if flag == "0":
         return False
+    if device.type != "cuda":
+        from weightsync.runtime import delta_host
+
+        if delta_host.wanted(device):  # CPU: the C++ host kernels
+            return True
+        if flag != "1":
+            return False
     from weightsync.runtime import delta_kernels
 
     return delta_kernels.enabled(device)
@@ -764,8 +775,15 @@ class DeltaSender:
     def _changed_words_kernels(self, sp: _Space) -> tuple[Any, Any] | None:
         """:meth:`_changed_words` and the values' gathers as the Triton kernels of
         :mod:`weightsync.runtime.delta_kernels`, which also put the new values into the reference. None
-        where they cannot compare this space (the torch ops do)."""
+        where they cannot compare this space (the torch ops do). On CPU the C++ compare of
+        :mod:`weightsync.runtime.delta_host` (same result, same reference update)."""
+        from weightsync.runtime import delta_host
         from weightsync.runtime.delta_kernels import Compactor
+
+        if delta_host.wanted(self.device):
+            found = delta_host.compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
+            sp.hint = int(found[0].numel()) + int(found[0].numel()) // 8
+            return found
 
         if sp.compactor is None:
             sp.compactor = Compactor(sp.word, sp.starts, self.device)
@@ -1276,6 +1294,7 @@ class DeltaReceiver:
                 enc, n = int(st["enc"]), int(st["n"])
                 stream = self.payload[off + int(st["data"]):]
                 if self.use_kernels and enc == ENC_IDX16:  # the contiguous runs by one kernel
+                    from weightsync.runtime import delta_host
                     from weightsync.runtime.delta_kernels import scatter_idx16
 
                     nwords = ents["rows"] * ents["row_bytes"] // w
@@ -1284,8 +1303,14 @@ class DeltaReceiver:
                     todo = [(self._address(int(key[i]), shadow), int(shift[i]), int(starts[i]),
                              int(ends[j - 1]), int(ents["data"][i]), int(ents["data"][j - 1] + nwords[j - 1]))
                             for i, j in runs if not strided[i]]
-                    done = scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device) \
-                        if todo else ""
+                    if not todo:
+                        done = ""
+                    elif delta_host.wanted(self.device):  # CPU: C++, each store checked against its key
+                        done = delta_host.scatter_idx16(
+                            stream, n, k, w, _values_at(enc, n, k), todo,
+                            [self._nbytes(int(key[i]), shadow) for i, _ in runs if not strided[i]])
+                    else:
+                        done = scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device)
                     if done:
                         self.scatter_backend = done
                         runs = [(i, j) for i, j in runs if strided[i]]
@@ -1314,6 +1339,10 @@ class DeltaReceiver:
     def _address(self, key: int, shadow: int) -> int:
         """The address of key ``key``'s buffer ``shadow`` (contiguous: it was registered so)."""
         return int(self.buffers[self.keys[key]][shadow].data_ptr())
+
+    def _nbytes(self, key: int, shadow: int) -> int:
+        t = self.buffers[self.keys[key]][shadow]
+        return int(t.numel()) * int(t.element_size())
 
     def completed(self, version: int, shadow: int) -> None:
         self.holds[shadow] = version

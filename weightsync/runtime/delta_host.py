@@ -1,0 +1,137 @@
+"""The delta push's compare and scatter for tensors in host memory, in C++ (issue 18; cpp/delta/): what
+:mod:`weightsync.runtime.delta_cuda`'s kernels do on a GPU, for a source or destination on CPU.
+
+Why not the torch ops (:meth:`weightsync.runtime.delta.DeltaSender._changed_words` and the per-key
+gathers, the reference's indexed update in ``finish``, the receiver's decode and indexed copies): they
+pass over the data several times (a byte mask, ``nonzero`` over it, the gathers, the update), and on a
+2-core VM a delta push spent 290 ms in them where reading the tensors and the reference once takes about
+20 ms. The C++ compare reads each current word and its reference word once, writes the changed words'
+sorted positions and values, and updates the reference in the same pass (so the sender's ``finish`` has
+nothing left to copy: ``ref_done``), on up to :func:`threads` threads without the GIL; its inner loop has
+no branch per change (cpp/delta/host_delta.cpp says why that matters). The scatter puts an ENC_IDX16
+stream's contiguous runs into their keys without decoding the positions into int64 first, checking every
+entry against its run and key (the stream came over the wire).
+
+Both are used where :func:`wanted`: a CPU device, the compiled engine has them, and
+``WEIGHTSYNC_DELTA_KERNELS`` is not ``0`` (the torch ops) nor ``1`` under Triton's interpreter
+(``TRITON_INTERPRET=1``: the tests run the Triton kernels on CPU that way).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+ENV = "WEIGHTSYNC_DELTA_KERNELS"
+
+
+def available() -> bool:
+    """Whether the compiled engine has the host kernels."""
+    from weightsync._ext import _core
+
+    return hasattr(_core, "delta_compare") and hasattr(_core, "delta_scatter_idx16")
+
+
+def wanted(device: Any) -> bool:
+    """Whether delta work on ``device`` goes to the host kernels (see the module docstring)."""
+    if device.type != "cpu":
+        return False
+    flag = os.environ.get(ENV, "")
+    if flag == "0" or (flag == "1" and os.environ.get("TRITON_INTERPRET", "") == "1"):
+        return False
+    return available()
+
+
+def threads() -> int:
+    """Threads the host kernels may use: torch's intra-op thread count (what a user limits it to)."""
+    import torch
+
+    return max(1, int(torch.get_num_threads()))
+
+
+def _check_words(t: Any, what: str, dtype: Any | None = None) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} is on {t.device}, not the CPU")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} is not contiguous")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{what} is {t.dtype}, not {dtype}")
+
+
+def compare(views: Sequence[Any], ref: Any, hint: int, poison: int | None = None,
+            nthreads: int | None = None) -> tuple[Any, Any]:
+    """A word space's changed words as (sorted int64 positions, values), bitwise, the reference updated:
+    ``views`` its keys' flat integer word views in order (end to end in ``ref``, one flat tensor of the
+    same integer dtype). Room for ``hint`` changes first (none: 1/64 of the words); where more changed,
+    a second run finds exactly the rest (the first run's are in the reference by then), and the two
+    outputs are concatenated. ``poison``: fill the outputs with this byte first (tests: an entry left
+    unwritten shows)."""
+    import torch
+
+    from weightsync._ext import _core
+
+    _check_words(ref, "the reference")
+    total = int(ref.numel())
+    for i, v in enumerate(views):
+        _check_words(v, f"key {i}", ref.dtype)
+    if sum(int(v.numel()) for v in views) != total:
+        raise ValueError(f"the keys hold {sum(int(v.numel()) for v in views)} words, the reference {total}")
+    word = int(ref.element_size())
+    addrs = np.array([int(v.data_ptr()) for v in views], np.uint64)
+    sizes = np.array([int(v.numel()) for v in views], np.int64)
+    n = nthreads or threads()
+    # no hint (the first compare): room for 1/64 of the words (RL steps change 1-5% of BF16 values)
+    cap = min(max(hint or total // 64, 1024), max(total, 1))
+    outs: list[tuple[Any, Any]] = []
+    while True:
+        out_idx = torch.empty(cap, dtype=torch.int64)
+        out_val = torch.empty(cap, dtype=ref.dtype)
+        if poison is not None:
+            out_idx.view(torch.uint8).fill_(poison)
+            out_val.view(torch.uint8).fill_(poison)
+        k = int(_core.delta_compare(word, int(ref.data_ptr()), total, addrs, sizes, int(out_idx.data_ptr()),
+                                    int(out_val.data_ptr()), cap, n))
+        if k <= cap:
+            outs.append((out_idx[:k], out_val[:k]))
+            break
+        # the first cap changes are out and in the reference; the rest are found by a second run
+        outs.append((out_idx, out_val))
+        cap = k - cap
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Sequence[Sequence[int]],
+                  key_bytes: Sequence[int], nthreads: int | None = None) -> str:
+    """Scatters the contiguous runs of an ENC_IDX16 stream (``payload``: uint8 on the CPU from the
+    stream's start, ``n`` words of which ``k`` changed, ``w`` bytes a word, values at byte ``vals_at``)
+    into their keys: ``runs`` rows as :func:`weightsync.runtime.delta_kernels.scatter_idx16` takes them
+    (the key's address, shift from stream positions to its words, first and last+1 changed index, first
+    and last+1 stream position), ``key_bytes`` each run's key's size (every store is checked to lie in
+    it). Returns ``"host"`` (which kernels scattered)."""
+    import torch
+
+    from weightsync._ext import _core
+    from weightsync.runtime.delta import BLOCK, _align
+
+    _check_words(payload, "the payload", torch.uint8)
+    nb = -(-n // BLOCK)
+    if int(payload.numel()) < vals_at + w * k or vals_at < _align(4 * nb) + 2 * k:
+        raise ValueError(f"an ENC_IDX16 stream of {k} changed {w}-byte words out of {n} does not fit "
+                         f"{int(payload.numel())} bytes with its values at {vals_at}")
+    if len(key_bytes) != len(runs):
+        raise ValueError(f"{len(runs)} runs but {len(key_bytes)} key sizes")
+    table = np.zeros((len(runs), 7), np.int64)
+    if len(runs):
+        r = np.asarray(runs, np.int64).reshape(-1, 6)
+        table[:, 0] = r[:, 0]
+        table[:, 1] = np.asarray(key_bytes, np.int64) // w
+        table[:, 2:] = r[:, 1:]
+    base = int(payload.data_ptr())
+    _core.delta_scatter_idx16(w, n, k, base, base + _align(4 * nb), base + vals_at, table,
+                              nthreads or threads())
+    return "host"
