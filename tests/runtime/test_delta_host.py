@@ -1,0 +1,377 @@
+"""The delta push's C++ host kernels (cpp/delta/, weightsync/runtime/delta_host.py) against torch, bit for
+bit: the compare's positions, values and reference update for every word size (random data, never zeros;
+NaN payloads, -0.0, denormals; the first and last word of every key; keys of odd lengths at unaligned
+addresses; nothing and everything changed; room for fewer changes than there are, one and several
+threads), the ENC_IDX16 scatter against torch's indexed copy, and the errors a bad argument or a corrupt
+stream raise. Output buffers are filled with a poison byte first: an entry left unwritten shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from weightsync._ext import _core
+from weightsync.runtime import delta_host
+from weightsync.runtime.delta import (
+    BLOCK,
+    ENC_IDX16,
+    _align,
+    _values_at,
+    encode_into,
+    sparse_sizes,
+)
+
+INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+FLOATS = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+POISON = 0xA5
+# The kernels give a thread at least 2**18 words: spaces this big are compared on two or more.
+THREAD_WORDS = 1 << 18
+
+
+def _random_words(n: int, w: int, g: torch.Generator) -> torch.Tensor:
+    """``n`` random ``w``-byte words, none of them zero (a zero-filled buffer hides unwritten bytes)."""
+    t = torch.randint(0, 256, (n * w,), dtype=torch.uint8, generator=g).view(INTS[w])
+    t[t == 0] = 1
+    return t
+
+
+def _specials(cur: torch.Tensor, ref: torch.Tensor, w: int) -> None:
+    """Float bit patterns that ``==`` gets wrong, set at a few places of ``cur`` (current) and ``ref``:
+    -0.0 against 0.0 (equal as floats: must be found), the same NaN in both (unequal as floats: must
+    not be found), NaNs of different payloads (must be found), denormals differing in their last bit."""
+    if w not in FLOATS or cur.numel() < 8:
+        return
+    fc, fr = cur.view(FLOATS[w]), ref.view(FLOATS[w])
+    fc[0], fr[0] = -0.0, 0.0
+    fc[1], fr[1] = float("nan"), float("nan")  # bitwise equal: unchanged
+    fc[2], fr[2] = float("nan"), float("nan")
+    cur[2] ^= 1 << 1  # another NaN payload
+    tiny = torch.finfo(FLOATS[w]).tiny
+    fc[3], fr[3] = tiny / 4, tiny / 4
+    cur[3] ^= 1  # a denormal one bit away
+
+
+def _space(sizes: list[int], w: int, frac: float,
+           g: torch.Generator) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Keys of ``sizes`` words (current values) and a reference that differs from them at about ``frac``
+    of the words, always at each key's first and last word (``frac`` 0: none), with the float specials in
+    the first key unless none or all changed."""
+    keys, refs = [], []
+    for n in sizes:
+        cur = _random_words(n, w, g)
+        ref = cur.clone()
+        if n:
+            flip = torch.rand(n, generator=g) < frac
+            flip[0] = flip[-1] = frac > 0
+            ref[flip] ^= _random_words(int(flip.sum()), w, g)  # nonzero: really a change
+        keys.append(cur)
+        refs.append(ref)
+    if 0 < frac < 1:
+        _specials(keys[0], refs[0], w)
+    return keys, torch.cat(refs)
+
+
+def _expected(keys: list[torch.Tensor], ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cur = torch.cat(keys)
+    idx = torch.nonzero(cur != ref).reshape(-1)
+    return idx, cur[idx]
+
+
+def _unaligned(keys: list[torch.Tensor], offset: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Copies of ``keys`` at ``offset`` bytes past a 64-byte boundary (the tensors keep the storage
+    alive; the addresses are what the kernel reads)."""
+    held, addrs = [], []
+    for k in keys:
+        nbytes = int(k.numel()) * k.element_size()
+        buf = torch.empty(nbytes + 128, dtype=torch.uint8)
+        start = (-int(buf.data_ptr())) % 64 + offset
+        buf[start:start + nbytes].copy_(k.view(torch.uint8))
+        held.append(buf)
+        addrs.append(int(buf.data_ptr()) + start)
+    return held, addrs
+
+
+def _raw_compare(w: int, ref: torch.Tensor, addrs: list[int], sizes: list[int], cap: int,
+                 threads: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    out_idx = torch.empty(max(cap, 1), dtype=torch.int64)
+    out_val = torch.empty(max(cap, 1), dtype=INTS[w])
+    out_idx.view(torch.uint8).fill_(POISON)
+    out_val.view(torch.uint8).fill_(POISON)
+    k = _core.delta_compare(w, int(ref.data_ptr()), int(ref.numel()), np.array(addrs, np.uint64),
+                            np.array(sizes, np.int64), int(out_idx.data_ptr()), int(out_val.data_ptr()), cap,
+                            threads)
+    return int(k), out_idx, out_val
+
+
+SIZES = [37, 1, 0, 4099, 255, 257, 3]  # odd lengths, an empty key, tails of every size
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+@pytest.mark.parametrize("frac", [0.0, 0.003, 0.05, 1.0])
+def test_compare_matches_torch_on_keys_at_odd_addresses(w: int, frac: float) -> None:
+    g = torch.Generator().manual_seed(w * 100 + int(frac * 1000))
+    keys, ref = _space(SIZES, w, frac, g)
+    idx, vals = _expected(keys, ref)
+    if frac == 1.0:  # every word differs (the random flips are nonzero)
+        assert idx.numel() == ref.numel()
+    if frac == 0.0:
+        assert idx.numel() == 0
+    for offset in (0, 1, 2 * w + 1, 3):  # whole words off, and byte addresses no word is at
+        r = ref.clone()
+        held, addrs = _unaligned(keys, offset)
+        k, oi, ov = _raw_compare(w, r, addrs, SIZES, int(ref.numel()), 1)
+        assert k == idx.numel(), (offset, k, idx.numel())
+        assert torch.equal(oi[:k], idx), offset
+        assert torch.equal(ov[:k], vals), offset
+        assert torch.equal(r, torch.cat(keys)), offset  # the reference is the keys now
+        del held
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+def test_compare_through_the_face_with_room_for_fewer(w: int) -> None:
+    """delta_host.compare: word views at whole-word offsets from 16 bytes; a hint of 1 (room for 1024
+    changes) against thousands: the second run finds the rest and the outputs concatenate."""
+    g = torch.Generator().manual_seed(w)
+    sizes = [70001, 13, 30007]
+    keys, ref = _space(sizes, w, 0.07, g)
+    idx, vals = _expected(keys, ref)
+    assert idx.numel() > 4 * 1024
+    base = torch.empty(sum(sizes) + 3 * len(sizes), dtype=INTS[w])
+    views, at = [], 1  # key j at word 1 + j of a gap: never 16-byte aligned for w < 16
+    for k in keys:
+        views.append(base[at:at + k.numel()])
+        views[-1].copy_(k)
+        at += k.numel() + 1
+    got_idx, got_vals = delta_host.compare(views, ref, hint=1, poison=POISON)
+    assert torch.equal(got_idx, idx)
+    assert torch.equal(got_vals, vals)
+    assert torch.equal(ref, torch.cat(keys))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("w", [1, 2, 8])
+def test_room_for_fewer_writes_exactly_the_first_and_a_second_run_the_rest(w: int, threads: int) -> None:
+    """cap below the count, on one thread and on several (the cap falling in a later thread's range, whose
+    changes were put into the reference before the counts were known and must be taken back)."""
+    g = torch.Generator().manual_seed(10 * w + threads)
+    sizes = [THREAD_WORDS * 2 + 17, 5, THREAD_WORDS + 3]
+    keys, ref = _space(sizes, w, 0.01, g)
+    idx, vals = _expected(keys, ref)
+    total = int(idx.numel())
+    addrs = [int(k.data_ptr()) for k in keys]
+    for cap in (0, 1, total // 3, total - 1, total, total + 5):
+        r = ref.clone()
+        k, oi, ov = _raw_compare(w, r, addrs, sizes, cap, threads)
+        assert k == total, cap
+        m = min(cap, total)
+        assert torch.equal(oi[:m], idx[:m]), cap
+        assert torch.equal(ov[:m], vals[:m]), cap
+        # the reference took exactly the first m changes
+        want = ref.clone()
+        want[idx[:m]] = vals[:m]
+        assert torch.equal(r, want), cap
+        if m < total:
+            k2, oi2, ov2 = _raw_compare(w, r, addrs, sizes, total - m, threads)
+            assert k2 == total - m, cap
+            assert torch.equal(torch.cat([oi[:m], oi2[:k2]]), idx), cap
+            assert torch.equal(torch.cat([ov[:m], ov2[:k2]]), vals), cap
+        assert torch.equal(r, torch.cat(keys)), cap
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("frac", [0.0, 0.02, 1.0])
+def test_threads_split_the_space_and_place_their_changes_in_order(frac: float, threads: int) -> None:
+    g = torch.Generator().manual_seed(threads)
+    sizes = [THREAD_WORDS + 1, 3, THREAD_WORDS * 2 - 1, 1000]
+    keys, ref = _space(sizes, 2, frac, g)
+    idx, vals = _expected(keys, ref)
+    k, oi, ov = _raw_compare(2, ref, [int(t.data_ptr()) for t in keys], sizes, int(ref.numel()), threads)
+    assert k == idx.numel()
+    assert torch.equal(oi[:k], idx)
+    assert torch.equal(ov[:k], vals)
+    assert torch.equal(ref, torch.cat(keys))
+
+
+def test_compare_refuses_bad_arguments() -> None:
+    ref = torch.zeros(64, dtype=torch.int16)
+    key = torch.ones(64, dtype=torch.int16)
+    oi, ov = torch.empty(64, dtype=torch.int64), torch.empty(64, dtype=torch.int16)
+    a = np.array([key.data_ptr()], np.uint64)
+
+    def call(**kw: Any) -> int:
+        args = {"word": 2, "ref": ref.data_ptr(), "ref_words": 64, "addrs": a, "words": np.array([64]),
+                "out_idx": oi.data_ptr(), "out_val": ov.data_ptr(), "cap": 64, "threads": 1, **kw}
+        return _core.delta_compare(**args)
+
+    assert call() == 64  # the arguments below are bad one at a time
+    ref.zero_()
+    for kw, what in [({"word": 3}, "word must be"), ({"ref": ref.data_ptr() + 1}, "not aligned"),
+                     ({"ref": 0}, "reference is null"), ({"out_idx": oi.data_ptr() + 4}, "out_idx"),
+                     ({"out_val": ov.data_ptr() + 1}, "out_val"), ({"out_idx": 0}, "null"),
+                     ({"words": np.array([63])}, "63 words, the reference 64"),
+                     ({"words": np.array([65])}, "more words than the reference"),
+                     ({"addrs": np.array([0], np.uint64)}, "address is null"),
+                     ({"addrs": np.array([ref.data_ptr() + 2], np.uint64)}, "overlaps the reference"),
+                     ({"out_val": ref.data_ptr()}, "overlap"), ({"cap": -1}, "cap"),
+                     ({"threads": 0}, "threads"),
+                     ({"words": np.array([64, 0])}, "differ in length")]:
+        with pytest.raises(ValueError, match=what):
+            call(**kw)
+    assert torch.equal(ref, torch.zeros(64, dtype=torch.int16))  # none of them touched it
+    with pytest.raises(ValueError, match="not contiguous"):
+        delta_host.compare([key[::2]], ref[:32], 0)
+    with pytest.raises(ValueError, match="the reference 64"):
+        delta_host.compare([key[:10]], ref, 0)
+
+
+# -- the scatter -----------------------------------------------------------------------------------------
+def _stream(n: int, idx: torch.Tensor, vals: torch.Tensor, w: int) -> tuple[torch.Tensor, int]:
+    """An ENC_IDX16 stream of changed words ``idx`` of ``n`` (uint8, poisoned past its end) and where
+    its values start."""
+    k = int(idx.numel())
+    size = sparse_sizes(n, k, w)[ENC_IDX16]
+    buf = torch.full((size + 64,), POISON, dtype=torch.uint8)
+    encode_into(buf[:size], ENC_IDX16, idx, vals, n)
+    return buf, _values_at(ENC_IDX16, n, k)
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scatter_matches_torchs_indexed_copy(w: int, threads: int) -> None:
+    """A stream over three keys' words laid end to end (the middle key's words placed at an offset in
+    its buffer, so its shift is not the stream's), several blocks of 65536 words, some empty: each
+    key's buffer after the scatter equals torch's indexed copy of the same changes. The changes are the
+    stream's only when the blocks' counts, the low bits and the values all land right."""
+    g = torch.Generator().manual_seed(w + 10 * threads)
+    sizes, offsets = [BLOCK + 7, 3 * BLOCK + 1, 999], [0, 5, 0]
+    n = sum(sizes)
+    # several threads take 65536 entries each at least: so many changes where two are to run
+    changed = torch.rand(n, generator=g) < (0.03 if threads == 1 else 0.6)
+    changed[BLOCK + 7 + BLOCK:BLOCK + 7 + 2 * BLOCK] = False  # an empty block
+    changed[0] = changed[-1] = True
+    idx = torch.nonzero(changed).reshape(-1)
+    vals = _random_words(int(idx.numel()), w, g)
+    stream, vals_at = _stream(n, idx, vals, w)
+    bufs = [_random_words(s + o + 3, w, g) for s, o in zip(sizes, offsets, strict=True)]
+    want = [b.clone() for b in bufs]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    cut = torch.searchsorted(idx, torch.from_numpy(starts)).tolist()
+    runs, key_bytes = [], []
+    for j, (b, o) in enumerate(zip(bufs, offsets, strict=True)):
+        a0, a1 = int(starts[j]), int(starts[j + 1])
+        sel = idx[cut[j]:cut[j + 1]]
+        want[j][sel - a0 + o] = vals[cut[j]:cut[j + 1]]
+        runs.append((int(b.data_ptr()), o - a0, cut[j], cut[j + 1], a0, a1))
+        key_bytes.append(int(b.numel()) * w)
+    done = delta_host.scatter_idx16(stream, n, int(idx.numel()), w, vals_at, runs, key_bytes, threads)
+    assert done == "host"
+    for j in range(len(bufs)):
+        assert torch.equal(bufs[j], want[j]), j
+
+
+def test_scatter_refuses_a_corrupt_stream_and_bad_runs() -> None:
+    w, n = 2, 3 * BLOCK
+    g = torch.Generator().manual_seed(3)
+    idx = torch.tensor([5, BLOCK + 9, 2 * BLOCK + 100, n - 1])
+    vals = _random_words(4, w, g)
+    key = torch.zeros(n, dtype=torch.int16)
+    addr = int(key.data_ptr())
+
+    def scatter(stream: torch.Tensor, runs: list[tuple[int, ...]], nbytes: int = n * w) -> None:
+        delta_host.scatter_idx16(stream, n, 4, w, _values_at(ENC_IDX16, n, 4), runs, [nbytes] * len(runs))
+
+    stream, _ = _stream(n, idx, vals, w)
+    scatter(stream, [(addr, 0, 0, 4, 0, n)])
+    assert torch.equal(key[idx], vals)
+    key.zero_()
+    with pytest.raises(ValueError, match="outside the run"):  # the run claims fewer positions
+        scatter(stream, [(addr, 0, 0, 4, 0, n - 1)])
+    with pytest.raises(ValueError, match="outside the run"):  # a shift past the key's end
+        scatter(stream, [(addr, 10, 0, 4, 0, n)])
+    with pytest.raises(ValueError, match="outside the run"):  # a key smaller than the run's targets
+        scatter(stream, [(addr, 0, 0, 4, 0, n)], nbytes=2 * BLOCK * w)
+    with pytest.raises(ValueError, match="takes entries"):
+        scatter(stream, [(addr, 0, 0, 5, 0, n)])
+    with pytest.raises(ValueError, match="spans stream positions"):
+        scatter(stream, [(addr, 0, 0, 4, 0, n + 1)])
+    bad = stream.clone()
+    bad[:4].view(torch.int32)[0] += 1  # the block counts no longer sum to k
+    with pytest.raises(ValueError, match="sum to 5"):
+        scatter(bad, [(addr, 0, 0, 4, 0, n)])
+    with pytest.raises(ValueError, match="does not fit"):
+        delta_host.scatter_idx16(stream[:20], n, 4, w, _values_at(ENC_IDX16, n, 4), [], [])
+    with pytest.raises(ValueError, match="word must be"):
+        _core.delta_scatter_idx16(3, n, 4, int(stream.data_ptr()), int(stream.data_ptr()) + _align(12),
+                                  int(stream.data_ptr()) + 64, np.zeros((0, 7), np.int64), 1)
+
+
+# -- in the sender and the receiver ----------------------------------------------------------------------
+def test_sender_on_cpu_compares_with_the_host_kernels_as_the_torch_ops_do() -> None:
+    """A CPU DeltaSender with keys of every word size: the host path (the reference updated in the
+    compare: ref_done) and the torch path, from the same reference, find the same positions and values
+    and leave the same reference; ``WEIGHTSYNC_DELTA_KERNELS=0`` keeps it on the torch ops."""
+    import weightsync as ws
+    from weightsync.runtime.delta import DeltaSender
+
+    g = torch.Generator().manual_seed(5)
+    shapes = {"emb": ((3, 4099), torch.bfloat16), "norm": ((5,), torch.bfloat16),
+              "proj": ((1001,), torch.float32), "fp8": ((777,), torch.uint8), "acc": ((65,), torch.int64)}
+    tensors = {}
+    for name, (shape, dtype) in shapes.items():
+        t = torch.empty(shape, dtype=dtype)
+        w = t.element_size()
+        t.view(INTS[w]).reshape(-1).copy_(_random_words(t.numel(), w, g))
+        tensors[name] = t
+    engine = ws.TransferEngine()
+    try:
+        sender = DeltaSender(engine, tensors, torch.device("cpu"), 0, True)
+        assert sender.use_kernels
+        sender.start()
+        sender.finish(1, True)
+        for version in range(2, 5):
+            for t in tensors.values():
+                iv = t.view(INTS[t.element_size()]).reshape(-1)
+                flip = torch.rand(iv.numel(), generator=g) < 0.05
+                iv[flip] ^= 1
+                iv[-1] ^= 2
+            before = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
+            sender.use_kernels = True
+            sender.start()
+            assert all(sp.ref_done for sp in sender._spaces.values())
+            got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()}
+            sender.finish(version, True)
+            after = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
+            for w, sp in sender._spaces.items():
+                sp.ref.copy_(before[w])
+            sender.use_kernels = False
+            sender.ref_version = version - 1
+            sender.start()
+            assert not any(sp.ref_done for sp in sender._spaces.values())
+            for w, sp in sender._spaces.items():
+                assert torch.equal(got[w][0], sp.idx), (version, w)
+                assert torch.equal(got[w][1], sp.vals), (version, w)
+            sender.finish(version, True)
+            for w, sp in sender._spaces.items():
+                assert torch.equal(after[w], sp.ref), (version, w)
+                assert torch.equal(sp.ref, torch.cat([sender._views[k] for k in sp.keys])), (version, w)
+    finally:
+        engine.close()
+
+
+def test_the_environment_chooses_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.runtime.delta import _kernels_wanted
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("WEIGHTSYNC_DELTA_KERNELS", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert delta_host.wanted(cpu) and _kernels_wanted(cpu)
+    monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "0")
+    assert not delta_host.wanted(cpu) and not _kernels_wanted(cpu)
+    monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "1")
+    assert delta_host.wanted(cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels under their interpreter (tests)
+    assert not delta_host.wanted(cpu)
+    assert not delta_host.wanted(torch.device("meta"))
