@@ -465,18 +465,31 @@ void scatter_w(const std::vector<int64_t>& ends, const uint16_t* low, const u8* 
       g += stop - j;
       u8* key = static_cast<u8*>(run.addr);
       size_t b = size_t(std::upper_bound(ends.begin(), ends.end(), j) - ends.begin()) - 1;
-      for (; j < stop; ++j) {
+      while (j < stop) {  // block by block: its entries j .. e
         while (j >= ends[b + 1]) ++b;
-        const int64_t p = int64_t(b) * kBlockWords + low[j];
-        const int64_t dst = p + run.shift;
-        if (p < run.pos_lo || p >= run.pos_hi || dst < 0 || dst >= run.words) {
-          errors[t] = "delta_scatter_idx16: entry " + std::to_string(j) + " (stream position " + std::to_string(p) +
-                      ") of run " + std::to_string(r) + " lies outside the run's positions [" +
-                      std::to_string(run.pos_lo) + ", " + std::to_string(run.pos_hi) + ") or its key's " +
-                      std::to_string(run.words) + " words (word " + std::to_string(dst) + ")";
-          return;
+        const int64_t e = std::min(stop, ends[b + 1]);
+        const int64_t first = int64_t(b) * kBlockWords;  // the block's first stream position
+        // A block whose every position lies in the run and lands in the key needs no check per entry (a
+        // third less time than checking each: 2.1M entries into 0.225 GB, 2 threads, 9-10 ms against 12-17).
+        const bool inside = first >= run.pos_lo && first + kBlockWords <= run.pos_hi && first + run.shift >= 0 &&
+                            first + kBlockWords + run.shift <= run.words;
+        if (inside) {
+          u8* at = key + (first + run.shift) * WB;
+          for (; j < e; ++j) store_w<W>(at + int64_t(low[j]) * WB, load_w<W>(vals + j * WB));
+          continue;
         }
-        store_w<W>(key + dst * WB, load_w<W>(vals + j * WB));
+        for (; j < e; ++j) {
+          const int64_t p = first + low[j];
+          const int64_t dst = p + run.shift;
+          if (p < run.pos_lo || p >= run.pos_hi || dst < 0 || dst >= run.words) {
+            errors[t] = "delta_scatter_idx16: entry " + std::to_string(j) + " (stream position " +
+                        std::to_string(p) + ") of run " + std::to_string(r) + " lies outside the run's positions [" +
+                        std::to_string(run.pos_lo) + ", " + std::to_string(run.pos_hi) + ") or its key's " +
+                        std::to_string(run.words) + " words (word " + std::to_string(dst) + ")";
+            return;
+          }
+          store_w<W>(key + dst * WB, load_w<W>(vals + j * WB));
+        }
       }
     }
   };
