@@ -7,6 +7,7 @@ stream raise. Output buffers are filled with a poison byte first: an entry left 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -375,3 +376,10 @@ def test_the_environment_chooses_the_path(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels under their interpreter (tests)
     assert not delta_host.wanted(cpu)
     assert not delta_host.wanted(torch.device("meta"))
+    monkeypatch.setenv("WEIGHTSYNC_DELTA_THREADS", "3")
+    assert delta_host.threads() == 3
+    monkeypatch.setenv("WEIGHTSYNC_DELTA_THREADS", "0")
+    with pytest.raises(ValueError, match="at least 1"):
+        delta_host.threads()
+    monkeypatch.delenv("WEIGHTSYNC_DELTA_THREADS")
+    assert delta_host.threads() == len(os.sched_getaffinity(0))  # not torch's (Ray sets it to 1)
