@@ -377,6 +377,11 @@ class Bench:
             bad.append("reference")
         return "ok" if not bad else "WRONG " + ",".join(bad)
 
+    def check_found(self, out: Any) -> str:
+        """check_compact for a compare that leaves the reference to its caller (delta_cuda.compare)."""
+        self.ref[out[0]] = out[1]
+        return self.check_compact(out)
+
     def check_counts(self, counts: Any) -> str:
         return "ok" if int(counts.sum()) == self.k else f"WRONG count {int(counts.sum())} vs {self.k}"
 
@@ -535,8 +540,9 @@ def main() -> None:
 
         if not args.only:
             b.record("compare", "torch nonzero path", b.torch_compare, cmp_bytes, b.restore, b.check_compact)
-        # as a push runs it: the CUDA C++ kernel (weightsync.runtime.delta_cuda; one pass, no slices) and
-        # the Triton kernels (slices of slots); hint = this push's count, as a push after one alike
+        # as a push runs it: the CUDA C++ kernels (weightsync.runtime.delta_cuda; the reference left to the
+        # caller: also timed with its update as DeltaSender.finish does it) and the Triton kernels (slices of
+        # slots, the reference updated); hint = this push's count, as a push after one alike
         for backend in ("cuda", "triton"):
             label = f"Compactor.compare {backend}"
             if skip(label):
@@ -544,25 +550,33 @@ def main() -> None:
             os.environ["WEIGHTSYNC_DELTA_KERNELS"] = backend
             comp = dk.Compactor(2, b.starts, device)
             b.record("compare", label, lambda comp=comp, k=k: comp.compare(b.views, b.ref, k + k // 8),
-                     cmp_bytes, b.restore, b.check_compact)
+                     cmp_bytes, b.restore, lambda out, comp=comp: (b.check_compact(out) if comp.ref_updated
+                                                                   else b.check_found(out)))
             if comp.backend != backend:
                 print(f"  compare  {label}: ran on {comp.backend or 'nothing'}", flush=True)
+            if not comp.ref_updated:
+
+                def with_ref(comp: Any = comp, k: int = k) -> Any:
+                    idx, vals = comp.compare(b.views, b.ref, k + k // 8)
+                    b.ref[idx] = vals
+                    return idx, vals
+
+                b.record("compare", label + " + ref[idx] = vals", with_ref, cmp_bytes, b.restore,
+                         b.check_compact)
             del comp
         os.environ.pop("WEIGHTSYNC_DELTA_KERNELS", None)
-        # the CUDA kernel's compile-time choices (weightsync/runtime/delta_cuda.py's macros): rounds of
-        # 16-byte chunks per tile, blocks per SM its registers are limited for, ticket or block index
+        # the CUDA kernels' compile-time choices (weightsync/runtime/delta_cuda.py's macros): rounds of
+        # 16-byte chunks per tile, blocks per SM the collect kernel's registers are limited for
         if gpu:
             from weightsync.runtime import delta_cuda, nvrtc
 
-            variants_cuda = [(8, 0, 1), (8, 0, 0), (4, 0, 1), (4, 4, 1), (2, 0, 1), (8, 3, 1), (16, 0, 1)]
-            for rounds, blocks, ticket in variants_cuda:
-                label = f"cuda compact ROUNDS={rounds} MIN_BLOCKS={blocks} TICKET={ticket}"
+            for rounds, blocks in [(8, 0), (8, 3), (4, 0), (4, 4), (16, 0), (2, 0)]:
+                label = f"cuda compare ROUNDS={rounds} MIN_BLOCKS={blocks}"
                 if skip(label):
                     continue
                 try:
-                    mod = nvrtc.load(f"bench{rounds}.{blocks}.{ticket}", delta_cuda.SOURCE,
-                                     delta_cuda.SIGNATURES, device,
-                                     [f"-DROUNDS={rounds}", f"-DMIN_BLOCKS={blocks}", f"-DTICKET={ticket}"])
+                    mod = nvrtc.load(f"bench{rounds}.{blocks}", delta_cuda.SOURCE, delta_cuda.SIGNATURES,
+                                     device, [f"-DROUNDS={rounds}", f"-DMIN_BLOCKS={blocks}"])
                 except nvrtc.NvrtcUnavailable as e:
                     print(f"  compare  {label}: {e}", flush=True)
                     continue
@@ -576,7 +590,7 @@ def main() -> None:
                         vec: bool = comp.vec > 1) -> Any:
                     return delta_cuda.compare(mod, tabs, nt, vec, 2, b.ref, k + k // 8, N)
 
-                b.record("compare", label, run, cmp_bytes, b.restore, b.check_compact)
+                b.record("compare", label, run, cmp_bytes, b.restore, b.check_found)
                 del comp, tabs
         variants: list[tuple[str, dict[str, Any]]] = []
         orig = [(4096, 512, 8), (4096, 512, 4), (4096, 512, 16), (8192, 1024, 8), (8192, 1024, 16),

@@ -441,6 +441,8 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
         assert c.vec == (16 // word if aligned else 1)
         assert torch.equal(idx, want), (hint, idx.numel(), want.numel())
         assert torch.equal(vals, cur[want]), hint
+        assert not c.ref_updated and torch.equal(r, ref), hint  # the caller's to update
+        r[idx] = vals
         assert torch.equal(r, cur), hint
 
 

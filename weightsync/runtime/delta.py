@@ -64,17 +64,18 @@ writes the reference takes the changed values with one indexed copy per word siz
 each stream once (``repeat_interleave`` of the block bases, the low bits copied in) and scatters each
 run of entries of one key and one placement with one indexed copy.
 
-On CUDA (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the sender's compare is a device kernel instead: the
-changed words' positions and values found reading each tensor and the reference once, the reference
-updated in the same pass (so ``finish`` has nothing left to copy for those spaces: a push that fails
-leaves the reference's version at -1, and the next push copies the tensors whole into it). First choice,
-one CUDA C++ kernel per space compiled at run time with NVRTC (:mod:`weightsync.runtime.delta_cuda`: one
-pass, each tile's place in the output by a decoupled look-back, one host synchronization per space); where
-NVRTC cannot be had, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``, two Triton kernels per slice
+On CUDA (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the sender's compare is device kernels instead: the
+changed words' positions and values found reading each tensor and the reference once. First choice, CUDA
+C++ compiled at run time with NVRTC (:mod:`weightsync.runtime.delta_cuda`: each tile's changes collected
+where an atomic counter puts them, then put in order; one host synchronization per space); it leaves the
+reference to ``finish``'s indexed copy, which runs while the destinations apply theirs. Where NVRTC
+cannot be had, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``, two Triton kernels per slice
 (:mod:`weightsync.runtime.delta_kernels`: one host synchronization per slice, a slot scratch of 256 MiB a
-slice at most). Their scratch (``DeltaSender.scratch_bytes``) comes from torch's caching allocator and is
-not in ``PushStats.delta_ref_bytes``. Where triton imports, the receiver scatters an ENC_IDX16 stream's
-contiguous runs with one kernel per stream, without decoding
+slice at most), which update the reference in the same pass (``finish`` has nothing left to copy for
+those spaces: a push that fails leaves the reference's version at -1, and the next push copies the
+tensors whole into it). Their scratch (``DeltaSender.scratch_bytes``) comes from torch's caching
+allocator and is not in ``PushStats.delta_ref_bytes``. Where triton imports, the receiver scatters an
+ENC_IDX16 stream's contiguous runs with one kernel per stream, without decoding
 (:func:`weightsync.runtime.delta_kernels.scatter_idx16`).
 
 On CPU (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the same two steps are C++ (:mod:`weightsync.runtime.
@@ -441,6 +442,7 @@ class _Space:
     hint: int = 0  # the last push's count of changed words (how much room the next one's start with)
     compactor: Any = None  # the GPU kernels' tile tables (weightsync.runtime.delta_kernels), where they run
     ref_done: bool = False  # this push's compare already put the changed values into the reference
+    # (the Triton and CPU kernels do; the CUDA compare leaves it to finish)
 
 
 @dataclass
@@ -735,7 +737,6 @@ class DeltaSender:
             found = self._changed_words_kernels(sp) if self.use_kernels else None
             if found is not None:
                 sp.idx, sp.vals = found
-                sp.ref_done = True
             else:
                 sp.idx = self._changed_words(sp)
             if sp.query is None:
@@ -783,6 +784,7 @@ class DeltaSender:
         if delta_host.wanted(self.device):
             found = delta_host.compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
             sp.hint = int(found[0].numel()) + int(found[0].numel()) // 8
+            sp.ref_done = True
             return found
 
         if sp.compactor is None:
@@ -790,6 +792,7 @@ class DeltaSender:
         found = sp.compactor.compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
         if found is not None:
             sp.hint = int(found[0].numel()) + int(found[0].numel()) // 8
+            sp.ref_done = sp.compactor.ref_updated
         return found
 
     @property

@@ -2,28 +2,29 @@
 (:mod:`weightsync.runtime.nvrtc`): the sender's compare, the encode of an ENC_IDX16 stream from the
 compare's runs, and the receiver's scatter of such a stream.
 
-The compare gives the same result as the Triton path of :meth:`weightsync.runtime.delta_kernels.
-Compactor.compare` (the sorted int64 positions of the space's changed words, their values, the reference
-updated) in one pass over the current tensors and the reference, with no scratch and one host
-synchronization. Why not the Triton kernels: their in-tile compaction (a prefix over the tile, masked
-stores) costs more than the reads themselves (docs/BENCHMARKS.md, "Where the compare kernel loses its
-time"), and their slot scratch forces slices, each with a host synchronization. Here each block of 256
-threads takes one 32 KB tile (:func:`tile_words` words; the Compactor's tables of these tiles), loads it
-in 16-byte vectors where aligned, counts its changes with ``__popc`` of per-thread bit masks and a
-warp-shuffle scan, and finds where its changes go in the output from its predecessors' counts by a
-*decoupled look-back* (each tile publishes its count, then its inclusive prefix, in one 64-bit word; a
-tile sums its predecessors' words back to the first inclusive one). Tiles take their index from an
-atomic ticket, so a tile only ever waits for tiles that started before it.
+The compare finds what the Triton path of :meth:`weightsync.runtime.delta_kernels.Compactor.compare`
+finds (the sorted int64 positions of the space's changed words and their values) reading the current
+tensors and the reference once, with one host synchronization, but leaves the reference alone: the
+caller copies the changes into it later (:meth:`weightsync.runtime.delta.DeltaSender.finish`, while the
+destinations apply theirs), off the push's path. Two kernels:
 
-The output has room for ``cap`` changes (the caller's guess: the last push's count and a margin). A
-change at output position ``>= cap`` is neither written nor put into the reference; the total comes back
-(one host read), and if it exceeds ``cap`` the kernel runs again over the same tiles into a buffer of the
-rest: what it finds then is exactly the changes the first run left out, in order (the first run's are in
-the reference now), so the two outputs concatenate.
+* ``ws_collect``: each block of 256 threads takes one 32 KB tile (:func:`tile_words` words; the
+  Compactor's tables of these tiles), loads it in 16-byte vectors where aligned, counts its changes with
+  ``__popc`` of per-thread bit masks and a warp-shuffle scan, takes room for them at the end of a scratch
+  with one ``atomicAdd`` and writes there each change's word within the tile (16 bits) and its value, in
+  order; the tile's count and its place in the scratch go into two tables. Tiles finish in any order and
+  none waits for another.
+* ``ws_order``: after an exclusive ``cumsum`` of the tile counts, each block copies one tile's changes
+  from the scratch to their place in word order, as int64 positions in the space.
 
-The reference takes a changed word as the 16-byte vector holding it (its neighbours' values are their
-reference values or equal new ones, both the current values); a thread whose changes straddle ``cap``
-writes word by word.
+Why this shape (docs/BENCHMARKS.md, "The compare at the copy's bandwidth"): the Triton kernels' in-tile
+compaction costs more than the reads themselves; a single pass that places each tile by a decoupled
+look-back over its predecessors' counts spent a fifth of its time waiting on them, and storing the
+changes into the reference inside the compare another sixth (its lines have left L2 by then).
+
+The scratch has room for ``cap`` changes (the caller's guess: the last push's count and a margin). A
+change past ``cap`` is not written; the count comes back (the host read), and if it exceeds ``cap`` the
+collect runs again with room for all of them (the reference is unchanged, so it finds the same changes).
 
 Every kernel runs on torch's current stream of its tensors' device; :func:`module` gives them where
 NVRTC can compile them and ``WEIGHTSYNC_DELTA_KERNELS`` does not choose another path.
@@ -52,16 +53,12 @@ struct __align__(16) V16 { u64 a, b; };
 
 #define THREADS 256
 // Compile-time choices (scripts/bench_delta_kernels.py times others): 16-byte chunks per thread per tile,
-// the blocks per multiprocessor the registers are limited for (0: the compiler's choice), and whether a
-// tile's index is a ticket (1) or the block index (0: rests on blocks starting in index order).
+// and the blocks per multiprocessor the registers are limited for (0: the compiler's choice).
 #ifndef ROUNDS
 #define ROUNDS 8
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 0
-#endif
-#ifndef TICKET
-#define TICKET 1
 #endif
 #if MIN_BLOCKS
 #define BOUNDS __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -69,9 +66,6 @@ struct __align__(16) V16 { u64 a, b; };
 #define BOUNDS __launch_bounds__(THREADS)
 #endif
 #define FULL 0xffffffffu
-#define VALUE_MASK ((1ull << 62) - 1)
-#define AGGREGATE (1ull << 62)
-#define INCLUSIVE (2ull << 62)
 
 // Exclusive prefix over the block's threads of v (four 16-bit counts side by side: no field carries, a
 // round's count per block is at most 4096), and the block's total. warp_sums: this scan's own.
@@ -108,70 +102,30 @@ __device__ __forceinline__ W word_of(const V16& v, int k) {
     return (W)(half >> (bit & 63));
 }
 
-__device__ __forceinline__ u64 load_state(const u64* p) { return *(volatile const u64*)p; }
-__device__ __forceinline__ void store_state(u64* p, u64 v) { *(volatile u64*)p = v; }
-
-// Warp 0: the tile's exclusive prefix from its predecessors' published words (decoupled look-back). A
-// tile's index is its ticket: a predecessor waited for has started and publishes its count without
-// waiting for anything (block indices would rest on blocks starting in index order).
-__device__ __forceinline__ i64 look_back(u64* state, i64 t, i64 agg) {
-    const int lane = threadIdx.x & 31;
-    if (t == 0) {
-        if (lane == 0) store_state(&state[0], INCLUSIVE | (u64)agg);
-        return 0;
-    }
-    if (lane == 0) store_state(&state[t], AGGREGATE | (u64)agg);
-    i64 excl = 0;
-    i64 top = t - 1;
-    while (true) {
-        const i64 p = top - lane;
-        u64 s = INCLUSIVE;  // before tile 0: an inclusive prefix of nothing
-        if (p >= 0) {
-            do { s = load_state(&state[p]); } while ((s >> 62) == 0);
-        }
-        const u32 incl = __ballot_sync(FULL, (s >> 62) == 2);
-        i64 v = (i64)(s & VALUE_MASK);
-        if (incl) {
-            const int first = __ffs(incl) - 1;  // the nearest predecessor with its inclusive prefix
-            if (lane > first) v = 0;
-        }
-        #pragma unroll
-        for (int d = 16; d > 0; d >>= 1) v += __shfl_down_sync(FULL, v, d);
-        excl += __shfl_sync(FULL, v, 0);
-        if (incl) break;
-        top -= 32;
-    }
-    if (lane == 0) store_state(&state[t], INCLUSIVE | (u64)(excl + agg));
-    return excl;
-}
-
-// A tile is ROUNDS * THREADS 16-byte chunks (32 KB at 8 rounds: 32768 / sizeof(W) words; a key's last
-// tile may be short). VW = 16 / sizeof(W) words a chunk. In round i thread j holds chunk i * THREADS + j,
-// so each round's loads are coalesced and the output order (round, thread, word) is the words' order.
+// ws_collect: block t compares tile t, ROUNDS * THREADS 16-byte chunks (32 KB at 8 rounds: 32768 /
+// sizeof(W) words; a key's last tile may be short), VW = 16 / sizeof(W) words a chunk. In round i thread j
+// holds chunk i * THREADS + j, so each round's loads are coalesced and (round, thread, word) is the words'
+// order. The tile takes room for its changes at the end of the scratch with one atomicAdd on *used, so
+// no tile waits for another, and writes each change's word within the tile (16 bits) and value there, in
+// order; its count and where they start go into tile_count and tile_base. A change past ``cap`` is not
+// written (*used tells the caller how many there were).
 template <typename W>
-__device__ __forceinline__ void compact(const i64* key_at, const i64* key_start, const i64* key_end,
-                                        const int* tile_key, const i64* tile_start, W* ref, u64* state,
-                                        u32* ticket, i64* out_idx, W* out_val, i64 cap, i64 ntiles,
-                                        i64* total, int vec) {
+__device__ __forceinline__ void collect(const i64* key_at, const i64* key_start, const i64* key_end,
+                                        const int* tile_key, const i64* tile_start, const W* ref,
+                                        u64* used, i64* tile_count, i64* tile_base, unsigned short* tmp_off,
+                                        W* tmp_val, i64 cap, int vec) {
     constexpr int VW = 16 / sizeof(W);
     constexpr int TILE = ROUNDS * THREADS * VW;
     constexpr int G = (ROUNDS + 3) / 4;  // 64-bit scans of four rounds' counts each
     __shared__ u64 s_warps[G][THREADS / 32];
-    __shared__ i64 s_excl;
-#if TICKET
-    __shared__ u32 s_tile;
-    if (threadIdx.x == 0) s_tile = atomicAdd(ticket, 1u);
-    __syncthreads();
-    const i64 t = s_tile;
-#else
+    __shared__ i64 s_base;
     const i64 t = blockIdx.x;
-#endif
     const int key = tile_key[t];
     const i64 start = tile_start[t];
     const i64 left = key_end[key] - start;
     const int n = left < TILE ? (int)left : TILE;
     const W* cur = ref + key_at[key] + (start - key_start[key]);
-    W* rf = ref + start;
+    const W* rf = ref + start;
     const bool whole = vec && n == TILE;
 
     union Chunk { V16 v; W w[VW]; };
@@ -221,49 +175,63 @@ __device__ __forceinline__ void compact(const i64* key_at, const i64* key_start,
             agg += (int)((tot >> (16 * q)) & 0xffff);
         }
     }
-    if (threadIdx.x < 32) {
-        const i64 e = look_back(state, t, agg);
-        if (threadIdx.x == 0) {
-            s_excl = e;
-            if (t == ntiles - 1) *total = e + agg;
-        }
+    if (threadIdx.x == 0) {
+        const i64 base = agg ? (i64)atomicAdd(used, (u64)agg) : 0;
+        s_base = base;
+        tile_count[t] = agg;
+        tile_base[t] = base;
     }
     __syncthreads();
-    const i64 excl = s_excl;
+    const i64 base = s_base;
     #pragma unroll
     for (int i = 0; i < ROUNDS; i++) {
         u32 m = mask[i];
         if (!m) continue;
         const int c = i * THREADS + threadIdx.x;
-        i64 pos = excl + at[i];
-        const bool fits = pos + __popc(m) <= cap;
-        if (fits && whole) reinterpret_cast<V16*>(rf)[c] = x[i].v;
+        i64 pos = base + at[i];
         while (m) {
             const int k = __ffs(m) - 1;
             m &= m - 1;
             if (pos < cap) {
-                const W val = word_of<W>(x[i].v, k);
-                out_idx[pos] = start + c * VW + k;
-                out_val[pos] = val;
-                if (!(fits && whole)) rf[c * VW + k] = val;
+                tmp_off[pos] = (unsigned short)(c * VW + k);
+                tmp_val[pos] = word_of<W>(x[i].v, k);
             }
             pos++;
         }
     }
 }
 
-#define COMPACT(NAME, W)                                                                                  \
-extern "C" __global__ void BOUNDS NAME(                                               \
-        const i64* key_at, const i64* key_start, const i64* key_end, const int* tile_key,                 \
-        const i64* tile_start, W* ref, u64* state, u32* ticket, i64* out_idx, W* out_val, i64 cap,        \
-        i64 ntiles, i64* total, int vec) {                                                                \
-    compact<W>(key_at, key_start, key_end, tile_key, tile_start, ref, state, ticket, out_idx, out_val,   \
-               cap, ntiles, total, vec);                                                                  \
+// ws_order: block t copies tile t's changes from the scratch to their place in word order (``first``:
+// the exclusive prefix of the tile counts), as positions in the space (int64).
+template <typename W>
+__device__ __forceinline__ void order(const i64* tile_start, const i64* tile_count, const i64* tile_base,
+                                      const i64* first, const unsigned short* tmp_off, const W* tmp_val,
+                                      i64* out_idx, W* out_val) {
+    const i64 t = blockIdx.x;
+    const i64 n = tile_count[t], from = tile_base[t], to = first[t], start = tile_start[t];
+    for (i64 j = threadIdx.x; j < n; j += THREADS) {
+        out_idx[to + j] = start + tmp_off[from + j];
+        out_val[to + j] = tmp_val[from + j];
+    }
 }
-COMPACT(ws_compact_w1, unsigned char)
-COMPACT(ws_compact_w2, unsigned short)
-COMPACT(ws_compact_w4, unsigned int)
-COMPACT(ws_compact_w8, u64)
+
+#define COMPARE(W, SUFFIX)                                                                                \
+extern "C" __global__ void BOUNDS ws_collect_##SUFFIX(                                                    \
+        const i64* key_at, const i64* key_start, const i64* key_end, const int* tile_key,                 \
+        const i64* tile_start, const W* ref, u64* used, i64* tile_count, i64* tile_base,                  \
+        unsigned short* tmp_off, W* tmp_val, i64 cap, int vec) {                                          \
+    collect<W>(key_at, key_start, key_end, tile_key, tile_start, ref, used, tile_count, tile_base,       \
+               tmp_off, tmp_val, cap, vec);                                                               \
+}                                                                                                         \
+extern "C" __global__ void __launch_bounds__(THREADS) ws_order_##SUFFIX(                                  \
+        const i64* tile_start, const i64* tile_count, const i64* tile_base, const i64* first,             \
+        const unsigned short* tmp_off, const W* tmp_val, i64* out_idx, W* out_val) {                      \
+    order<W>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, out_idx, out_val);              \
+}
+COMPARE(unsigned char, w1)
+COMPARE(unsigned short, w2)
+COMPARE(unsigned int, w4)
+COMPARE(u64, w8)
 
 // An ENC_IDX16 stream's entries from runs of the compare's output: run r (table rows lo, shift, out,
 // count) takes changed words lo .. lo + count of the space (positions idx, values vals) to entries
@@ -355,7 +323,8 @@ SCATTER(ws_scatter_w8, u64)
 """
 
 _P, _Q, _I = nvrtc.PTR, nvrtc.I64, nvrtc.I32
-SIGNATURES = {**{f"ws_compact_w{w}": _P * 10 + _Q * 2 + _P + _I for w in (1, 2, 4, 8)},
+SIGNATURES = {**{f"ws_collect_w{w}": _P * 11 + _Q + _I for w in (1, 2, 4, 8)},
+              **{f"ws_order_w{w}": _P * 8 for w in (1, 2, 4, 8)},
               **{f"ws_encode_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)},
               **{f"ws_scatter_w{w}": _P * 4 + _I for w in (1, 2, 4, 8)}}
 ENV = "WEIGHTSYNC_DELTA_KERNELS"
@@ -410,37 +379,42 @@ def _table(rows: Any, device: Any) -> Any:
 
 def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
             hint: int, total_words: int, poison: int | None = None) -> tuple[Any, Any]:
-    """The space's changed words as (sorted int64 positions, values), the reference updated: one kernel
-    run (two where more than ``hint``-and-margin changed), one host synchronization each. ``tables``:
-    the Compactor's (key_at, key_start, key_end, tile_key, tile_start) on the device."""
+    """The space's changed words as (sorted int64 positions, values); the reference is left as it was
+    (the caller copies the values into it). One collect run (two where more than ``hint``-and-margin
+    changed: the first one's count sizes the second), one host synchronization each, then the order
+    kernel. ``tables``: the Compactor's (key_at, key_start, key_end, tile_key, tile_start) on the device."""
     import torch
 
     device = ref.device
+    if not ntiles:
+        return torch.empty(0, dtype=torch.int64, device=device), ref.new_empty(0)
     # no hint (the first compare): room for 1/64 of the words (RL steps change 1-5% of BF16 values)
     cap = min(max(hint or total_words // 64, 1024), max(total_words, 1))
-    outs: list[tuple[Any, Any]] = []
+    # per tile its count and its place in the scratch, then the scratch's used count
+    counts = torch.empty(2 * ntiles + 1, dtype=torch.int64, device=device)
+    tile_count, tile_base, used = counts[:ntiles], counts[ntiles:2 * ntiles], counts[2 * ntiles:]
     while True:
-        out_idx = torch.empty(cap, dtype=torch.int64, device=device)
-        out_val = torch.empty(cap, dtype=ref.dtype, device=device)
+        tmp_off = torch.empty(cap, dtype=torch.int16, device=device)
+        tmp_val = torch.empty(cap, dtype=ref.dtype, device=device)
         if poison is not None:
-            out_idx.view(torch.uint8).fill_(poison)
-            out_val.view(torch.uint8).fill_(poison)
-        # per tile its published word, then the ticket and the total (zeroed: no tile has published)
-        state = torch.zeros(ntiles + 2, dtype=torch.int64, device=device)
-        ticket, total = state[ntiles:ntiles + 1], state[ntiles + 1:]
-        if ntiles:
-            _launch(mod, f"ws_compact_w{word}", ntiles,
-                    [*tables, ref, state, ticket, out_idx, out_val, cap, ntiles, total, int(vec)], device)
-        k = int(total.item()) if ntiles else 0  # the host synchronization
-        outs.append((out_idx, out_val))
+            for t in (tmp_off, tmp_val, counts):
+                t.view(torch.uint8).fill_(poison)
+        used.zero_()
+        _launch(mod, f"ws_collect_w{word}", ntiles,
+                [*tables, ref, used, tile_count, tile_base, tmp_off, tmp_val, cap, int(vec)], device)
+        k = int(used.item())  # the host synchronization
         if k <= cap:
-            outs[-1] = (out_idx[:k], out_val[:k])
             break
-        # the first cap changes are out and in the reference; the rest are found by a second run
-        cap = k - cap
-    if len(outs) == 1:
-        return outs[0]
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        cap = k  # every change is found again, with room for all
+    out_idx = torch.empty(k, dtype=torch.int64, device=device)
+    out_val = torch.empty(k, dtype=ref.dtype, device=device)
+    if poison is not None:
+        out_idx.view(torch.uint8).fill_(poison)
+        out_val.view(torch.uint8).fill_(poison)
+    first = torch.cumsum(tile_count, 0) - tile_count
+    _launch(mod, f"ws_order_w{word}", ntiles,
+            [tables[4], tile_count, tile_base, first, tmp_off, tmp_val, out_idx, out_val], device)
+    return out_idx, out_val
 
 
 def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, low: Any, out_vals: Any,

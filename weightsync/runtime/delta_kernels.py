@@ -264,6 +264,9 @@ class Compactor:
         self.cuda_tables: tuple[Any, ...] | None = None
         # the kernels of the last compare: "cuda" (weightsync.runtime.delta_cuda), "triton" (these)
         self.backend = ""
+        # whether the last compare put the changed values into the reference (the Triton kernels do; the
+        # CUDA ones leave it to the caller)
+        self.ref_updated = False
         # tests: fill the scratch and the outputs with this byte first (an entry left unwritten shows)
         self.poison: int | None = None
 
@@ -307,9 +310,11 @@ class Compactor:
 
     def compare(self, views: Sequence[Any], ref: Any, hint: int) -> tuple[Any, Any] | None:
         """The changed words of the space (``views``: its keys' word views in order, ``ref``: its
-        reference) as (sorted int64 positions, values); the reference takes the values. ``hint``: how
-        many changed words to make room for first. None (nothing done) where a key's address is not a
-        whole number of words from the reference's (the torch path compares that space)."""
+        reference) as (sorted int64 positions, values); the reference takes the values here where
+        :attr:`ref_updated` says so after the call (the Triton kernels), else the caller copies them in
+        (the CUDA kernels). ``hint``: how many changed words to make room for first. None (nothing
+        done) where a key's address is not a whole number of words from the reference's (the torch path
+        compares that space)."""
         import torch
 
         self._tables(views, ref)
@@ -327,12 +332,16 @@ class Compactor:
                                         torch.from_numpy(tile_start).to(self.device))
                 nt = int(self.cuda_tables[3].numel())
                 self.backend = "cuda"
-                self.scratch_bytes = (nt + 2) * 8  # the tiles' published counts
+                self.ref_updated = False
+                # the tiles' counts and places, the scratch of (16-bit word, value) per change
+                cap = min(max(hint or total // 64, 1024), max(total, 1))  # delta_cuda.compare's first room
+                self.scratch_bytes = (2 * nt + 1) * 8 + cap * (2 + self.word)
                 return delta_cuda.compare(mod, self.cuda_tables, nt, self.vec > 1, self.word, ref, hint,
                                           total, self.poison)
         if triton is None:
             return None
         self.backend = "triton"
+        self.ref_updated = True
         compact, place = _compact, _place
         out_idx = torch.empty(min(max(hint, 1024), max(total, 1)), dtype=torch.int64, device=self.device)
         out_val = torch.empty(out_idx.numel(), dtype=ref.dtype, device=self.device)
