@@ -98,26 +98,41 @@ struct Direct {
 // are known the changes that fit are copied into the output and the others' old words put back.
 template <typename W>
 struct Scratch {
-  std::unique_ptr<int64_t[]> idx;
-  std::unique_ptr<W[]> val, old;
+  // Where the entries are: the caller's memory to begin with (reused from push to push: fresh memory
+  // costs a page fault per 4 KB, on a VM a third of the compare), the heap once that is full.
+  int64_t* idx = nullptr;
+  W* val = nullptr;
+  W* old = nullptr;
   int64_t size = 0;
   int64_t n = 0;
+  std::unique_ptr<u8[]> owned;
   static constexpr bool kOld = true;
-  int64_t* idx_out() { return idx.get(); }
-  W* val_out() { return val.get(); }
-  W* old_out() { return old.get(); }
+  static constexpr int64_t kEntryBytes = 8 + 2 * sizeof(W);
+  int64_t* idx_out() { return idx; }
+  W* val_out() { return val; }
+  W* old_out() { return old; }
+  // Room for `entries` in `bytes` at p (8-byte aligned).
+  void place(u8* p, int64_t entries) {
+    idx = reinterpret_cast<int64_t*>(p);
+    val = reinterpret_cast<W*>(p + entries * 8);
+    old = val + entries;
+    size = entries;
+  }
   void grow(int64_t need) {
     const int64_t s = std::max({need, 2 * size, int64_t(4096)});
-    std::unique_ptr<int64_t[]> i2(new int64_t[s]);
-    std::unique_ptr<W[]> v2(new W[s]), o2(new W[s]);
+    std::unique_ptr<u8[]> mem(new u8[s * kEntryBytes]);
+    int64_t* i2 = reinterpret_cast<int64_t*>(mem.get());
+    W* v2 = reinterpret_cast<W*>(mem.get() + s * 8);
+    W* o2 = v2 + s;
     if (n) {
-      std::memcpy(i2.get(), idx.get(), n * sizeof(int64_t));
-      std::memcpy(v2.get(), val.get(), n * sizeof(W));
-      std::memcpy(o2.get(), old.get(), n * sizeof(W));
+      std::memcpy(i2, idx, n * sizeof(int64_t));
+      std::memcpy(v2, val, n * sizeof(W));
+      std::memcpy(o2, old, n * sizeof(W));
     }
-    idx = std::move(i2);
-    val = std::move(v2);
-    old = std::move(o2);
+    owned = std::move(mem);
+    idx = i2;
+    val = v2;
+    old = o2;
     size = s;
   }
   void room(int64_t m) {
@@ -342,7 +357,7 @@ class Rendezvous {
 
 template <typename W>
 int64_t compare_w(u8* ref, const Segment* keys, const std::vector<int64_t>& starts, int64_t total,
-                  int64_t* out_idx, W* out_val, int64_t cap, int threads) {
+                  int64_t* out_idx, W* out_val, int64_t cap, int threads, u8* scratch_mem, int64_t scratch_bytes) {
   constexpr int WB = sizeof(W);
   // Words a..b of the space, key by key (empty keys have equal starts: passed over).
   auto walk = [&](int64_t a, int64_t b, auto& sink) {
@@ -373,9 +388,16 @@ int64_t compare_w(u8* ref, const Segment* keys, const std::vector<int64_t>& star
         walk(cut[0], cut[1], direct);
         counts[0] = direct.n;
       } else {
-        // room for this range's share of the caller's guess, grown as it fills
-        const int64_t words = cut[t + 1] - cut[t];
-        scratch[t].grow(int64_t(double(cap) * double(words) / double(total)) + 1024);
+        // the caller's scratch split between the threads that need one, else room for this range's share
+        // of the caller's guess; grown as it fills
+        const int64_t stride = scratch_bytes / (T - 1) / 8 * 8;  // each thread's part, 8-byte aligned
+        const int64_t share = stride / Scratch<W>::kEntryBytes;
+        if (share >= 4096) {
+          scratch[t].place(scratch_mem + (t - 1) * stride, share);
+        } else {
+          const int64_t words = cut[t + 1] - cut[t];
+          scratch[t].grow(int64_t(double(cap) * double(words) / double(total)) + 1024);
+        }
         walk(cut[t], cut[t + 1], scratch[t]);
         counts[t] = scratch[t].n;
       }
@@ -392,8 +414,8 @@ int64_t compare_w(u8* ref, const Segment* keys, const std::vector<int64_t>& star
     const Scratch<W>& sc = scratch[t];
     const int64_t fit = std::max<int64_t>(0, std::min(cap - at, sc.n));
     if (fit > 0) {
-      std::memcpy(out_idx + at, sc.idx.get(), fit * sizeof(int64_t));
-      std::memcpy(out_val + at, sc.val.get(), fit * sizeof(W));
+      std::memcpy(out_idx + at, sc.idx, fit * sizeof(int64_t));
+      std::memcpy(out_val + at, sc.val, fit * sizeof(W));
     }
     for (int64_t j = fit; j < sc.n; ++j) store_w<W>(ref + sc.idx[j] * WB, sc.old[j]);  // past cap: as it was
   };
@@ -510,7 +532,7 @@ void scatter_w(const std::vector<int64_t>& ends, const uint16_t* low, const u8* 
 }  // namespace
 
 int64_t compare(int word, void* ref, int64_t ref_words, const Segment* keys, size_t nkeys, int64_t* out_idx,
-                void* out_val, int64_t cap, int threads) {
+                void* out_val, int64_t cap, int threads, void* scratch, int64_t scratch_bytes) {
   const char* fn = "delta_compare";
   check_word(fn, word);
   check_threads(fn, threads);
@@ -526,7 +548,15 @@ int64_t compare(int word, void* ref, int64_t ref_words, const Segment* keys, siz
     if (!aligned(out_val, word)) bad("delta_compare: out_val at " + hex(out_val) + " is not aligned to its " +
                                      std::to_string(word) + "-byte words");
   }
+  if (scratch_bytes < 0 || (scratch_bytes > 0 && scratch == nullptr) || !aligned(scratch, 8)) {
+    bad("delta_compare: the scratch (" + std::to_string(scratch_bytes) + " bytes at " + hex(scratch) +
+        ") must be null and empty or 8-byte aligned");
+  }
   const int64_t ref_bytes = ref_words * word;
+  if (overlap(scratch, scratch_bytes, ref, ref_bytes) || overlap(scratch, scratch_bytes, out_idx, cap * 8) ||
+      overlap(scratch, scratch_bytes, out_val, cap * word)) {
+    bad("delta_compare: the scratch overlaps the reference or an output");
+  }
   if (overlap(out_idx, cap * 8, ref, ref_bytes) || overlap(out_val, cap * word, ref, ref_bytes) ||
       overlap(out_idx, cap * 8, out_val, cap * word)) {
     bad("delta_compare: the outputs overlap each other or the reference");
@@ -549,11 +579,12 @@ int64_t compare(int word, void* ref, int64_t ref_words, const Segment* keys, siz
         std::to_string(ref_words));
   }
   u8* r = static_cast<u8*>(ref);
+  u8* sc = static_cast<u8*>(scratch);
   switch (word) {
-    case 1: return compare_w<uint8_t>(r, keys, starts, ref_words, out_idx, static_cast<uint8_t*>(out_val), cap, threads);
-    case 2: return compare_w<uint16_t>(r, keys, starts, ref_words, out_idx, static_cast<uint16_t*>(out_val), cap, threads);
-    case 4: return compare_w<uint32_t>(r, keys, starts, ref_words, out_idx, static_cast<uint32_t*>(out_val), cap, threads);
-    default: return compare_w<uint64_t>(r, keys, starts, ref_words, out_idx, static_cast<uint64_t*>(out_val), cap, threads);
+    case 1: return compare_w<uint8_t>(r, keys, starts, ref_words, out_idx, static_cast<uint8_t*>(out_val), cap, threads, sc, scratch_bytes);
+    case 2: return compare_w<uint16_t>(r, keys, starts, ref_words, out_idx, static_cast<uint16_t*>(out_val), cap, threads, sc, scratch_bytes);
+    case 4: return compare_w<uint32_t>(r, keys, starts, ref_words, out_idx, static_cast<uint32_t*>(out_val), cap, threads, sc, scratch_bytes);
+    default: return compare_w<uint64_t>(r, keys, starts, ref_words, out_idx, static_cast<uint64_t*>(out_val), cap, threads, sc, scratch_bytes);
   }
 }
 

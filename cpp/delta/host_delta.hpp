@@ -22,10 +22,12 @@ struct Segment {
 // for `cap` changes: the first `cap` are written and put into the reference, later ones neither, so a
 // second run over the same input finds exactly the rest. Output entries past the count (below `cap`) may
 // be overwritten (the vector path stores whole slots). Returns how many changed in all. Work is split
-// over up to `threads` threads (contiguous word ranges). Throws std::invalid_argument naming a bad
-// argument; a failure part way (memory) leaves the reference holding some new values.
+// over up to `threads` threads (contiguous word ranges); all but the first collect their changes in a
+// scratch, `scratch` (`scratch_bytes`, 8-byte aligned; 8 + 2 * word bytes an entry, split between them)
+// while it has room, then the heap. Throws std::invalid_argument naming a bad argument; a failure part
+// way (memory) leaves the reference holding some new values.
 int64_t compare(int word, void* ref, int64_t ref_words, const Segment* keys, size_t nkeys, int64_t* out_idx,
-                void* out_val, int64_t cap, int threads);
+                void* out_val, int64_t cap, int threads, void* scratch = nullptr, int64_t scratch_bytes = 0);
 
 // One contiguous run of an ENC_IDX16 stream's entries: entries lo .. hi go to words `stream position +
 // shift` of the key at `addr` (`words` words); their stream positions lie in pos_lo .. pos_hi.

@@ -96,14 +96,18 @@ def _unaligned(keys: list[torch.Tensor], offset: int) -> tuple[list[torch.Tensor
 
 
 def _raw_compare(w: int, ref: torch.Tensor, addrs: list[int], sizes: list[int], cap: int,
-                 threads: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+                 threads: int, scratch_entries: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The compare with poisoned outputs; ``scratch_entries``: a poisoned scratch with room for that many
+    changes per thread after the first (0: none, the kernel's own memory)."""
     out_idx = torch.empty(max(cap, 1), dtype=torch.int64)
     out_val = torch.empty(max(cap, 1), dtype=INTS[w])
     out_idx.view(torch.uint8).fill_(POISON)
     out_val.view(torch.uint8).fill_(POISON)
+    nbytes = (threads - 1) * (scratch_entries * (8 + 2 * w) + 8) if scratch_entries else 0
+    scratch = torch.full((max(nbytes, 1),), POISON, dtype=torch.uint8)
     k = _core.delta_compare(w, int(ref.data_ptr()), int(ref.numel()), np.array(addrs, np.uint64),
                             np.array(sizes, np.int64), int(out_idx.data_ptr()), int(out_val.data_ptr()), cap,
-                            threads)
+                            threads, int(scratch.data_ptr()) if nbytes else 0, nbytes)
     return int(k), out_idx, out_val
 
 
@@ -152,20 +156,25 @@ def test_compare_through_the_face_with_room_for_fewer(w: int) -> None:
     assert torch.equal(ref, torch.cat(keys))
 
 
+@pytest.mark.parametrize("scratch", [0, 4096, 1 << 16])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("w", [1, 2, 8])
-def test_room_for_fewer_writes_exactly_the_first_and_a_second_run_the_rest(w: int, threads: int) -> None:
+def test_room_for_fewer_writes_exactly_the_first_and_a_second_run_the_rest(w: int, threads: int,
+                                                                           scratch: int) -> None:
     """cap below the count, on one thread and on several (the cap falling in a later thread's range, whose
-    changes were put into the reference before the counts were known and must be taken back)."""
+    changes were put into the reference before the counts were known and must be taken back); the later
+    threads' changes in the caller's scratch (room for all of them, or for 4096 each: then grown into the
+    heap part way) or in the kernel's own memory."""
     g = torch.Generator().manual_seed(10 * w + threads)
     sizes = [THREAD_WORDS * 2 + 17, 5, THREAD_WORDS + 3]
-    keys, ref = _space(sizes, w, 0.01, g)
+    keys, ref = _space(sizes, w, 0.05, g)
     idx, vals = _expected(keys, ref)
     total = int(idx.numel())
+    assert total > 2 * 4096 * threads  # each thread finds more than 4096
     addrs = [int(k.data_ptr()) for k in keys]
     for cap in (0, 1, total // 3, total - 1, total, total + 5):
         r = ref.clone()
-        k, oi, ov = _raw_compare(w, r, addrs, sizes, cap, threads)
+        k, oi, ov = _raw_compare(w, r, addrs, sizes, cap, threads, scratch)
         assert k == total, cap
         m = min(cap, total)
         assert torch.equal(oi[:m], idx[:m]), cap
@@ -175,7 +184,7 @@ def test_room_for_fewer_writes_exactly_the_first_and_a_second_run_the_rest(w: in
         want[idx[:m]] = vals[:m]
         assert torch.equal(r, want), cap
         if m < total:
-            k2, oi2, ov2 = _raw_compare(w, r, addrs, sizes, total - m, threads)
+            k2, oi2, ov2 = _raw_compare(w, r, addrs, sizes, total - m, threads, scratch)
             assert k2 == total - m, cap
             assert torch.equal(torch.cat([oi[:m], oi2[:k2]]), idx), cap
             assert torch.equal(torch.cat([ov[:m], ov2[:k2]]), vals), cap
@@ -194,6 +203,34 @@ def test_threads_split_the_space_and_place_their_changes_in_order(frac: float, t
     assert torch.equal(oi[:k], idx)
     assert torch.equal(ov[:k], vals)
     assert torch.equal(ref, torch.cat(keys))
+
+
+def test_a_space_keeps_its_buffers_from_push_to_push() -> None:
+    """SpaceCompare: each compare right (outputs poisoned first), the buffers the same memory from one
+    compare to the next while big enough, new ones when the changes outgrow them."""
+    g = torch.Generator().manual_seed(9)
+    sizes = [THREAD_WORDS * 2 + 5, 77]
+    keys, ref = _space(sizes, 2, 0.0, g)
+    space = delta_host.SpaceCompare()
+    space.poison = POISON
+    held = None
+    hint = 0
+    for step, frac in enumerate([0.02, 0.02, 0.01, 0.2, 0.0]):
+        for k in keys:
+            flip = torch.rand(k.numel(), generator=g) < frac
+            k[flip] ^= _random_words(int(flip.sum()), 2, g)
+        idx, vals = _expected(keys, ref)
+        got_idx, got_vals = space.compare(keys, ref, hint, nthreads=2)
+        assert torch.equal(got_idx, idx), step
+        assert torch.equal(got_vals, vals), step
+        assert torch.equal(ref, torch.cat(keys)), step
+        ptrs = (space.out_idx.data_ptr(), space.out_val.data_ptr(), space.scratch.data_ptr())
+        if step in (2, 3):  # room enough from the step before (steps 0 and 1 outgrew theirs): the same memory
+            assert ptrs == held, step
+        hint = int(idx.numel()) * 9 // 8
+        held = ptrs
+    assert space.scratch_bytes == sum(t.numel() * t.element_size()
+                                      for t in (space.out_idx, space.out_val, space.scratch))
 
 
 def test_compare_refuses_bad_arguments() -> None:
@@ -218,7 +255,11 @@ def test_compare_refuses_bad_arguments() -> None:
                      ({"addrs": np.array([ref.data_ptr() + 2], np.uint64)}, "overlaps the reference"),
                      ({"out_val": ref.data_ptr()}, "overlap"), ({"cap": -1}, "cap"),
                      ({"threads": 0}, "threads"),
-                     ({"words": np.array([64, 0])}, "differ in length")]:
+                     ({"words": np.array([64, 0])}, "differ in length"),
+                     ({"scratch": oi.data_ptr() + 4, "scratch_bytes": 64}, "8-byte aligned"),
+                     ({"scratch": 0, "scratch_bytes": 64}, "null and empty"),
+                     ({"scratch": oi.data_ptr(), "scratch_bytes": -8}, "null and empty"),
+                     ({"scratch": ref.data_ptr(), "scratch_bytes": 64}, "scratch overlaps")]:
         with pytest.raises(ValueError, match=what):
             call(**kw)
     assert torch.equal(ref, torch.zeros(64, dtype=torch.int16))  # none of them touched it

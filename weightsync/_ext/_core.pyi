@@ -46,14 +46,17 @@ def delta_compare(
     out_val: int,
     cap: int,
     threads: int = 1,
+    scratch: int = 0,
+    scratch_bytes: int = 0,
 ) -> int:
     """
     The changed words of a word space (its keys at `addrs`, `words` each, end to end in the reference at
     `ref`), compared bitwise as `word`-byte integers: their sorted positions (int64) to `out_idx` and
     values to `out_val`, each put into the reference; the first `cap` only (the rest is neither written
     nor put into the reference: a second run finds exactly it; entries past the count may be
-    overwritten). Returns how many changed in all. Up to `threads` threads, without the GIL. ValueError
-    names a bad argument.
+    overwritten). Returns how many changed in all. Up to `threads` threads, without the GIL; all but the
+    first collect their changes in `scratch` (8 + 2 * word bytes a change) while it has room, then in
+    memory of their own. ValueError names a bad argument.
     """
 
 def delta_scatter_idx16(

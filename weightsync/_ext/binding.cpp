@@ -132,7 +132,7 @@ NB_MODULE(_core, m) {
   m.def(
       "delta_compare",
       [](int word, uintptr_t ref, int64_t ref_words, Column<uint64_t> addrs, Column<int64_t> words,
-         uintptr_t out_idx, uintptr_t out_val, int64_t cap, int threads) {
+         uintptr_t out_idx, uintptr_t out_val, int64_t cap, int threads, uintptr_t scratch, int64_t scratch_bytes) {
         const size_t n = addrs.shape(0);
         if (words.shape(0) != n) throw std::invalid_argument("delta_compare: addrs and words differ in length");
         std::vector<ws::host_delta::Segment> keys(n);
@@ -140,15 +140,17 @@ NB_MODULE(_core, m) {
         nb::gil_scoped_release release;
         return ws::host_delta::compare(word, reinterpret_cast<void*>(ref), ref_words, keys.data(), n,
                                        reinterpret_cast<int64_t*>(out_idx), reinterpret_cast<void*>(out_val),
-                                       cap, threads);
+                                       cap, threads, reinterpret_cast<void*>(scratch), scratch_bytes);
       },
       "word"_a, "ref"_a, "ref_words"_a, "addrs"_a, "words"_a, "out_idx"_a, "out_val"_a, "cap"_a, "threads"_a = 1,
+      "scratch"_a = 0, "scratch_bytes"_a = 0,
       "The changed words of a word space (its keys at `addrs`, `words` each, end to end in the reference at\n"
       "`ref`), compared bitwise as `word`-byte integers: their sorted positions (int64) to `out_idx` and\n"
       "values to `out_val`, each put into the reference; the first `cap` only (the rest is neither written\n"
       "nor put into the reference: a second run finds exactly it; entries past the count may be\n"
-      "overwritten). Returns how many changed in all. Up to `threads` threads, without the GIL. ValueError\n"
-      "names a bad argument.");
+      "overwritten). Returns how many changed in all. Up to `threads` threads, without the GIL; all but the\n"
+      "first collect their changes in `scratch` (8 + 2 * word bytes a change) while it has room, then in\n"
+      "memory of their own. ValueError names a bad argument.");
   m.def(
       "delta_scatter_idx16",
       [](int word, int64_t n, int64_t k, uintptr_t counts, uintptr_t low, uintptr_t vals,

@@ -781,8 +781,10 @@ class DeltaSender:
         from weightsync.runtime import delta_host
         from weightsync.runtime.delta_kernels import Compactor
 
-        if delta_host.wanted(self.device):
-            found = delta_host.compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
+        if delta_host.wanted(self.device):  # its buffers kept in the space from push to push
+            if not isinstance(sp.compactor, delta_host.SpaceCompare):
+                sp.compactor = delta_host.SpaceCompare()
+            found = sp.compactor.compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
             sp.hint = int(found[0].numel()) + int(found[0].numel()) // 8
             sp.ref_done = True
             return found

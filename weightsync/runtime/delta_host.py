@@ -72,48 +72,99 @@ def _check_words(t: Any, what: str, dtype: Any | None = None) -> None:
         raise ValueError(f"{what} is {t.dtype}, not {dtype}")
 
 
+class SpaceCompare:
+    """One word space's compare on the host, with its buffers kept from one push to the next: the outputs
+    (positions, values) and the threads' scratch. Fresh memory costs a page fault per 4 KB page as it is
+    first written (on the 2-core VM, 24 MB of outputs made a 20 ms compare 32 ms); these are reused while
+    big enough and not four times too big. What :meth:`compare` returns are views of them: valid until
+    this space's next compare (the sender is done with them at ``finish``)."""
+
+    def __init__(self) -> None:
+        self.out_idx: Any = None
+        self.out_val: Any = None
+        self.scratch: Any = None
+        self.poison: int | None = None  # tests: fill the outputs with this byte first
+        self.ref_updated = True  # the compare puts the changes into the reference (delta_cuda's may not)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes held between pushes (outputs and scratch; not the reference)."""
+        return sum(int(t.numel()) * t.element_size() for t in (self.out_idx, self.out_val, self.scratch)
+                   if t is not None)
+
+    @staticmethod
+    def _fit(held: Any, n: int, dtype: Any) -> Any:
+        import torch
+
+        if held is None or held.dtype != dtype or not n <= held.numel() <= 4 * max(n, 1024):
+            return torch.empty(max(n, 1), dtype=dtype)
+        return held
+
+    def compare(self, views: Sequence[Any], ref: Any, hint: int,
+                nthreads: int | None = None) -> tuple[Any, Any]:
+        """A word space's changed words as (sorted int64 positions, values), bitwise, the reference
+        updated: ``views`` its keys' flat integer word views in order (end to end in ``ref``, one flat
+        tensor of the same integer dtype). Room for ``hint`` changes first (none: 1/64 of the words);
+        where more changed, a second run finds exactly the rest (the first run's are in the reference by
+        then), and the two outputs are concatenated."""
+        import torch
+
+        from weightsync._ext import _core
+
+        _check_words(ref, "the reference")
+        total = int(ref.numel())
+        for i, v in enumerate(views):
+            _check_words(v, f"key {i}", ref.dtype)
+        held = sum(int(v.numel()) for v in views)
+        if held != total:
+            raise ValueError(f"the keys hold {held} words, the reference {total}")
+        word = int(ref.element_size())
+        addrs = np.array([int(v.data_ptr()) for v in views], np.uint64)
+        sizes = np.array([int(v.numel()) for v in views], np.int64)
+        n = nthreads or threads()
+        # no hint (the first compare): room for 1/64 of the words (RL steps change 1-5% of BF16 values)
+        cap = min(max(hint or total // 64, 1024), max(total, 1))
+        outs: list[tuple[Any, Any]] = []
+        first = True
+        while True:
+            if first:  # the held buffers; a second run's (rare) are its own
+                self.out_idx = out_idx = self._fit(self.out_idx, cap, torch.int64)
+                self.out_val = out_val = self._fit(self.out_val, cap, ref.dtype)
+            else:
+                out_idx, out_val = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=ref.dtype)
+            scratch_bytes = 0
+            if n > 1:  # threads after the first: a share of the changes each, a quarter more for the spread
+                share = cap // n + cap // (4 * n) + 4096
+                scratch_bytes = (n - 1) * (share * (8 + 2 * word) + 8)
+                if first:
+                    self.scratch = scratch = self._fit(self.scratch, scratch_bytes, torch.uint8)
+                else:
+                    scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+            if self.poison is not None:
+                out_idx.view(torch.uint8).fill_(self.poison)
+                out_val.view(torch.uint8).fill_(self.poison)
+            k = int(_core.delta_compare(word, int(ref.data_ptr()), total, addrs, sizes,
+                                        int(out_idx.data_ptr()), int(out_val.data_ptr()), cap, n,
+                                        int(scratch.data_ptr()) if scratch_bytes else 0, scratch_bytes))
+            first = False
+            if k <= cap:
+                outs.append((out_idx[:k], out_val[:k]))
+                break
+            # the first cap changes are out and in the reference; the rest are found by a second run
+            outs.append((out_idx[:cap], out_val[:cap]))
+            cap = k - cap
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
 def compare(views: Sequence[Any], ref: Any, hint: int, poison: int | None = None,
             nthreads: int | None = None) -> tuple[Any, Any]:
-    """A word space's changed words as (sorted int64 positions, values), bitwise, the reference updated:
-    ``views`` its keys' flat integer word views in order (end to end in ``ref``, one flat tensor of the
-    same integer dtype). Room for ``hint`` changes first (none: 1/64 of the words); where more changed,
-    a second run finds exactly the rest (the first run's are in the reference by then), and the two
-    outputs are concatenated. ``poison``: fill the outputs with this byte first (tests: an entry left
-    unwritten shows)."""
-    import torch
-
-    from weightsync._ext import _core
-
-    _check_words(ref, "the reference")
-    total = int(ref.numel())
-    for i, v in enumerate(views):
-        _check_words(v, f"key {i}", ref.dtype)
-    if sum(int(v.numel()) for v in views) != total:
-        raise ValueError(f"the keys hold {sum(int(v.numel()) for v in views)} words, the reference {total}")
-    word = int(ref.element_size())
-    addrs = np.array([int(v.data_ptr()) for v in views], np.uint64)
-    sizes = np.array([int(v.numel()) for v in views], np.int64)
-    n = nthreads or threads()
-    # no hint (the first compare): room for 1/64 of the words (RL steps change 1-5% of BF16 values)
-    cap = min(max(hint or total // 64, 1024), max(total, 1))
-    outs: list[tuple[Any, Any]] = []
-    while True:
-        out_idx = torch.empty(cap, dtype=torch.int64)
-        out_val = torch.empty(cap, dtype=ref.dtype)
-        if poison is not None:
-            out_idx.view(torch.uint8).fill_(poison)
-            out_val.view(torch.uint8).fill_(poison)
-        k = int(_core.delta_compare(word, int(ref.data_ptr()), total, addrs, sizes, int(out_idx.data_ptr()),
-                                    int(out_val.data_ptr()), cap, n))
-        if k <= cap:
-            outs.append((out_idx[:k], out_val[:k]))
-            break
-        # the first cap changes are out and in the reference; the rest are found by a second run
-        outs.append((out_idx, out_val))
-        cap = k - cap
-    if len(outs) == 1:
-        return outs[0]
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    """:meth:`SpaceCompare.compare` with buffers of its own (none kept); ``poison``: fill the outputs
+    with this byte first (tests: an entry left unwritten shows)."""
+    held = SpaceCompare()
+    held.poison = poison
+    return held.compare(views, ref, hint, nthreads)
 
 
 def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Sequence[Sequence[int]],
