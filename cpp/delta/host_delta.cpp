@@ -636,4 +636,56 @@ void scatter_idx16(int word, int64_t n, int64_t k, const int32_t* counts, const 
   }
 }
 
+void encode_idx16(int word, const int64_t* idx, const void* vals, int64_t nidx, const EncodeRun* runs, size_t nruns,
+                  uint16_t* low, void* out_vals, int64_t k, int32_t* counts, int64_t nblocks) {
+  const char* fn = "delta_encode_idx16";
+  check_word(fn, word);
+  if (nidx < 0 || k < 0 || nblocks < 0) bad("delta_encode_idx16: negative sizes");
+  if (nruns > 0 && runs == nullptr) bad("delta_encode_idx16: the runs are null");
+  if (!aligned(idx, 8) || !aligned(low, 2) || !aligned(counts, 4)) {
+    bad("delta_encode_idx16: idx (8 bytes), low (2) or counts (4) not aligned");
+  }
+  for (size_t r = 0; r < nruns; ++r) {
+    const EncodeRun& e = runs[r];
+    if (e.count < 0 || e.lo < 0 || e.lo + e.count > nidx || e.out < 0 || e.out + e.count > k) {
+      bad("delta_encode_idx16: run " + std::to_string(r) + " (changed words " + std::to_string(e.lo) + " + " +
+          std::to_string(e.count) + " of " + std::to_string(nidx) + ", entries from " + std::to_string(e.out) +
+          " of " + std::to_string(k) + ") reaches past its arrays");
+    }
+    if (e.count > 0 && (idx == nullptr || vals == nullptr || low == nullptr || out_vals == nullptr || counts == nullptr)) {
+      bad("delta_encode_idx16: an array is null");
+    }
+  }
+  const int64_t limit = nblocks * kBlockWords;
+  const u8* v = static_cast<const u8*>(vals);
+  u8* ov = static_cast<u8*>(out_vals);
+  for (size_t r = 0; r < nruns; ++r) {
+    const EncodeRun& e = runs[r];
+    if (!e.count) continue;
+    // positions rise within a run: the first and last bound them all
+    const int64_t p0 = idx[e.lo] + e.shift, p1 = idx[e.lo + e.count - 1] + e.shift;
+    if (p0 < 0 || p1 >= limit || p1 < p0) {
+      bad("delta_encode_idx16: run " + std::to_string(r) + " puts stream positions " + std::to_string(p0) + " .. " +
+          std::to_string(p1) + " outside the stream's " + std::to_string(limit) + " words (or not rising)");
+    }
+    const int64_t* in = idx + e.lo;
+    uint16_t* lo = low + e.out;
+    int64_t b = p0 >> 16;
+    int32_t run_count = 0;  // entries in block b so far
+    for (int64_t j = 0; j < e.count; ++j) {
+      const int64_t p = in[j] + e.shift;
+      lo[j] = uint16_t(p & 0xFFFF);
+      if ((p >> 16) != b) {
+        if (p < p0 || p > p1) bad("delta_encode_idx16: run " + std::to_string(r) + "'s positions do not rise");
+        counts[b] += run_count;
+        b = p >> 16;
+        run_count = 0;
+      }
+      ++run_count;
+    }
+    counts[b] += run_count;
+    std::memcpy(ov + e.out * word, v + e.lo * word, size_t(e.count) * word);
+  }
+}
+
 }  // namespace weightsync::host_delta

@@ -426,3 +426,44 @@ def test_the_environment_chooses_the_path(monkeypatch: pytest.MonkeyPatch) -> No
         delta_host.threads()
     monkeypatch.delenv("WEIGHTSYNC_DELTA_THREADS")
     assert delta_host.threads() == len(os.sched_getaffinity(0))  # not torch's (Ray sets it to 1)
+
+
+# -- the sender's encode ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+def test_encode_from_runs_matches_torch(w: int) -> None:
+    """encode_runs: runs of a sorted position list into a stream (shifts of either sign, entries between
+    runs left to others: still poisoned after it, block counts added to what was there)."""
+    g = torch.Generator().manual_seed(40 + w)
+    n_space = 5 * BLOCK + 11  # into a stream of 6 blocks
+    idx = torch.nonzero(torch.rand(n_space, generator=g) < 0.05).reshape(-1)
+    vals = _random_words(int(idx.numel()), w, g)
+    m = int(idx.numel())
+    # runs: (lo, shift, out, count); entries out.. in the stream; a gap of 7 entries no run writes
+    a, b = m // 3, 2 * m // 3
+    shift1 = BLOCK // 2 + 3  # the second run lands half a block later
+    runs = [(0, 0, 0, a), (a, shift1, a + 7, b - a), (b, -int(idx[b]) + 4 * BLOCK + 100, b + 7, m - b)]
+    k = m + 7
+    low = torch.full((k,), -23131, dtype=torch.int16)  # 0xA5A5
+    out = torch.empty(k, dtype=INTS[w])
+    out.view(torch.uint8).fill_(POISON)
+    counts = torch.arange(6, dtype=torch.int32)  # other entries' counts, added to
+    want_low, want_out, want_counts = low.clone(), out.clone(), counts.clone()
+    for lo, shift, at, c in runs:
+        p = idx[lo:lo + c] + shift
+        want_low[at:at + c] = (p & 0xFFFF).to(torch.int32).to(torch.int16)
+        want_out[at:at + c] = vals[lo:lo + c]
+        want_counts += torch.bincount(p >> 16, minlength=6).to(torch.int32)
+    delta_host.encode_runs(idx, vals, runs, low, out, counts)
+    assert torch.equal(low, want_low)
+    assert torch.equal(out, want_out)
+    assert torch.equal(counts, want_counts)
+    with pytest.raises(ValueError, match="outside the stream"):  # past the last block
+        delta_host.encode_runs(idx, vals, [(0, 6 * BLOCK, 0, 1)], low, out, counts)
+    with pytest.raises(ValueError, match="reaches past"):
+        delta_host.encode_runs(idx, vals, [(m - 1, 0, 0, 2)], low, out, counts)
+    with pytest.raises(ValueError, match="reaches past"):
+        delta_host.encode_runs(idx, vals, [(0, 0, k - 1, 2)], low, out, counts)
+    with pytest.raises(ValueError, match="do not rise"):
+        shuffled = idx.clone()
+        shuffled[1], shuffled[2] = int(shuffled[1]) + 2 * BLOCK, int(shuffled[1])
+        delta_host.encode_runs(shuffled, vals, [(0, 0, 0, 4)], low, out, counts)
