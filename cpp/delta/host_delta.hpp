@@ -29,20 +29,6 @@ struct Segment {
 int64_t compare(int word, void* ref, int64_t ref_words, const Segment* keys, size_t nkeys, int64_t* out_idx,
                 void* out_val, int64_t cap, int threads, void* scratch = nullptr, int64_t scratch_bytes = 0);
 
-// One run of the compare's output into an ENC_IDX16 stream: changed words lo .. lo + count (positions
-// idx, values vals) become entries out .. out + count, at stream positions idx + shift.
-struct EncodeRun {
-  int64_t lo, shift, out, count;
-};
-
-// The sender's encode of ENC_IDX16 entries from runs (delta_cuda's ws_encode_w* semantics): per entry
-// the stream position's low 16 bits to `low`, the value to `out_vals`, and its 65536-word block counted
-// into `counts` (added to: zeroed, or holding other entries' counts). Entries of no run are not touched.
-// `nidx` changed words in idx / vals, `k` entries, `nblocks` blocks in the stream: a run reaching past
-// any of them, or a position outside the blocks, throws std::invalid_argument.
-void encode_idx16(int word, const int64_t* idx, const void* vals, int64_t nidx, const EncodeRun* runs, size_t nruns,
-                  uint16_t* low, void* out_vals, int64_t k, int32_t* counts, int64_t nblocks);
-
 // One contiguous run of an ENC_IDX16 stream's entries: entries lo .. hi go to words `stream position +
 // shift` of the key at `addr` (`words` words); their stream positions lie in pos_lo .. pos_hi.
 struct ScatterRun {

@@ -59,26 +59,6 @@ def delta_compare(
     memory of their own. ValueError names a bad argument.
     """
 
-def delta_encode_idx16(
-    word: int,
-    idx: int,
-    vals: int,
-    nidx: int,
-    runs: Annotated[NDArray[numpy.int64], dict(shape=(None, None), order="C", device="cpu", writable=False)],
-    low: int,
-    out_vals: int,
-    k: int,
-    counts: int,
-    nblocks: int,
-) -> None:
-    """
-    ENC_IDX16 entries from runs of the compare's output (`nidx` sorted int64 positions at `idx`, values
-    at `vals`): `runs` rows (lo, shift, out, count) make changed words lo .. lo + count entries out ..
-    out + count of a stream of `k` entries and `nblocks` blocks: the position plus shift's low 16 bits
-    to `low`, the value to `out_vals`, its block counted into the int32 `counts` (added to). Without the
-    GIL; ValueError names a bad argument.
-    """
-
 def delta_scatter_idx16(
     word: int,
     n: int,

@@ -152,28 +152,6 @@ NB_MODULE(_core, m) {
       "first collect their changes in `scratch` (8 + 2 * word bytes a change) while it has room, then in\n"
       "memory of their own. ValueError names a bad argument.");
   m.def(
-      "delta_encode_idx16",
-      [](int word, uintptr_t idx, uintptr_t vals, int64_t nidx,
-         nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> runs, uintptr_t low, uintptr_t out_vals,
-         int64_t k, uintptr_t counts, int64_t nblocks) {
-        if (runs.shape(0) > 0 && runs.shape(1) != 4) {
-          throw std::invalid_argument("delta_encode_idx16: runs must have 4 columns (lo, shift, out, count), not " +
-                                      std::to_string(runs.shape(1)));
-        }
-        std::vector<ws::host_delta::EncodeRun> rs(runs.shape(0));
-        for (size_t i = 0; i < rs.size(); ++i) rs[i] = {runs(i, 0), runs(i, 1), runs(i, 2), runs(i, 3)};
-        nb::gil_scoped_release release;
-        ws::host_delta::encode_idx16(word, reinterpret_cast<const int64_t*>(idx), reinterpret_cast<const void*>(vals),
-                                     nidx, rs.data(), rs.size(), reinterpret_cast<uint16_t*>(low),
-                                     reinterpret_cast<void*>(out_vals), k, reinterpret_cast<int32_t*>(counts), nblocks);
-      },
-      "word"_a, "idx"_a, "vals"_a, "nidx"_a, "runs"_a, "low"_a, "out_vals"_a, "k"_a, "counts"_a, "nblocks"_a,
-      "ENC_IDX16 entries from runs of the compare's output (`nidx` sorted int64 positions at `idx`, values\n"
-      "at `vals`): `runs` rows (lo, shift, out, count) make changed words lo .. lo + count entries out ..\n"
-      "out + count of a stream of `k` entries and `nblocks` blocks: the position plus shift's low 16 bits\n"
-      "to `low`, the value to `out_vals`, its block counted into the int32 `counts` (added to). Without the\n"
-      "GIL; ValueError names a bad argument.");
-  m.def(
       "delta_scatter_idx16",
       [](int word, int64_t n, int64_t k, uintptr_t counts, uintptr_t low, uintptr_t vals,
          nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> runs, int threads) {

@@ -1119,16 +1119,11 @@ class DeltaSender:
         CUDA one kernel for all runs (:func:`weightsync.runtime.delta_cuda.encode_runs`; the per-run ops
         cost about 0.1 ms of host time each, on the push's critical path). Returns how many."""
         mod = None
-        host = False  # CPU: the C++ encode (weightsync.runtime.delta_host.encode_runs) instead
         if index.enc == ENC_IDX16 and sp.idx is not None and sp.idx.is_cuda and \
                 str(sp.idx.dtype) == "torch.int64":
             from weightsync.runtime import delta_cuda
 
             mod = delta_cuda.module(sp.idx.device)
-        elif index.enc == ENC_IDX16 and sp.idx is not None and str(sp.idx.dtype) == "torch.int64":
-            from weightsync.runtime import delta_host
-
-            host = delta_host.wanted(sp.idx.device)
         runs: list[tuple[int, int, int, int]] = []  # for the kernel: lo, shift, first entry, count
         o = 0
         i, m = 0, len(f)
@@ -1145,7 +1140,7 @@ class DeltaSender:
             while j < m and not f["strided"][j] and f["start"][j] == f["start"][j - 1] + f["n"][j - 1]:
                 j += 1
             lo, hi = int(h["lo"][i]), int(h["hi"][j - 1])
-            if mod is not None or host:
+            if mod is not None:
                 if hi > lo:
                     runs.append((lo, int(bases[i]) - int(f["start"][i]), index.reserve(hi - lo), hi - lo))
             else:
@@ -1154,11 +1149,7 @@ class DeltaSender:
                 values[o:o + hi - lo].copy_(sp.vals[lo:hi])
             o += hi - lo
             i = j
-        if runs and host:
-            from weightsync.runtime import delta_host
-
-            delta_host.encode_runs(sp.idx, sp.vals, runs, index.low, values, index.kernel_counts())
-        elif runs:
+        if runs:
             from weightsync.runtime import delta_cuda
 
             delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, index.low, values, index.kernel_counts())

@@ -198,30 +198,3 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Sequ
     _core.delta_scatter_idx16(w, n, k, base, base + _align(4 * nb), base + vals_at, table,
                               nthreads or threads())
     return "host"
-
-
-def encode_runs(idx: Any, vals: Any, runs: Sequence[Sequence[int]], low: Any, out_vals: Any,
-                counts: Any) -> None:
-    """ENC_IDX16 entries of a stream from runs of the compare's output, as
-    :func:`weightsync.runtime.delta_cuda.encode_runs` makes them on a GPU: ``runs`` rows (first changed
-    word in ``idx`` / ``vals``, shift from space to stream positions, first entry in the stream, count);
-    ``low`` (int16) and ``out_vals`` the stream's index and value sections, ``counts`` (int32) its block
-    counts, added to. One pass in C++ where the torch ops took two per run (about 2.5 of the sender's
-    3.5 ms finalize for 2.1M changes on the 2-core VM)."""
-    import torch
-
-    from weightsync._ext import _core
-
-    _check_words(idx, "the positions", torch.int64)
-    _check_words(vals, "the values")
-    _check_words(low, "the index section", torch.int16)
-    _check_words(out_vals, "the value section", vals.dtype)
-    _check_words(counts, "the block counts", torch.int32)
-    if int(low.numel()) != int(out_vals.numel()):
-        raise ValueError(f"an index section of {int(low.numel())} entries, a value section of "
-                         f"{int(out_vals.numel())}")
-    table = np.asarray(runs, np.int64).reshape(-1, 4)
-    _core.delta_encode_idx16(int(vals.element_size()), int(idx.data_ptr()), int(vals.data_ptr()),
-                             int(min(idx.numel(), vals.numel())), table, int(low.data_ptr()),
-                             int(out_vals.data_ptr()), int(low.numel()), int(counts.data_ptr()),
-                             int(counts.numel()))
