@@ -116,6 +116,7 @@ __device__ __forceinline__ void collect(const i64* key_at, const i64* key_start,
                                         W* tmp_val, i64 cap, int vec) {
     constexpr int VW = 16 / sizeof(W);
     constexpr int TILE = ROUNDS * THREADS * VW;
+    static_assert(TILE <= 65536, "a word's place in its tile is stored in 16 bits");
     constexpr int G = (ROUNDS + 3) / 4;  // 64-bit scans of four rounds' counts each
     __shared__ u64 s_warps[G][THREADS / 32];
     __shared__ i64 s_base;
