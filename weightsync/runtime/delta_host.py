@@ -27,6 +27,7 @@ import numpy as np
 
 ENV = "WEIGHTSYNC_DELTA_KERNELS"
 THREADS_ENV = "WEIGHTSYNC_DELTA_THREADS"
+MAX_THREADS = 16
 
 
 def available() -> bool:
@@ -48,8 +49,9 @@ def wanted(device: Any) -> bool:
 
 def threads() -> int:
     """Threads the host kernels may use: ``WEIGHTSYNC_DELTA_THREADS`` where set, else every CPU this
-    process may run on (its affinity). The compare and the scatter are on the push's critical path,
-    which the trainer and the inference engine wait for; torch's intra-op thread count is not taken
+    process may run on (its affinity), :data:`MAX_THREADS` at most. The compare and the scatter are on
+    the push's critical path, which the trainer and the inference engine wait for; torch's intra-op
+    thread count is not taken
     because launchers set ``OMP_NUM_THREADS=1`` for reasons of their own (Ray does for every actor
     without CPUs of its own: the benchmark's trainer compared on one thread, 28 ms where two took 17)."""
     env = os.environ.get(THREADS_ENV, "")
@@ -58,9 +60,12 @@ def threads() -> int:
             raise ValueError(f"{THREADS_ENV}={env!r}: a number of threads of at least 1")
         return int(env)
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform
-        return max(1, os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+    # at most MAX_THREADS by default: a pass over memory stops gaining from threads long before a large
+    # host's core count, and each thread costs a start and a scratch
+    return max(1, min(cpus, MAX_THREADS))
 
 
 def _check_words(t: Any, what: str, dtype: Any | None = None) -> None:
