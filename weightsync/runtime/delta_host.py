@@ -51,9 +51,9 @@ def threads() -> int:
     """Threads the host kernels may use: ``WEIGHTSYNC_DELTA_THREADS`` where set, else every CPU this
     process may run on (its affinity), :data:`MAX_THREADS` at most. The compare and the scatter are on
     the push's critical path, which the trainer and the inference engine wait for; torch's intra-op
-    thread count is not taken
-    because launchers set ``OMP_NUM_THREADS=1`` for reasons of their own (Ray does for every actor
-    without CPUs of its own: the benchmark's trainer compared on one thread, 28 ms where two took 17)."""
+    thread count is not taken because launchers set ``OMP_NUM_THREADS=1`` for reasons of their own (Ray
+    does for every actor without CPUs of its own: the benchmark's trainer compared on one thread, 28 ms
+    where two took 17)."""
     env = os.environ.get(THREADS_ENV, "")
     if env:
         if not env.isdigit() or int(env) < 1:
