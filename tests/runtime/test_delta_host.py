@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.delta_paths import push_both_ways
 from weightsync._ext import _core
 from weightsync.runtime import delta_host
 from weightsync.runtime.delta import (
@@ -381,26 +382,7 @@ def test_sender_on_cpu_compares_with_the_host_kernels_as_the_torch_ops_do() -> N
                 flip = torch.rand(iv.numel(), generator=g) < 0.05
                 iv[flip] ^= 1
                 iv[-1] ^= 2
-            before = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
-            sender.use_kernels = True
-            sender.start()
-            assert all(sp.ref_done for sp in sender._spaces.values())
-            got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()}
-            sender.finish(version, True)
-            after = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
-            for w, sp in sender._spaces.items():
-                sp.ref.copy_(before[w])
-            sender.use_kernels = False
-            sender.ref_version = version - 1
-            sender.start()
-            assert not any(sp.ref_done for sp in sender._spaces.values())
-            for w, sp in sender._spaces.items():
-                assert torch.equal(got[w][0], sp.idx), (version, w)
-                assert torch.equal(got[w][1], sp.vals), (version, w)
-            sender.finish(version, True)
-            for w, sp in sender._spaces.items():
-                assert torch.equal(after[w], sp.ref), (version, w)
-                assert torch.equal(sp.ref, torch.cat([sender._views[k] for k in sp.keys])), (version, w)
+            push_both_ways(sender, version, version, ref_done=True)
     finally:
         engine.close()
 

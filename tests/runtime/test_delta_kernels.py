@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.delta_paths import push_both_ways
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = ("odd", "none", "all", "one", "last", "special", "dense_tile")
 
@@ -111,33 +113,11 @@ def check_cases(device: str, slice_tiles: int = 3, aligned: bool = False,
             _change(host, case, g, dk.TILE)
             for k, v in host.items():
                 tensors[k].copy_(v)
-            before = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
             for sp in sender._spaces.values():
                 if sp.compactor is not None:
                     sp.compactor.poison = 0xA5
             version += 1
-            sender.use_kernels = True
-            sender.start()
-            got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()}
-            sender.finish(version, True)
-            after = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
-            # the same push by the torch ops, from the same reference
-            for w, sp in sender._spaces.items():
-                sp.ref.copy_(before[w])
-            sender.use_kernels = False
-            sender.ref_version = version - 1
-            sender.start()
-            for w, sp in sender._spaces.items():
-                idx, vals = got[w]
-                assert idx.dtype == sp.idx.dtype == torch.int64
-                assert torch.equal(idx, sp.idx), (case, w)
-                assert torch.equal(vals, sp.vals), (case, w)
-            sender.finish(version, True)
-            for w, sp in sender._spaces.items():
-                assert torch.equal(after[w], sp.ref), (case, w)
-                cur = torch.cat([_ints(tensors[k]) for k in sp.keys])
-                assert torch.equal(sp.ref, cur.view(sp.ref.dtype)), (case, w)
-            assert sender.ref_version == version
+            got = push_both_ways(sender, version, case)
             for w, sp in sender._spaces.items():  # vector loads exactly where every key is aligned
                 assert sp.compactor.vec == (16 // w if aligned else 1), (w, sp.compactor.vec)
                 assert sp.compactor.backend == backend, (w, sp.compactor.backend)
