@@ -79,8 +79,8 @@ ENC_IDX16 stream's contiguous runs with one kernel per stream, without decoding
 (:func:`weightsync.runtime.delta_kernels.scatter_idx16`).
 
 On CPU (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the same two steps are C++ (:mod:`weightsync.runtime.
-delta_host`, cpp/delta/): the compare in one pass on torch's intra-op threads, the reference updated in
-it, and the receiver's scatter of an ENC_IDX16 stream's contiguous runs.
+delta_host`, cpp/delta/): the compare in one pass on up to 16 of the process's cores, the reference
+updated in it, and the receiver's scatter of an ENC_IDX16 stream's contiguous runs.
 
 Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` (or the kernels' count) per
 :data:`COMPARE_SLICE` words of each word size, one copy of the counts, two more when direct writes read
@@ -139,6 +139,13 @@ def streams_at(capacity: int) -> int:
 def data_at(capacity: int) -> int:
     """Where the encoded streams start."""
     return streams_at(capacity) + len(WORDS) * STREAM_DTYPE.itemsize
+
+
+def first_room(hint: int, total: int) -> int:
+    """Changes a compare of ``total`` words makes room for before it knows how many there are: ``hint``
+    (the last push's count and a margin), or with none (the first compare) 1/64 of the words (RL steps
+    change 1-5% of BF16 values); at least 1024, at most every word."""
+    return min(max(hint or total // 64, 1024), max(total, 1))
 
 
 def _align(n: int) -> int:
@@ -774,22 +781,18 @@ class DeltaSender:
         self._compared = True
 
     def _changed_words_kernels(self, sp: _Space) -> tuple[Any, Any] | None:
-        """:meth:`_changed_words` and the values' gathers as the Triton kernels of
-        :mod:`weightsync.runtime.delta_kernels`, which also put the new values into the reference. None
-        where they cannot compare this space (the torch ops do). On CPU the C++ compare of
-        :mod:`weightsync.runtime.delta_host` (same result, same reference update)."""
+        """:meth:`_changed_words` and the values' gathers as kernels: on a GPU those of
+        :mod:`weightsync.runtime.delta_kernels` (CUDA C++ or Triton), on CPU the C++ compare of
+        :mod:`weightsync.runtime.delta_host`, its buffers kept in the space from push to push. Whether
+        they also put the new values into the reference goes to ``sp.ref_done``. None where they cannot
+        compare this space (the torch ops do)."""
         from weightsync.runtime import delta_host
         from weightsync.runtime.delta_kernels import Compactor
 
-        if delta_host.wanted(self.device):  # its buffers kept in the space from push to push
+        if delta_host.wanted(self.device):
             if not isinstance(sp.compactor, delta_host.SpaceCompare):
                 sp.compactor = delta_host.SpaceCompare()
-            found = sp.compactor.compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
-            sp.hint = int(found[0].numel()) + int(found[0].numel()) // 8
-            sp.ref_done = True
-            return found
-
-        if sp.compactor is None:
+        elif sp.compactor is None:
             sp.compactor = Compactor(sp.word, sp.starts, self.device)
         found = sp.compactor.compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
         if found is not None:

@@ -17,10 +17,11 @@ destinations apply theirs), off the push's path. Two kernels:
 * ``ws_order``: after an exclusive ``cumsum`` of the tile counts, each block copies one tile's changes
   from the scratch to their place in word order, as int64 positions in the space.
 
-Why this shape (docs/BENCHMARKS.md, "The compare at the copy's bandwidth"): the Triton kernels' in-tile
-compaction costs more than the reads themselves; a single pass that places each tile by a decoupled
-look-back over its predecessors' counts spent a fifth of its time waiting on them, and storing the
-changes into the reference inside the compare another sixth (its lines have left L2 by then).
+Why this shape (docs/BENCHMARKS.md, "The compare without a look-back, the reference left to finish"):
+the Triton kernels' in-tile compaction costs more than the reads themselves; a single pass that places
+each tile by a decoupled look-back over its predecessors' counts spent a fifth of its time waiting on
+them, and storing the changes into the reference inside the compare another sixth (its lines have left
+L2 by then).
 
 The scratch has room for ``cap`` changes (the caller's guess: the last push's count and a margin). A
 change past ``cap`` is not written; the count comes back (the host read), and if it exceeds ``cap`` the
@@ -37,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.runtime import nvrtc
+from weightsync.runtime.delta import first_room
 
 THREADS = 256
 ROUNDS = 8  # a block's tile: 8 rounds of 256 threads' 16-byte chunks (32 KB)
@@ -389,8 +391,7 @@ def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, wo
     device = ref.device
     if not ntiles:
         return torch.empty(0, dtype=torch.int64, device=device), ref.new_empty(0)
-    # no hint (the first compare): room for 1/64 of the words (RL steps change 1-5% of BF16 values)
-    cap = min(max(hint or total_words // 64, 1024), max(total_words, 1))
+    cap = first_room(hint, total_words)
     # per tile its count and its place in the scratch, then the scratch's used count
     counts = torch.empty(2 * ntiles + 1, dtype=torch.int64, device=device)
     tile_count, tile_base, used = counts[:ntiles], counts[ntiles:2 * ntiles], counts[2 * ntiles:]

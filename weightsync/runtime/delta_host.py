@@ -116,6 +116,7 @@ class SpaceCompare:
         import torch
 
         from weightsync._ext import _core
+        from weightsync.runtime.delta import first_room
 
         _check_words(ref, "the reference")
         total = int(ref.numel())
@@ -128,8 +129,7 @@ class SpaceCompare:
         addrs = np.array([int(v.data_ptr()) for v in views], np.uint64)
         sizes = np.array([int(v.numel()) for v in views], np.int64)
         n = nthreads or threads()
-        # no hint (the first compare): room for 1/64 of the words (RL steps change 1-5% of BF16 values)
-        cap = min(max(hint or total // 64, 1024), max(total, 1))
+        cap = first_room(hint, total)
         outs: list[tuple[Any, Any]] = []
         first = True
         while True:

@@ -323,6 +323,7 @@ class Compactor:
         total = int(self.starts[-1])
         if self.device.type == "cuda":
             from weightsync.runtime import delta_cuda
+            from weightsync.runtime.delta import first_room
 
             mod = delta_cuda.module(self.device)
             if mod is not None:
@@ -334,8 +335,7 @@ class Compactor:
                 self.backend = "cuda"
                 self.ref_updated = False
                 # the tiles' counts and places, the scratch of (16-bit word, value) per change
-                cap = min(max(hint or total // 64, 1024), max(total, 1))  # delta_cuda.compare's first room
-                self.scratch_bytes = (2 * nt + 1) * 8 + cap * (2 + self.word)
+                self.scratch_bytes = (2 * nt + 1) * 8 + first_room(hint, total) * (2 + self.word)
                 return delta_cuda.compare(mod, self.cuda_tables, nt, self.vec > 1, self.word, ref, hint,
                                           total, self.poison)
         if triton is None:
