@@ -642,6 +642,56 @@ def test_a_destination_that_missed_a_version_gets_it_dense_after_the_replan(team
     assert all(s.delta_destinations == [0, 1, 2] for s in stats), stats
 
 
+def test_a_payload_that_does_not_apply_abandons_its_version(team_factory) -> None:
+    """Destination 0 (inplace) scatters part of a version's changes, then its apply fails (as the host
+    scatter does on an entry outside its run or key: a corrupt stream): the version is abandoned like
+    an incomplete one, so the destination is not left "updating" forever and says ``dirty`` (bytes of
+    the failed version are in its live tensors); it does not take the version, the sources report it,
+    and after it is back every push is exact again."""
+    team = team_factory("delta-bad-apply", ["replica", "tp0"], ["inplace", "inplace"])
+    team.push()
+    team.check()
+    team.set(step(team.full, "odd", seed=1))
+    team.push()
+    team.check()
+    bad = team.dsts[0]
+    receiver = bad._delta
+    assert receiver is not None
+    scatter = receiver._scatter_all
+    failures: list[int] = []
+
+    def scatter_then_fail(shadow: int) -> None:
+        scatter(shadow)  # the changes land in the live tensors, then the stream turns out corrupt
+        if not failures:
+            failures.append(shadow)
+            raise ValueError("delta_scatter_idx16: entry 3 lies outside its run (a test's corrupt stream)")
+
+    receiver._scatter_all = scatter_then_fail
+    before = bad.version
+    team.set(step(team.full, "odd", seed=2))
+    stats = team.push(timeout=3.0)
+    assert failures
+    assert all(s.failed_destinations == [0] for s in stats), stats
+    assert bad.version == before
+    assert not bad.updating
+    assert bad.dirty
+    deadline = time.monotonic() + 60
+    while bad.readmissions < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for attempt in range(3):  # its first push back may still miss it (paths being re-established)
+        team.set(step(team.full, "odd", seed=10 + attempt))
+        stats = team.push()
+        if all(0 not in s.failed_destinations for s in stats):
+            break
+    team.check()
+    assert not bad.dirty
+    assert all(0 not in s.delta_destinations for s in stats), stats  # its bytes were of no version: dense
+    team.set(step(team.full, "last", seed=20))
+    stats = team.push()
+    team.check()
+    assert all(s.delta_destinations == [0, 1] for s in stats), stats
+
+
 def test_a_push_that_failed_its_check_is_followed_by_a_dense_one(team_factory) -> None:
     """A non-blocking push whose tensors change under it fails (no destination takes it) after the delta
     was encoded: the sources' reference is then of no version anyone holds, so the next push is dense,

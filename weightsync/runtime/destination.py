@@ -455,7 +455,10 @@ class Destination(Participant):
         if self._relay is not None:
             complete, reason, armed = self._land_relay(target, buffer, deadline)
         elif delta:
-            complete, reason = self._land_delta(target, buffer, counter, deadline)
+            try:
+                complete, reason = self._land_delta(target, buffer, counter, deadline)
+            except Exception as exc:  # entries that do not apply (a corrupt payload): part may be in buffer
+                complete, reason = False, f"its delta payload did not apply: {exc}"
         while self._relay is None and not delta and not self._stop.is_set() and time.monotonic() < deadline:
             try:
                 # Short slices: the native wait returns the moment the last immediate arrives, and between
