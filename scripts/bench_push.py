@@ -52,9 +52,9 @@ push saw), one Adam step's seconds and where the state lives, the dense push's m
 above: same run, same scenario), the delta push's, their ratio (the goal: at most 0.35x), wire bytes
 against dense bytes, encode and apply seconds (PushStats). Rollouts are not poisoned between delta pushes
 (a delta lands on the version they hold); after every push their bytes are compared with the trainers'
-(gathered and broadcast to them). A fan-out that relays (scenario 3) cannot take deltas (weightsync
-refuses a delta push through a relay chain): its delta push writes every replica directly, and the output
-says so. The budget (``--budget-s``) holds: the part is not started after it, and stops after two timed
+(gathered and broadcast to them). A fan-out that relays (scenario 3) relays its delta pushes too: the
+writes sent as planned go through the chain, each replica gets the encoded changes from the trainer
+directly. The budget (``--budget-s``) holds: the part is not started after it, and stops after two timed
 pushes once it is spent.
 
 ``--cpu``: the control plane's own cost on this machine, over TCP loopback.
@@ -862,19 +862,6 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
         group = ws.Group.create(name, num_sources=T, num_destinations=R, **args.group_opts)
         try:
             setup = team.call("delta_setup", name, args.delta_inbox, args.tuning, timeout=tmo)
-            if group.status().get("relay"):
-                # weightsync.runtime.source refuses a delta push through a relay chain; the scenario's
-                # destinations are then written directly, and the comparison says so.
-                res["relay_note"] = ("delta pushes do not run through a relay chain (weightsync refuses "
-                                     "them), so this delta push writes every replica directly "
-                                     "(relay=False) while the dense push relays")
-                print(f"    delta: {res['relay_note']}", flush=True)
-                team.call("ws_close", timeout=tmo)
-                group.shutdown()
-                name += "-direct"
-                group = ws.Group.create(name, num_sources=T, num_destinations=R, relay=False,
-                                        **args.group_opts)
-                setup = team.call("delta_setup", name, args.delta_inbox, args.tuning, timeout=tmo)
             res["inbox_bytes"] = [x["inbox_bytes"] for x in setup[T:]]
             team.call("delta_init", timeout=tmo, who=team.trainers)
 
@@ -1174,7 +1161,7 @@ def delta_table(rows: list[dict[str, Any]]) -> str:
             continue
         pf = d.get("push_changed_fraction_median")
         ratio = d.get("delta_over_dense")
-        note = "; ".join(x for x in (d.get("relay_note"), d.get("cut"), d.get("adam_note"),
+        note = "; ".join(x for x in (d.get("cut"), d.get("adam_note"),
                                      f"destinations written dense: {d['not_delta']}" if any(d["not_delta"])
                                      else None) if x)
         lines.append(f"| {r['scenario']}. {r['what']} | {d['lr']:g} | {_adam_what(d)} | "
@@ -1312,8 +1299,7 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"{what}: not measured ({(d.get('error') or 'no dense push')[:120]})")
         else:
             out.append(f"{what} (lr {d['lr']:g}, {_adam_what(d)}, {d['changed_fraction_median']:.2%} "
-                       f"changed): {x:.3f}x, {met(x <= DELTA_GOAL)}"
-                       + (" (direct, not relayed)" if "relay_note" in d else ""))
+                       f"changed): {x:.3f}x, {met(x <= DELTA_GOAL)}")
     return out
 
 

@@ -213,9 +213,9 @@ class Team:
 
     def __init__(self, name: str, layouts: list[str], modes: list[str],
                  delta_bytes: int | list[int] = 1 << 20, delta: bool = True,
-                 push_timeout: float = 20.0) -> None:
+                 push_timeout: float = 20.0, relay: bool | None = None) -> None:
         self.name, self.layouts, self.modes = name, layouts, modes
-        self.group = ws.Group.create(name, num_sources=2, num_destinations=len(layouts))
+        self.group = ws.Group.create(name, num_sources=2, num_destinations=len(layouts), relay=relay)
         self.full = initial()
         self.history: dict[int, dict[str, torch.Tensor]] = {}
         self.locals: list[dict[str, torch.Tensor]] = []
@@ -586,23 +586,117 @@ def test_cast_and_fp8_destinations_get_deltas_of_what_is_sent(ray_cluster) -> No
         team.close()
 
 
-def test_delta_through_a_relay_chain_is_refused(ray_cluster) -> None:
-    group = ws.Group.create("delta-relay", num_sources=1, num_destinations=2, relay=True)
+def test_delta_through_a_relay_chain_every_case(team_factory) -> None:
+    # Three replicas in a chain (inplace head, staged members, a reader on the last): every member gets
+    # the same entries and payload from each source directly, and the writes sent as planned (staged
+    # packs among them) through the chain, forwarded as they land.
+    team = team_factory("delta-chain", ["replica"] * 3, ["inplace", "staged", "staged"], relay=True)
+    assert team.group.status()["relay"], "no relay chain: the test misses its point"
+    team.start_reader(2)
+    stats = team.push()
+    team.check()
+    assert all(s.delta_destinations == [] and s.relayed == [1, 2] for s in stats)
+    for v, case in enumerate(CASES, start=1):
+        team.set(step(team.full, case, seed=900 + v))
+        stats = team.push()
+        team.check()
+        for s in stats:
+            assert s.failed_destinations == [], s
+            assert s.delta_destinations == [0, 1, 2], (case, s)
+            if case in ("none", "one", "last", "special"):
+                assert s.wire_bytes < s.dense_bytes / 4, (case, s.wire_bytes, s.dense_bytes)
+            if case == "all":  # every write as planned, through the chain once, and three payloads
+                assert s.wire_bytes >= s.dense_bytes, (case, s.wire_bytes, s.dense_bytes)
+    time.sleep(0.2)
+    assert team.mixed == []
+    assert team.reads[2], "the reader applied no version"
+
+
+def test_a_chain_member_that_missed_a_version_makes_the_chain_dense(team_factory) -> None:
+    """The middle member of a chain forwards nothing through one push whose every write goes as planned:
+    the last member misses that version, the sources report it, it joins again. The next push is dense
+    for the whole chain (its members no longer hold one version) and exact everywhere; the one after it
+    a delta again."""
+    team = team_factory("delta-chain-missed", ["replica"] * 3, ["inplace", "staged", "staged"], relay=True)
+    team.push()
+    team.check()
+    team.set(step(team.full, "odd", seed=1))
+    team.push()
+    team.check()
+    middle, last = team.dsts[1], team.dsts[2]
+    assert middle._relay is not None and middle._relay.successor is not None
+    arm = middle._relay.arm
+    middle._relay.arm = lambda succ_buffer: None  # type: ignore[method-assign]
     try:
-        with ThreadPoolExecutor(4) as ex:
-            t = {"w": torch.randn(64, 32)}
-            src = ex.submit(ws.Source, "delta-relay", 0, t, timeout=60, delta=True)
-            dsts = [ex.submit(ws.Destination, "delta-relay", j, {"w": torch.zeros(64, 32)}, "inplace",
-                              timeout=60, delta_bytes=1 << 16) for j in range(2)]
-            s, ds = src.result(timeout=120), [f.result(timeout=120) for f in dsts]
-        try:
-            with pytest.raises(ws.WeightSyncError, match="relay"):
-                ws.push(s, 0, timeout=10)
-        finally:
-            for p in [s, *ds]:
-                p.close()
+        team.set(step(team.full, "all", seed=2))
+        stats = team.push(timeout=3.0)
     finally:
-        group.shutdown()
+        middle._relay.arm = arm  # type: ignore[method-assign]
+    assert all(s.failed_destinations == [2] for s in stats), stats
+    team.check([0, 1])
+    assert last.version == 1
+    deadline = time.monotonic() + 60
+    while last.readmissions < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert last.readmissions >= 1
+    for attempt in range(3):  # its first push back may still miss it (paths being re-established)
+        team.set(step(team.full, "odd", seed=10 + attempt))
+        stats = team.push()
+        if all(2 not in s.failed_destinations for s in stats):
+            break
+    team.check()
+    assert all(s.delta_destinations == [] for s in stats), stats
+    team.set(step(team.full, "odd", seed=20))
+    stats = team.push()
+    team.check()
+    assert all(s.delta_destinations == [0, 1, 2] for s in stats), stats
+
+
+@pytest.mark.parametrize("inbox", [0, 1 << 20])
+def test_a_chain_head_that_cannot_arm_its_forwards_still_lands(team_factory, inbox: int) -> None:
+    """Arming the head's forwards fails (its successor unreachable): the head lands the version and acks
+    it, forwarding nothing; the members after it miss it and are reported. Before, the error escaped the
+    landing and left the head ``updating`` with the version neither landed nor abandoned."""
+    from weightsync.errors import TransportError
+
+    team = team_factory(f"chain-arm-{inbox}", ["replica"] * 3, ["inplace", "staged", "inplace"], relay=True,
+                        delta_bytes=inbox, delta=bool(inbox), push_timeout=2.0)
+    team.push()
+    team.check()
+    head = team.dsts[0]
+    assert head._relay is not None and head._relay.successor is not None
+
+    def fail(succ_buffer: int) -> None:
+        raise TransportError("destination 0: arming relay to destination 1 failed: test")
+
+    arm = head._relay.arm
+    head._relay.arm = fail  # type: ignore[method-assign]
+    try:
+        team.set(step(team.full, "all", seed=5))
+        stats = team.push(timeout=4.0)
+    finally:
+        head._relay.arm = arm  # type: ignore[method-assign]
+    assert all(s.failed_destinations == [1, 2] for s in stats), stats
+    team.check([0])
+    assert not head.updating
+
+
+def test_a_chain_with_a_member_without_inbox_is_dense_and_exact(ray_cluster) -> None:
+    # FP8 and cast destinations in a chain whose last member has no inbox: no delta can reach it, so
+    # the chain goes dense (the members with inboxes still land by their headers) and every byte equals
+    # the dense push's.
+    team = RefTeam("delta-chain-fp8", relay=True)
+    try:
+        assert team.group.status()["relay"]
+        for v in range(4):
+            if v:
+                full = {k: t + 1e-3 * t.abs() for k, t in team.full.items()}
+                team.set(full)
+            stats = team.push()
+            team.check()
+            assert all(s.delta_destinations == [] and s.failed_destinations == [] for s in stats), stats
+    finally:
+        team.close()
 
 
 def test_a_destination_that_missed_a_version_gets_it_dense_after_the_replan(team_factory) -> None:

@@ -26,6 +26,12 @@ Who decides what
   write, only the changed elements, in the smallest of two encodings (:func:`choose`), or the write
   itself where that is smaller (the break-even). Every other destination (new, replaced, failed, behind,
   after a re-plan: the reference's version is reset then) gets the dense push, header included.
+* A relay chain (the sources write its head, which forwards each chunk as it lands) takes a delta as one:
+  every member holds one layout, so one entry table and payload, encoded once, serve all of them; each
+  member with an inbox gets them straight from every source, while the writes they say go as planned
+  travel as relay chunks through the chain, which the member counts (the header announces the payload's
+  immediates only). The chain gets a delta only if every member has an inbox and granted the reference's
+  version; otherwise the version is dense for the whole chain.
 
 Entries and streams
 -------------------
@@ -469,6 +475,8 @@ class _Inbox:
     fixed: np.ndarray = field(default_factory=lambda: np.zeros(0, ENTRY_DTYPE))  # the tail: as planned
     fixed_imms: int = 0
     capacity: int = 0  # entries at most per push (direct, staged, tail)
+    relay: bool = False  # a relay chain member: the writes sent as planned reach it through the chain,
+    # counted there, so its header announces the payload's immediates only
     send: Any = None  # the payload as sent (entries, then data), on this source's device
     region: Any = None
 
@@ -514,6 +522,7 @@ class DeltaWork:
     streams: dict[int, list[int]] = field(default_factory=dict)  # word size -> [words, changed words]
     planned_imms: int = 0
     planned_bytes: int = 0
+    final: bool = False  # the payload is encoded (finalize)
 
 
 def split_payload(total: int, sources: int) -> int:
@@ -542,6 +551,8 @@ class DeltaSender:
         self.chunk_words = np.zeros(0, np.int64)
         self.ref_version = -1  # the version the reference holds (-1: none usable)
         self.inboxes: dict[int, _Inbox] = {}
+        self.lead: int | None = None  # in a relay chain: the member whose inbox holds the push's work
+        self._alias: dict[int, int] = {}  # a relay chain's head -> its lead (the staged writes name the head)
         self.headers = np.zeros(MAX_HEADERS, HEADER_RECORD)  # header outbox, by destination rank
         self.header_region = engine.register(self.headers, name=f"source {rank} delta headers")
         self.words = {k: self._key_word(t) for k, t in locals_.items()}
@@ -594,9 +605,9 @@ class DeltaSender:
         return keys + sum(int(r.numel()) for r in self.chunk_refs.values())
 
     def close_regions(self) -> None:
-        for ib in self.inboxes.values():
-            if ib.region is not None:
-                self.engine.deregister(ib.region)
+        for region in {id(ib.region): ib.region for ib in self.inboxes.values() if ib.region is not None
+                       }.values():  # a relay chain's inboxes share one
+            self.engine.deregister(region)
         self.inboxes = {}
 
     def load(self, part: Any, rounds: Sequence[Any], src_keys: Sequence[str], tails: Mapping[int, Any],
@@ -630,20 +641,44 @@ class DeltaSender:
                 continue
             cw[int(c["chunk"])] = min(cw[int(c["chunk"])], w)
         self.chunk_words = cw
-        if part.relay:
-            return  # relay chains land by their own counts: no headers
+        # In a relay chain the sources write only its head; every member with an inbox gets the same
+        # entries and payload (one layout, and for a delta one version), straight from this source, into
+        # its own inbox, and the writes sent as planned through the chain. The first such member (the
+        # lead) holds the push's work, the others share it and its send buffer.
+        chain = list(part.relay)
+        self.lead = None
+        self._alias = {}
+        members = [r for r in (chain or dests) if DELTA_KEY in dests[r].target.descriptors]
+        if chain and members:
+            self.lead = members[0]
+            self._alias = {chain[0]: self.lead}
+            shared = min(split_payload(struct.unpack("<q", dests[r].target.descriptors[DELTA_KEY][2])[0],
+                                       sources) for r in members)
         w = part.writes
         staged = w[(w["staged"] == 1) & (w["kind"] == K_DATA)]
-        for rank, d in dests.items():
-            entry = d.target.descriptors.get(DELTA_KEY)
-            if not entry:
-                continue
+        lead_keys: list[str] | None = None
+        for rank in members:
+            d = dests[rank]
+            into = chain[0] if chain else rank  # the destination this source's writes name
+            entry = d.target.descriptors[DELTA_KEY]
             size = struct.unpack("<q", entry[2])[0]
-            share = split_payload(size, sources)
+            share = shared if chain else split_payload(size, sources)
             dkeys = sorted(k for k in d.target.descriptors if k != DELTA_KEY)
+            if chain and lead_keys is not None and dkeys != lead_keys:
+                raise WeightSyncError(f"source {self.rank}: relay chain members {self.lead} and {rank} hold "
+                                      "different keys; their delta entries could not be shared")
+            lead_keys = lead_keys or dkeys
             kidx = {k: i for i, k in enumerate(dkeys)}
-            ib = _Inbox(rank, entry[0], entry[1], self.rank * share, share, kidx, dpos_keys[rank])
-            t = tails.get(rank)
+            ib = _Inbox(rank, entry[0], entry[1], self.rank * split_payload(size, sources), share, kidx,
+                        dpos_keys[into], relay=bool(chain))
+            if chain and rank != self.lead:
+                lead = self.inboxes[self.lead]
+                ib.fixed, ib.fixed_imms, ib.direct, ib.capacity = lead.fixed, lead.fixed_imms, lead.direct, \
+                    lead.capacity
+                ib.send, ib.region = lead.send, lead.region  # the lead's work: nothing compared for this one
+                self.inboxes[rank] = ib
+                continue
+            t = tails.get(into)
             if t is not None:  # the tail: posted as planned, from the snapshot
                 rows = t.rows or 1
                 ib.fixed = np.zeros(1, ENTRY_DTYPE)
@@ -652,7 +687,7 @@ class DeltaSender:
                 ib.fixed_imms = self.engine.imm_count(t.nbytes, True, rows)
             rows_: list[tuple] = []
             for ri, r in enumerate(rounds):
-                if r.rank != rank:
+                if r.rank != into:
                     continue
                 nrows, spitch, dpitch = r.geometry
                 for i in range(len(r.nbytes)):
@@ -670,7 +705,8 @@ class DeltaSender:
                                   self.engine.imm_count(rb, True, nr)))
             ib.direct = np.array(rows_, _DIRECT_DTYPE) if rows_ else np.zeros(0, _DIRECT_DTYPE)
             ib.flat = self._flat(ib.direct)
-            ib.capacity = len(ib.direct) + int((staged["dst_rank"] == d.target.slot).sum()) + len(ib.fixed)
+            slot = dests[into].target.slot
+            ib.capacity = len(ib.direct) + int((staged["dst_rank"] == slot).sum()) + len(ib.fixed)
             need = data_at(ib.capacity)  # the entries and the stream table
             if need > share:
                 raise WeightSyncError(
@@ -1014,6 +1050,7 @@ class DeltaSender:
         """Staged chunk ``c``'s writes into inbox destination ``rank`` (1-D, at ``src_off`` in the chunk):
         records their entries, encodes the changed words of those it sends as a delta, and returns which
         go as planned (None: ``rank`` has no inbox)."""
+        rank = self._alias.get(rank, rank)
         work = self._works.get(rank)
         if work is None:
             return None
@@ -1063,8 +1100,10 @@ class DeltaSender:
         figures."""
         import torch
 
-        t0 = time.perf_counter()
         work = self._works[rank]
+        if work.final:
+            return work  # a relay chain member: the lead's payload, encoded once
+        t0 = time.perf_counter()
         ib = self.inboxes[rank]
         streams = np.zeros(len(WORDS), STREAM_DTYPE)
         streams["word"] = WORDS
@@ -1105,8 +1144,9 @@ class DeltaSender:
         ib.send[: len(entries) * ENTRY_DTYPE.itemsize].copy_(_to_device(entries.view(np.uint8), self.device))
         work.entries = len(entries)
         work.payload_bytes = at
-        work.imms = work.planned_imms + ib.fixed_imms + self.engine.imm_count(at)
+        work.imms = self.engine.imm_count(at) + (0 if ib.relay else work.planned_imms + ib.fixed_imms)
         work.wire_bytes = at + work.planned_bytes + int(ib.fixed["rows"] @ ib.fixed["row_bytes"])
+        work.final = True
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
         self._spent("finalize", t0)
@@ -1157,6 +1197,11 @@ class DeltaSender:
 
             delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, index.low, values, index.kernel_counts())
         return o
+
+    def share(self, work: DeltaWork, ranks: Sequence[int]) -> None:
+        """A relay chain: the lead's work (:meth:`begin`) is also that of members ``ranks``."""
+        for r in ranks:
+            self._works[r] = work
 
     def header(self, rank: int, epoch: int, version: int, work: DeltaWork) -> None:
         ib = self.inboxes[rank]
@@ -1210,8 +1255,9 @@ class DeltaReceiver:
         # this version's entries, streams and payload offset, per source
         self._entries: list[tuple[np.ndarray, np.ndarray, int]] = []
         # this version's headers as read (payload offset, entries, room, head bytes), per source, until the
-        # payload has landed and read_entries takes the entries from it
+        # payload has landed and read_entries takes the entries from it; the sources' ranks, in that order
         self._heads: list[tuple[int, int, int, int]] = []
+        self._sources: list[int] = []
 
     def descriptor(self) -> list[bytes]:
         return [self.header_region.descriptor, self.payload_region.descriptor,
@@ -1237,6 +1283,7 @@ class DeltaReceiver:
         total = 0
         self._entries = []
         self._heads = []
+        self._sources = list(sources)
         for r in sources:
             h = self.headers[r]
             if int(h["version"]) != version or int(h["epoch"]) != epoch:
@@ -1265,6 +1312,29 @@ class DeltaReceiver:
             entries = head[:n * ENTRY_DTYPE.itemsize].view(ENTRY_DTYPE).copy()
             streams = head[streams_at(room):data_at(room)].view(STREAM_DTYPE).copy()
             self._entries.append((entries, streams, off))
+
+    def planned_chunks(self, at: Mapping[tuple[str, int], int], total: int) -> list[int]:
+        """A relay chain member: the relay chunks this version's entries say were sent as planned (they
+        come through the chain, counted there), in chunk order. ``at``: each of the ``total`` chunks by
+        where it lands. Every chunk must be named by exactly one entry (a chunk named by none would be
+        neither counted nor applied)."""
+        seen = np.zeros(total, bool)
+        planned: list[int] = []
+        for (entries, _, _), src in zip(self._entries, self._sources, strict=True):
+            for key, off, enc in zip(entries["key"].tolist(), entries["dst_off"].tolist(),
+                                     entries["enc"].tolist(), strict=True):
+                c = at.get((self.keys[key] if 0 <= key < len(self.keys) else "", off))
+                if c is None or seen[c]:
+                    raise WeightSyncError(
+                        f"delta entries of source {src} name a write at byte {off} of key index {key} that "
+                        f"{'is no relay chunk' if c is None else 'another entry names too'}")
+                seen[c] = True
+                if enc == ENC_DENSE:
+                    planned.append(c)
+        if not seen.all():
+            missing = np.flatnonzero(~seen)[:5].tolist()
+            raise WeightSyncError(f"relay chunks {missing} are named by no source's delta entries")
+        return sorted(planned)
 
     def apply(self, shadow: int) -> None:
         """Scatters this version's sparse entries into buffer ``shadow``."""

@@ -18,7 +18,9 @@ live tensors.
 
 With a delta inbox (``delta_bytes``, weightsync.runtime.delta) a destination's grant also says which
 version a delta may be taken on, and a version lands by the sources' headers: their data immediates,
-then the changes scattered into place, then the flip and the ack (from this thread).
+then the changes scattered into place, then the flip and the ack (from this thread). In a relay chain
+each member's header and payload come from the sources directly, and the writes the entries say went as
+planned come through the chain (weightsync.runtime.relay).
 
 A destination the sources reported failed (stopped past the push timeout, its link cut) is dropped from
 the plan, and a plan without it sends it nothing. If this process lives on, its membership watcher (a
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -66,6 +68,9 @@ from weightsync.wire import (
 # How often a waiting destination looks for a newer plan or version (the native wait itself returns the
 # moment the last immediate arrives; this bounds only how late a dead version is given up).
 WAIT_SLICE_S = 0.02
+# A relay member's wait slices while its successor has not granted yet: the forwards are armed between
+# slices, and every chunk that lands before is forwarded only then.
+WATCH_SLICE_S = 0.0005
 DROPPED, SUPERSEDED = ControlClient.DROPPED, ControlClient.SUPERSEDED
 # A destination dropped again within READMIT_QUICK_S of joining again (its link is still cut, say) waits
 # READMIT_BACKOFF_S before the next join, doubled per quick drop up to READMIT_MAX_S: each join re-plans
@@ -355,7 +360,7 @@ class Destination(Participant):
             return None
         shadow = 1 - self._complete_buffer if self.mode == "staged" else 0
         held = None
-        if self._delta is not None and self._relay is None:
+        if self._delta is not None:
             # The grant says which version a delta into this shadow may be taken on (-1: none).
             held = self._delta.base(self._version, self._dirty, shadow)
             self._delta.granted(shadow)
@@ -447,18 +452,21 @@ class Destination(Participant):
         deadline = time.monotonic() + self._push_timeout
         complete = False
         reason: str | None = None
-        delta = self._delta is not None and self._relay is None
+        delta = self._delta is not None
         # Delta inboxes ack from here: the changes are scattered after the last immediate, before the flip.
         inplace_trigger = self._relay is None and self.mode == "inplace" and not delta
         acks = self._arm_acks(counter, target) if inplace_trigger else None
         armed = True
-        if self._relay is not None:
-            complete, reason, armed = self._land_relay(target, buffer, deadline)
-        elif delta:
-            try:
+        try:
+            if self._relay is not None:
+                complete, reason, armed = (self._land_relay_delta(target, buffer, counter, deadline) if delta
+                                           else self._land_relay(target, buffer, deadline))
+            elif delta:
                 complete, reason = self._land_delta(target, buffer, counter, deadline)
-            except Exception as exc:  # entries that do not apply (a corrupt payload): part may be in buffer
-                complete, reason = False, f"its delta payload did not apply: {exc}"
+        except Exception as exc:
+            # Entries that do not apply (a corrupt payload), say: part of the version may be in the buffer.
+            # It is abandoned, never left "updating" (the receiving loop would only log the error).
+            complete, reason = False, f"landing it failed: {exc}"
         while self._relay is None and not delta and not self._stop.is_set() and time.monotonic() < deadline:
             try:
                 # Short slices: the native wait returns the moment the last immediate arrives, and between
@@ -514,12 +522,15 @@ class Destination(Participant):
                 self._await_successor(target, deadline)
             self._relay.done(target)  # after the ack: it is on the sources' critical path
 
-    def _count(self, counter: Any, n: int, target: int, deadline: float) -> tuple[bool, str | None]:
+    def _count(self, counter: Any, n: int, target: int, deadline: float,
+               between: Callable[[], bool] | None = None) -> tuple[bool, str | None]:
         """Waits for ``n`` immediates on ``counter`` in short slices (a newer plan or version, a drop or
-        closing end it): (complete, why not)."""
+        closing end it): (complete, why not). ``between()`` runs between slices; while it returns False
+        the slices are short (a relay member watching for its successor's grant)."""
         while not self._stop.is_set() and time.monotonic() < deadline:
+            slice_s = WAIT_SLICE_S if between is None or between() else WATCH_SLICE_S
             try:
-                counter.wait(n, timeout=min(WAIT_SLICE_S, max(deadline - time.monotonic(), 0.001)))
+                counter.wait(n, timeout=min(slice_s, max(deadline - time.monotonic(), 0.001)))
                 return True, None
             except TimeoutError:
                 reason = self._unanswered_during(target) or self._dropped_during()
@@ -545,6 +556,50 @@ class Destination(Participant):
             self._delta.read_entries()
             self._delta.apply(buffer)
         return complete, reason
+
+    def _land_relay_delta(self, target: int, buffer: int, counter: Any, deadline: float
+                          ) -> tuple[bool, str | None, bool]:
+        """A relay chain member with a delta inbox: every source's header and payload come straight from
+        the source (the entries are the same for every member: they hold one layout and, for a delta, one
+        version); the relay chunks the entries say went as planned come through the chain and are
+        forwarded as they land (the triggers armed once the successor grants); the sparse entries are
+        scattered into ``buffer`` once all of that is here. A chunk sent sparse arrives nowhere, so its
+        trigger never fires (the next version's begin cancels it). Returns (complete, why not, armed)."""
+        relay, inbox = self._relay, self._delta
+        assert relay is not None and inbox is not None
+        relay.begin(self.epoch, target, buffer, deadline)
+        armed = relay.successor is None
+
+        def arm_if_granted() -> bool:
+            nonlocal armed
+            if not armed:
+                armed = self._successor_answered(target)
+            return armed
+
+        def superseded() -> str | None:
+            arm_if_granted()
+            return self._unanswered_during(target) or self._dropped_during()
+
+        complete, reason = self._count(self.engine.counter(delta_header_imm(self.epoch, target)),
+                                       len(self._sources), target, deadline, arm_if_granted)
+        if not complete:
+            return False, reason, armed
+        try:
+            total = inbox.read_headers(sorted(self._sources), self.epoch, target)
+        except WeightSyncError as exc:
+            return False, str(exc), armed
+        complete, reason = self._count(counter, total, target, deadline, arm_if_granted)
+        if not complete:
+            return False, reason, armed
+        inbox.read_entries()  # the payloads are in place only now
+        try:
+            planned = inbox.planned_chunks(relay.chunks_at(), len(relay.imm))
+        except WeightSyncError as exc:
+            return False, str(exc), armed
+        complete, reason = relay.wait(deadline, self._stop, superseded, WAIT_SLICE_S, arm_if_granted, planned)
+        if complete:
+            inbox.apply(buffer)
+        return complete, reason, armed
 
     def _after_delta(self, target: int, buffer: int) -> None:
         """After the ack: ``buffer`` holds ``target``; a staged destination brings its other shadow to it
@@ -590,7 +645,10 @@ class Destination(Participant):
         if int(g["version"]) != target or int(g["epoch"]) != self.epoch:
             return False
         if int(g["status"]) == GRANTED:
-            relay.arm(int(g["shadow"]))
+            try:
+                relay.arm(int(g["shadow"]))
+            except TransportError as exc:  # the version still lands here; the successor misses it
+                self.log.error("destination %d: not forwarding version %d: %s", self.rank, target, exc)
         else:
             self.log.warning("destination %d: relay successor %d refused version %d (status %d): not "
                              "forwarding it", self.rank, relay.successor.rank, target, int(g["status"]))

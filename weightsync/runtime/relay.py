@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from weightsync.engine import Region, TransferEngine
@@ -59,6 +59,14 @@ class RelayMember:
         self.counters: list[Any] = []
         self.base: list[int] = []  # per chunk: immediates its counter had consumed when the version began
         self.forwards: list[Any] = []  # triggers armed for ``version`` (or the last one)
+        self._at: dict[tuple[str, int], int] | None = None
+
+    def chunks_at(self) -> dict[tuple[str, int], int]:
+        """Each chunk by where it lands (key, byte offset; chunks never overlap): a delta header's entries
+        name the writes they cover so."""
+        if self._at is None:
+            self._at = {(k, o): c for c, (k, o) in enumerate(zip(self.keys, self.offset, strict=True))}
+        return self._at
 
     def unknown_keys(self) -> list[str]:
         """Keys the chunks name that this destination does not hold (a plan it cannot run)."""
@@ -127,12 +135,16 @@ class RelayMember:
         return all(c.value >= p for c, p in zip(self.counters, self.pieces, strict=True))
 
     def wait(self, deadline: float, stop: threading.Event, superseded: Callable[[], str | None],
-             slice_s: float = 0.02, before: Callable[[], None] | None = None) -> tuple[bool, str | None]:
-        """Every relay chunk of the version begun has landed here (one push's pieces of each, consumed):
-        (True, None); else (False, why; None: the deadline). ``superseded()``: why this version can no
-        longer complete (a newer plan or version was announced: a member before this one failed, or the
-        sources gave up), or None; asked between slices. ``before()`` runs before each chunk's wait."""
-        for counter, pieces in zip(self.counters, self.pieces, strict=True):
+             slice_s: float = 0.02, before: Callable[[], object] | None = None,
+             chunks: Sequence[int] | None = None) -> tuple[bool, str | None]:
+        """Every relay chunk of the version begun (or those of ``chunks``: a delta version's chunks sent as
+        planned) has landed here (one push's pieces of each, consumed): (True, None); else (False, why;
+        None: the deadline). ``superseded()``: why this version can no longer complete (a newer plan or
+        version was announced: a member before this one failed, or the sources gave up), or None; asked
+        between slices. ``before()`` runs before each chunk's wait."""
+        which = range(len(self.counters)) if chunks is None else chunks
+        for c in which:
+            counter, pieces = self.counters[c], self.pieces[c]
             if before is not None:
                 before()
             while True:

@@ -683,10 +683,6 @@ class Source(Participant):
                                   f"reaches no destination: plan epoch {self.epoch} has none (every one was "
                                   "dropped as failed and none has joined again); nothing was written")
 
-        if self._delta.enabled and self._relay:
-            raise WeightSyncError(f"group {self.group!r}: source {self.rank}: delta pushes do not run "
-                                  "through a relay chain yet (create the group with relay=False, or the "
-                                  "source without delta); nothing was written")
         t = time.perf_counter()
         self._snapshot_direct_tails()
         works: dict[int, DeltaWork] = {}
@@ -699,17 +695,33 @@ class Source(Participant):
         imm = data_imm(self.epoch, version)
         relay_bits = relay_version_bits(version)
 
+        chain = [r for r in self._relay if r in self._delta.inboxes]  # relay members with inboxes
+
         def post_rounds(ranks: set[int]) -> None:
             keeps: dict[int, dict[int, np.ndarray] | None] = {}
-            for r in sorted(ranks & set(self._delta.inboxes)):
-                if r not in failed:  # its changes encoded against the version its grant says it holds
-                    base = grants.bases.get(r, -1)
-                    work = works[r] = self._delta.begin(r, base, self._dests[r].batch.bytes)
-                    keeps[r] = work.keep
+            if chain:
+                lead = self._delta.lead
+                assert lead is not None
+                if lead not in works:  # at the gate: one work for the whole chain
+                    # A delta only if every member holds the reference's version (each gets the same
+                    # entries; the writes sent as planned reach all of them through the chain).
+                    held = {grants.bases.get(r, -1) for r in self._relay}
+                    base = held.pop() if len(held) == 1 and len(chain) == len(self._relay) else -1
+                    work = self._delta.begin(lead, base, self._dests[self._relay[0]].batch.bytes)
+                    self._delta.share(work, chain)
+                    works.update(dict.fromkeys(chain, work))
+                keeps[self._relay[0]] = works[lead].keep
+            else:
+                for r in sorted(ranks & set(self._delta.inboxes)):
+                    if r not in failed:  # its changes encoded against the version its grant says it holds
+                        base = grants.bases.get(r, -1)
+                        work = works[r] = self._delta.begin(r, base, self._dests[r].batch.bytes)
+                        keeps[r] = work.keep
             transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, ranks, keeps))
 
         tails: list[tuple[int, Any]] = []
         committed: set[int] = set()
+        sent_headers: set[int] = set()
         changed_error: list[WeightSyncError] = []  # raised once every write posted has completed locally
 
         def commit(ranks: set[int]) -> None:
@@ -743,8 +755,12 @@ class Source(Participant):
             committed.update(ranks)
             tails.extend(self._post_tails(imm, relay_bits, failed, ranks & set(grants.granted)))
             # Delta inboxes: the payload (every staged chunk of theirs is encoded by now), then the header
-            # (the destination cannot count without it).
-            tails.extend(self._post_headers(version, imm, failed, [r for r in ranks if r in works], works))
+            # (the destination cannot count without it). A relay chain's are the head's: they wait for
+            # its commit (the staged chunks are all written into the head).
+            ready = (committed if self._relay[0] in committed else set()) if chain else ranks
+            headed = [r for r in ready if r in works and r not in sent_headers]
+            sent_headers.update(headed)
+            tails.extend(self._post_headers(version, imm, failed, headed, works))
 
         grants = _Grants(self, version, deadline, announces, failed, post_rounds, commit)
         # The staged pipeline prepares its first chunks while the grants travel; its first post opens the
@@ -792,6 +808,9 @@ class Source(Participant):
         delta_sent = [r for r in written if r in works and works[r].delta]
         compared = sum(works[r].words for r in delta_sent)
         wire = sum(works[r].wire_bytes if r in works else self._dests[r].batch.bytes for r in written)
+        if chain and works:  # one work for the chain: its writes as planned go once, the payload to each
+            work = works[chain[0]]
+            wire = work.wire_bytes + work.payload_bytes * (sum(r in works for r in written) - 1)
         stats = PushStats(version=version, bytes=nbytes, seconds=seconds, gbps=nbytes / seconds / 1e9,
                           writes=sum(d.batch.writes for d in self._dests.values()),
                           destinations=sorted(self._dests), failed_destinations=sorted(failed),
