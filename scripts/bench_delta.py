@@ -653,6 +653,7 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
                 _sync(dev)
                 t0 = time.perf_counter()
                 sender.start()
+                sender.compare_all()
                 _sync(dev)
                 t1 = time.perf_counter()
                 got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()}
@@ -707,10 +708,10 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
 def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
                 found: dict[int, tuple[torch.Tensor, torch.Tensor]], dev: torch.device,
                 kernel: bool) -> float:
-    """Seconds of one receiver scatter (``DeltaReceiver._scatter_all``) of ``found`` (per word size the
-    changed positions and values of the sender's space) encoded as one ENC_IDX16 stream per word size
-    (one entry per key) into ``before`` (the previous version's words, one tensor per word size), which
-    must equal the sender's tensors after it."""
+    """Seconds of one receiver scatter (``DeltaReceiver._scatter_all``) of ``found`` (per space of the
+    sender the changed positions and values) encoded as one ENC_IDX16 stream per space (one entry per
+    key; each space as a part of its own, as a push sends its parts) into ``before`` (the previous
+    version's words, one tensor per space), which must equal the sender's tensors after it."""
     from weightsync.runtime.delta import (
         ENC_IDX16,
         ENC_STREAM,
@@ -726,40 +727,41 @@ def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
 
     spaces = sender._spaces
     keys = [k for sp in spaces.values() for k in sp.keys]
-    capacity = len(keys)
-    streams = np.zeros(len(WORDS), STREAM_DTYPE)
-    streams["word"] = WORDS
-    at = data_at(capacity)
     places = {}
-    for j, w in enumerate(WORDS):
-        if w in spaces:
-            n, k = int(spaces[w].starts[-1]), int(found[w][0].numel())
-            size = sparse_sizes(n, k, w)[ENC_IDX16]
-            streams[j] = (w, ENC_IDX16, n, k, at, (0, 0, 0))
-            places[w] = (at, size)
-            at += _align(size)
-    buffers = {key: [before[w][a:b]] for w, sp in spaces.items()
+    at = 0
+    for s, sp in spaces.items():  # per space: its entries, its stream table, its stream
+        n, k = int(sp.starts[-1]), int(found[s][0].numel())
+        start = at
+        at += data_at(len(sp.keys))
+        size = sparse_sizes(n, k, sp.word)[ENC_IDX16]
+        places[s] = (start, at - start, size)
+        at += _align(size)
+    buffers = {key: [before[s][a:b]] for s, sp in spaces.items()
                for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(), strict=True)}
     recv = DeltaReceiver(engine, buffers, "inplace", dev, at, 0)
     try:
         order = {key: i for i, key in enumerate(recv.keys)}
-        entries = np.zeros(capacity, ENTRY_DTYPE)
-        e = 0
-        for w, sp in spaces.items():
-            o, size = places[w]
-            idx, vals = found[w]
-            encode_into(recv.payload[o:o + size], ENC_IDX16, idx, vals, int(sp.starts[-1]))
+        parts = []
+        for s, sp in spaces.items():
+            w = sp.word
+            start, data, size = places[s]
+            idx, vals = found[s]
+            encode_into(recv.payload[start + data:start + data + size], ENC_IDX16, idx, vals,
+                        int(sp.starts[-1]))
+            streams = np.zeros(len(WORDS), STREAM_DTYPE)
+            streams["word"] = WORDS
+            streams[WORDS.index(w)] = (w, ENC_IDX16, int(sp.starts[-1]), int(idx.numel()), data, (0, 0, 0))
             cut = torch.searchsorted(idx, torch.from_numpy(sp.starts).to(dev)).cpu().numpy()
+            entries = np.zeros(len(sp.keys), ENTRY_DTYPE)
             for i, key in enumerate(sp.keys):
                 a, b = int(sp.starts[i]), int(sp.starts[i + 1])
-                entries[e] = (order[key], ENC_STREAM, w, 0, 1, (b - a) * w, (b - a) * w,
+                entries[i] = (order[key], ENC_STREAM, w, 0, 1, (b - a) * w, (b - a) * w,
                               int(cut[i + 1] - cut[i]), a)
-                e += 1
-        recv._entries = [(entries, streams, 0)]
+            parts.append((entries, streams, start))
         recv.use_kernels = kernel
         _sync(dev)
         t0 = time.perf_counter()
-        recv._scatter_all(0)
+        recv._scatter_all(0, parts)
         _sync(dev)
         dt = time.perf_counter() - t0
         for key in keys:

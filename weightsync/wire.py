@@ -14,7 +14,10 @@ tag (bits)     value                                       meaning
 ``0b110``      ``epoch & 0x1F << 24 | version``             a gatherer has used its provider's rows
 ``0b1110``     ``epoch & 0xF << 24 | version & 0xFFFFFF``   a delta header landed in a destination's inbox
 ``0b1111``     ``version & 0xFF << 10 | sender``            a grant of ``version`` landed in ``sender``'s
-                                                           grant slot (:func:`grant_imm`)
+               (below ``0xF0040000``)                       grant slot (:func:`grant_imm`)
+``0b11111``    ``header << 26 | part << 23 | epoch & 0x7    an early part of a delta push (its header, or a
+               << 20 | version & 0xFFFFF``                  piece of its payload) landed
+                                                           (:func:`delta_part_imm`)
 ``0xFFFFFFFF``                                             an announce landed in a destination's mailbox
 ``0xFFFFFFFE``                                             an ack landed in a source's mailbox
 =============  ==========================================  ==================================
@@ -140,6 +143,21 @@ def delta_header_imm(epoch: int, version: int) -> int:
     """A source's delta header of ``version`` landed in a destination's delta inbox
     (weightsync.runtime.delta): top bits 0b1110, never equal to any other kind (0xEFFFFFFF at most)."""
     return 0xE0000000 | ((epoch & 0xF) << 24) | (version & 0xFFFFFF)
+
+
+DELTA_PARTS_MAX = 7  # early parts of a delta push at most (part 7 of a header could equal ANNOUNCE)
+
+
+def delta_part_imm(epoch: int, version: int, part: int, header: bool) -> int:
+    """Early part ``part`` of a delta push of ``version`` (weightsync.runtime.delta): its header landed
+    (``header``) or a piece of its payload did. Top bits 0b11111, so above every grant immediate
+    (0xF003FFFF at most) and, with ``part`` below :data:`DELTA_PARTS_MAX`, below ACK and ANNOUNCE
+    (0xFF7FFFFF at most). The version's low 20 bits and the epoch's low 3: every part of every version
+    counts on counters of its own."""
+    if not 0 <= part < DELTA_PARTS_MAX:
+        raise ValueError(f"delta part {part} out of range [0, {DELTA_PARTS_MAX})")
+    return (0xF8000000 | (int(header) << 26) | (part << 23) | ((epoch & 0x7) << 20)
+            | (version & 0xFFFFF))
 
 
 def imm_counts(nbytes: np.ndarray, rows: np.ndarray, nics: int, stripe_threshold: int,

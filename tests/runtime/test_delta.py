@@ -462,6 +462,69 @@ def test_a_header_that_lands_before_its_payload_waits_for_it(team_factory, monke
         assert all(s.delta_destinations == [0, 1] for s in stats), (case, stats)
 
 
+def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, monkeypatch) -> None:
+    # A push sends its direct writes in parts, each scattered by the destination as soon as it has landed
+    # (weightsync.runtime.delta.PARTS): with every source's final part held back, each destination has
+    # read the early parts' entries already, the inplace one shows their changes in its live tensors,
+    # and none has taken the version yet (the final part completes it).
+    from weightsync.runtime.source import Source
+
+    team = team_factory("delta-parts", ["tp0", "replica"], ["inplace", "staged"])
+    sends = Source._post_headers
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def held_back(self: Source, version: int, imm: int, failed: dict[int, str], ranks: list[int],
+                  works: dict[int, Any]) -> list[tuple[int, Any]]:
+        if ranks:
+            time.sleep(0.5)
+            seen.append(([len(d._delta._entries) for d in team.dsts], [d.version for d in team.dsts]))
+        return sends(self, version, imm, failed, ranks, works)
+
+    team.push()
+    team.check()
+    assert all(len({sp.part for sp in s._delta._spaces.values()}) > 1 for s in team.srcs), \
+        "every tensor in one part: the test misses its point"
+    monkeypatch.setattr(Source, "_post_headers", held_back)
+    old = {k: v.clone() for k, v in team.dtensors[0].items()}
+    team.set(step(team.full, "odd", seed=41))
+    team.push()
+    team.check()
+    assert seen and all(min(entries) > 0 and versions == [0, 0] for entries, versions in seen), seen
+    assert any(not torch.equal(bits(team.dtensors[0][k]), bits(old[k])) for k in old)
+
+
+def test_a_part_header_that_lands_before_its_payload_waits_for_it(team_factory, monkeypatch) -> None:
+    # As for the final part: each early part's header lands, and is seen, before its payload is posted.
+    from weightsync.runtime.source import Source
+
+    def header_first(self: Source, rank: int, version: int, part: int, work: Any,
+                     failed: dict[int, str]) -> list[tuple[int, Any]]:
+        pt = self._delta.encode_part(rank, part)
+        self._delta.header(rank, self.epoch, version, work, part)
+        header = self._post_header(rank, version, part)
+        header.wait(10.0)
+        time.sleep(0.05)
+        out = [(rank, header)]
+        if pt.nbytes:
+            from weightsync.wire import delta_part_imm
+
+            ib = self._delta.inboxes[rank]
+            out.append((rank, self.engine.write(ib.region, pt.at, self._dests[rank].peer, ib.payload,
+                                                ib.offset + pt.at, pt.nbytes,
+                                                imm=delta_part_imm(self.epoch, version, part, header=False))))
+        return out
+
+    monkeypatch.setattr(Source, "_post_part", header_first)
+    team = team_factory("delta-late-part", ["tp1", "replica"], ["staged", "inplace"])
+    team.push()
+    team.check()
+    for v, case in enumerate(["odd", "strided", "one"], start=1):
+        team.set(step(team.full, case, seed=800 + v))
+        stats = team.push()
+        team.check()
+        assert all(s.delta_destinations == [0, 1] for s in stats), (case, stats)
+
+
 def test_small_inbox_sends_what_does_not_fit_as_planned(team_factory) -> None:
     # 2 sources: 8 KiB each, little more than the entries: most changes go as planned writes.
     team = team_factory("delta-small", ["tp0", "replica"], ["inplace", "staged"],
@@ -754,8 +817,8 @@ def test_a_payload_that_does_not_apply_abandons_its_version(team_factory) -> Non
     scatter = receiver._scatter_all
     failures: list[int] = []
 
-    def scatter_then_fail(shadow: int) -> None:
-        scatter(shadow)  # the changes land in the live tensors, then the stream turns out corrupt
+    def scatter_then_fail(shadow: int, parts: Any) -> None:
+        scatter(shadow, parts)  # the changes land in the live tensors, then the stream turns out corrupt
         if not failures:
             failures.append(shadow)
             raise ValueError("delta_scatter_idx16: entry 3 lies outside its run (a test's corrupt stream)")

@@ -118,7 +118,8 @@ def check_cases(device: str, slice_tiles: int = 3, aligned: bool = False,
                     sp.compactor.poison = 0xA5
             version += 1
             got = push_both_ways(sender, version, case)
-            for w, sp in sender._spaces.items():  # vector loads exactly where every key is aligned
+            for sp in sender._spaces.values():  # vector loads exactly where every key is aligned
+                w = sp.word
                 assert sp.compactor.vec == (16 // w if aligned else 1), (w, sp.compactor.vec)
                 assert sp.compactor.backend == backend, (w, sp.compactor.backend)
             lines.append(f"{case}: " + ", ".join(f"w{w} {int(i.numel())}" for w, (i, _) in got.items()))
@@ -211,9 +212,8 @@ def check_scatter(device: str, backend: str = "triton") -> int:
             recv = DeltaReceiver(engine, bufs, "inplace", dev, 256 + size + 64, 0)
             recv.payload.fill_(0xA5)
             encode_into(recv.payload[256:256 + size], ENC_IDX16, local.to(dev), vals.to(dev), n)
-            recv._entries = [(entries, streams, 0)]
             recv.use_kernels = use
-            recv._scatter_all(0)
+            recv._scatter_all(0, [(entries, streams, 0)])
             if use:
                 assert recv.scatter_backend == backend, recv.scatter_backend
             out[use] = {key: b[0].cpu() for key, b in bufs.items()}

@@ -19,6 +19,7 @@ def push_both_ways(sender: Any, version: int, where: Any = None,
     before = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
     sender.use_kernels = True
     sender.start()
+    sender.compare_all()
     if ref_done is not None:
         assert all(sp.ref_done == ref_done for sp in sender._spaces.values()), where
     got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()}
@@ -29,6 +30,7 @@ def push_both_ways(sender: Any, version: int, where: Any = None,
     sender.use_kernels = False
     sender.ref_version = version - 1
     sender.start()
+    sender.compare_all()
     assert not any(sp.ref_done for sp in sender._spaces.values()), where
     for w, sp in sender._spaces.items():
         idx, vals = got[w]

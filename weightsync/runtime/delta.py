@@ -4,22 +4,28 @@ holds cross the wire, encoded; the destination scatters them into place.
 Who decides what
 ----------------
 * A destination that can take deltas registers a *delta inbox* (``Destination(..., delta_bytes=N)``): a
-  host array of header slots (one per source rank, :data:`HEADER_RECORD`) and a payload area of ``N``
+  host array of header slots (per part one per source rank, :data:`HEADER_RECORD`, :func:`header_slot`)
+  and a payload area of ``N``
   bytes on its device, split evenly between the group's sources. It publishes both descriptors under the
   pseudo-key :data:`DELTA_KEY` when it joins. Its grant says which version it can take a delta on (the
   ``held`` field of the grant): inplace, the live version unless an abandoned version left bytes in it;
   staged, the newest complete version if the shadow it grants holds it too (after every version the
   other shadow is brought up to it: same entries, off the sources' critical path), else -1.
-* Every source writes each inbox destination, per version, one *header* (its immediate
-  :func:`weightsync.wire.delta_header_imm`) after all its other writes to it, held back like a push's
-  tail until the source has checked its tensors: how many data immediates it delivers this version and
-  where its *entries* lie in the payload area. The destination waits for one header per source, then
-  for the sum of their data immediates, and only then reads the entries from the payload (the header may
-  land before its payload: nothing orders two writes on the wire), applies the sparse ones, flips the
-  version and acks. An inbox destination always lands this way (dense versions too), so there is no
-  mixed counting.
+* A push goes in :data:`PARTS` early *parts* and a final one. The local tensors are cut, in order, into
+  PARTS runs of about equal bytes; a part holds the direct writes that read its tensors. Every source
+  writes each inbox destination, per version and early part, that part's payload (its entries and
+  encoded changes) and then its header, each with an immediate of the part's own
+  (:func:`weightsync.wire.delta_part_imm`): the destination waits for the part's header from every
+  source, then for the payload immediates they announce, then reads the entries and scatters the sparse
+  ones, while the sources compare and send the next part. Last comes the final part (the staged writes
+  and the tail; its header's immediate :func:`weightsync.wire.delta_header_imm`), held back like a
+  push's tail until the source has checked its tensors: it announces the data immediates of every write
+  sent as planned and of its own payload. The header may land before its payload (nothing orders two
+  writes on the wire), so a payload is read only once its immediates are in. Only after the final part
+  does the destination flip the version and ack. An inbox destination always lands this way (dense
+  versions too, their parts holding entries only), so there is no mixed counting.
 * A source created with ``delta=True`` keeps a copy of what it last pushed (its *reference*, one flat
-  tensor per word size holding its local tensors' words end to end, on their device,
+  tensor per part and word size, a *space*, holding its local tensors' words end to end, on their device,
   ``PushStats.delta_ref_bytes``) and the version it holds. Its push compares every local tensor with the
   reference once (integer views: bitwise, so NaN, -0.0 and denormals count as what they are), and for
   each destination that granted a ``held`` equal to the reference's version sends, per planned direct
@@ -35,14 +41,17 @@ Who decides what
 
 Entries and streams
 -------------------
-A source's payload for one destination starts with one :data:`ENTRY_DTYPE` row per planned write of this
-source into it (key index in the destination's sorted keys, encoding, word size, destination offset,
-rows, bytes per row, destination pitch, changed count, and for a sparse one its base in its stream), a
-table of :data:`STREAM_DTYPE` rows (one per word size), then the streams. A write is sparse
+Each part's payload for one destination starts with one :data:`ENTRY_DTYPE` row per planned write of
+this source in that part (key index in the destination's sorted keys, encoding, word size, destination
+offset, rows, bytes per row, destination pitch, changed count, and for a sparse one its base in its
+stream), a table of :data:`STREAM_DTYPE` rows (one per word size), then the streams; the parts lie one
+after the other in this source's share of the payload area, which has room for every part's tables
+(they are reserved when a push starts; the streams take what is left, in part order). A write is sparse
 (:data:`ENC_STREAM`) when its changes alone would encode smaller than the write; all sparse writes of one
-word size are laid end to end (direct writes in the order of their words in the source's reference, then
-staged ones) and their changed words encoded as one stream. Dense entries carry no data: their bytes
-landed where the plan put them (a staged destination copies them into its other shadow). A stream of
+word size in a part are laid end to end (direct writes in the order of their words in the source's
+reference; in the final part the staged ones) and their changed words encoded as one stream. Dense
+entries carry no data: their bytes landed where the plan put them (a staged destination copies them into
+its other shadow). A stream of
 ``n`` words of which ``k`` changed, ``w`` bytes a word, is encoded as the smaller of:
 
 * :data:`ENC_IDX16`: per 65536-word block an int32 count, then each changed word's index within its
@@ -56,19 +65,19 @@ How it runs
 Everything here is torch ops on the tensors' own device (CPU or GPU), a few large ones per push rather
 than some per tensor or per write, and few host synchronizations (on a GPU each ``nonzero``, ``.cpu()``
 or plain host-to-device copy waits for the device; small tables go up pinned and non-blocking). The
-sender, per word size: per :data:`COMPARE_SLICE` words a change mask (one compare per tensor in it) and
-one ``nonzero`` over it (the changed words' positions in the reference, sorted, into one buffer); one
-``searchsorted`` of every tensor's and every compared direct write's bounds, and one copy of those
-counts to the host for all word sizes at once; one gather of the new values per tensor. Which writes go
-sparse is then decided on the host from the counts. A destination's stream is its writes' changed
-words, which for direct writes adjacent in the reference are one slice of those positions plus a
-constant: per such run of writes one copy of the values and the index section written from that slice
-and constant (idx16: the positions' low 16 bits plus the constant's, one strided int16 add, and the block
+sender, per space (word size and part): per :data:`COMPARE_SLICE` words a change mask (one compare per
+tensor in it) and one ``nonzero`` over it (the changed words' positions in the reference, sorted, into
+one buffer); one ``searchsorted`` of every tensor's and every compared direct write's bounds, and one
+copy of those counts to the host for the part's spaces at once; one gather of the new values per tensor.
+Which writes go sparse is then decided on the host from the counts. A destination's stream is its writes'
+changed words, which for direct writes adjacent in the reference are one slice of those positions plus a
+constant: per such run of writes one copy of the values and the index section written from that slice and
+constant (idx16: the positions' low 16 bits plus the constant's, one strided int16 add, and the block
 counts by ``searchsorted`` of the blocks' ends less the constant; a bitmap: the positions shifted into a
-scratch of :data:`SCRATCH` words, bits ``index_add_``-ed into int32 words from it). After the
-writes the reference takes the changed values with one indexed copy per word size. The receiver decodes
-each stream once (``repeat_interleave`` of the block bases, the low bits copied in) and scatters each
-run of entries of one key and one placement with one indexed copy.
+scratch of :data:`SCRATCH` words, bits ``index_add_``-ed into int32 words from it). After the writes the
+reference takes the changed values with one indexed copy per space. The receiver decodes each stream once
+(``repeat_interleave`` of the block bases, the low bits copied in) and scatters each run of entries of
+one key and one placement with one indexed copy.
 
 On CUDA (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the sender's compare is device kernels instead: the
 changed words' positions and values found reading each tensor and the reference once. First choice, CUDA
@@ -89,11 +98,11 @@ delta_host`, cpp/delta/): the compare in one pass on up to 16 of the process's c
 updated in it, and the receiver's scatter of an ENC_IDX16 stream's contiguous runs.
 
 Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` (or the kernels' count) per
-:data:`COMPARE_SLICE` words of each word size, one copy of the counts, two more when direct writes read
-strided source rows, one wait before the engine reads each destination's payload and one after the
-reference's update; per staged chunk one ``nonzero`` and one copy of counts per inbox destination. The
-receiver's: one copy of the headers' entries, one wait after the scatters, and, for a bitmap stream, one
-``nonzero`` per :data:`BITMAP_SLICE` words.
+:data:`COMPARE_SLICE` words of each space, per part one copy of the counts, two more when direct writes
+read strided source rows, and one wait before the engine reads each destination's part payload; one after
+the reference's update; per staged chunk one ``nonzero`` and one copy of counts per inbox destination.
+The receiver's, per part: one copy of the headers' entries, one wait after the scatters, and, for a
+bitmap stream, one ``nonzero`` per :data:`BITMAP_SLICE` words.
 """
 
 from __future__ import annotations
@@ -109,6 +118,7 @@ from typing import Any
 import numpy as np
 
 from weightsync.errors import WeightSyncError
+from weightsync.wire import DELTA_PARTS_MAX
 
 DELTA_KEY = "\x00weightsync.delta"  # the descriptor entry of a destination's delta inbox
 ENC_DENSE, ENC_EMPTY, ENC_IDX16, ENC_BITMAP, ENC_STREAM = 0, 1, 2, 3, 4
@@ -122,7 +132,15 @@ BITMAP_SLICE = 1 << 28  # words a bitmap is read in at a time (a multiple of 64:
 COMPARE_SLICE = 1 << 29
 SCRATCH = 1 << 25  # stream positions put in a bitmap at a time (int64: 256 MiB at most)
 ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
-MAX_HEADERS = 1024  # header slots of an inbox: source ranks (weightsync.wire.MAX_SLOTS)
+MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsync.wire.MAX_SLOTS)
+# A push's early parts: the local tensors in order, cut into this many runs of about equal bytes. Each
+# part's direct writes are compared, decided, encoded and sent (entries, payload and header of their own)
+# before the next part is compared, and a destination scatters a part as soon as it has landed, so the
+# compare of one part overlaps the transfer and the apply of the ones before. The final part (the header
+# of old) carries the staged writes and the tail and completes the version. At most 7
+# (weightsync.wire.delta_part_imm).
+PARTS = 4
+assert PARTS <= DELTA_PARTS_MAX
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
                           ("nbytes", "<i8"), ("entries", "<i8"), ("changed", "<i8"), ("room", "<i8")])
 ENTRY_DTYPE = np.dtype([("key", "<i4"), ("enc", "<i4"), ("word", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"),
@@ -443,6 +461,7 @@ class _Space:
     word: int
     keys: list[str]
     starts: np.ndarray  # first word of each key, then the total
+    part: int = 0  # the push part its keys are sent in
     ref: Any = None  # the reference: the keys' words as last pushed (one flat tensor)
     query: Any = None  # on the device: the keys' starts and every inbox's compared direct writes' bounds
     # this push: the changed words' positions (sorted int64) and new values, where each key's start in
@@ -474,7 +493,10 @@ class _Inbox:
     flat: dict[int, np.ndarray] = field(default_factory=dict)  # word size -> its compared ones, by start
     fixed: np.ndarray = field(default_factory=lambda: np.zeros(0, ENTRY_DTYPE))  # the tail: as planned
     fixed_imms: int = 0
-    capacity: int = 0  # entries at most per push (direct, staged, tail)
+    part: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per direct write: its part
+    round_len: dict[int, int] = field(default_factory=dict)  # round index -> writes in it
+    capacity: int = 0  # entries at most of the final part (staged, tail)
+    tables: int = 0  # bytes of every part's entry and stream tables (reserved at the push's start)
     relay: bool = False  # a relay chain member: the writes sent as planned reach it through the chain,
     # counted there, so its header announces the payload's immediates only
     send: Any = None  # the payload as sent (entries, then data), on this source's device
@@ -498,31 +520,54 @@ class _Piece:
 
 
 @dataclass
+class _Part:
+    """One early part of a push to one destination as decided: the entries of its direct writes, per
+    space its sparse ones (_FLAT_DTYPE and _HIT_DTYPE rows, by start), which of its writes go as planned
+    (round index -> mask over the round's writes; None: all of every round), and once encoded where its
+    payload lies in the send buffer, its bytes and the immediates its write delivers."""
+
+    rows: np.ndarray
+    direct: dict[int, tuple[np.ndarray, np.ndarray]]
+    keep: dict[int, np.ndarray] | None
+    changed: int = 0
+    at: int = -1
+    nbytes: int = 0
+    imms: int = 0
+
+
+@dataclass
 class DeltaWork:
-    """What one push sends one inbox destination: per round index, which of its direct writes go as
-    planned (None: every write, a dense push), and, once final, the payload (entries and sparse data) and
-    header figures."""
+    """What one push sends one inbox destination: its early parts (:class:`_Part`, decided one by one)
+    and the final part (staged writes and the tail), and once final the header figures."""
 
     rank: int
     delta: bool
-    keep: dict[int, np.ndarray] | None
     dense_bytes: int  # bytes a dense push sends it
-    payload_bytes: int = 0
-    imms: int = 0  # data immediates this source delivers this version (writes as planned, payload)
+    parts: list[_Part] = field(default_factory=list)
+    at: int = 0  # where the next part's payload starts in the send buffer
+    room: int = 0  # bytes left for streams (every part's tables are reserved)
+    payload_bytes: int = 0  # bytes of every part's payload, the final one's included
+    imms: int = 0  # data immediates of the final header (writes as planned, the final payload)
     entries: int = 0
-    wire_bytes: int = 0  # bytes this source sends it this version (sparse data, entries, dense writes)
+    wire_bytes: int = 0  # bytes this source sends it this version (payloads, dense writes)
     changed: int = 0  # changed words in the writes compared
     words: int = 0  # words in the writes compared
-    # being built: entry rows so far (block 0: the direct writes), the sparse direct writes per word size
-    # (their _FLAT_DTYPE and _HIT_DTYPE rows, by start), the sparse staged writes, per word size the words
-    # and changed words of its stream so far, the immediates and bytes of the writes sent as planned
+    # the final part being built: entry rows of the staged writes (blocks), the sparse ones, per word size
+    # the words and changed words of its stream so far; the immediates and bytes of every write as planned
     rows: list[np.ndarray] = field(default_factory=list)
-    direct: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     pieces: list[_Piece] = field(default_factory=list)
     streams: dict[int, list[int]] = field(default_factory=dict)  # word size -> [words, changed words]
     planned_imms: int = 0
     planned_bytes: int = 0
-    final: bool = False  # the payload is encoded (finalize)
+    final_at: int = 0
+    final_bytes: int = 0
+    final: bool = False  # the final payload is encoded (finalize)
+
+
+def header_slot(rank: int, part: int | None = None) -> int:
+    """Where the header of source or destination ``rank`` lies in a header array: the final part's
+    first, then each early part's, MAX_HEADERS slots each."""
+    return (0 if part is None else 1 + part) * MAX_HEADERS + rank
 
 
 def split_payload(total: int, sources: int) -> int:
@@ -530,9 +575,9 @@ def split_payload(total: int, sources: int) -> int:
     return total // max(sources, 1) // ALIGN * ALIGN
 
 
-def _streams_fit(ib: _Inbox, totals: Mapping[int, Sequence[int]]) -> bool:
-    size = data_at(ib.capacity) + sum(_align(stream_size(n, k, w)[1]) for w, (n, k) in totals.items())
-    return size <= ib.share
+def _streams_bytes(totals: Mapping[int, Sequence[int]]) -> int:
+    """Bytes of the streams of ``totals`` (word size -> words, changed words)."""
+    return sum(_align(stream_size(n, k, w)[1]) for w, (n, k) in totals.items())
 
 
 class DeltaSender:
@@ -553,26 +598,38 @@ class DeltaSender:
         self.inboxes: dict[int, _Inbox] = {}
         self.lead: int | None = None  # in a relay chain: the member whose inbox holds the push's work
         self._alias: dict[int, int] = {}  # a relay chain's head -> its lead (the staged writes name the head)
-        self.headers = np.zeros(MAX_HEADERS, HEADER_RECORD)  # header outbox, by destination rank
+        # header outbox: per part (the final one first) a slot per destination rank
+        self.headers = np.zeros(MAX_HEADERS * (1 + PARTS), HEADER_RECORD)
         self.header_region = engine.register(self.headers, name=f"source {rank} delta headers")
         self.words = {k: self._key_word(t) for k, t in locals_.items()}
         self._key_index = {k: i for i, k in enumerate(locals_)}
-        # The reference's layout: per word size its keys end to end (in the order of the local tensors).
+        # Parts: the local tensors in order, cut into PARTS runs of about equal bytes.
+        nbytes = np.array([int(t.nbytes) if isinstance(t, np.ndarray) else
+                           int(t.numel()) * int(t.element_size()) for t in locals_.values()], np.int64)
+        before = np.cumsum(nbytes) - nbytes
+        self._key_part = np.minimum(before * PARTS // max(int(nbytes.sum()), 1), PARTS - 1).astype(np.int64)
+        # The reference's layout: per part and word size a space, its keys end to end (in the order of the
+        # local tensors).
         self._spaces: dict[int, _Space] = {}
         self._start = np.full(len(locals_), -1, np.int64)  # key index -> its first word in its space
-        for w in WORDS:
-            keys = [k for k in locals_ if self.words[k] == w]
-            if not keys:
-                continue
-            sizes = np.array([int(locals_[k].numel()) for k in keys], np.int64)
-            starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-            self._spaces[w] = _Space(w, keys, starts)
-            for k, a in zip(keys, starts[:-1].tolist(), strict=True):
-                self._start[self._key_index[k]] = a
-        self._views = {k: words(locals_[k], w) for w, sp in self._spaces.items() for k in sp.keys}
+        self._space_of = np.full(len(locals_), -1, np.int64)  # key index -> its space
+        for part in range(PARTS):
+            for w in WORDS:
+                keys = [k for k in locals_
+                        if self.words[k] == w and self._key_part[self._key_index[k]] == part]
+                if not keys:
+                    continue
+                sizes = np.array([int(locals_[k].numel()) for k in keys], np.int64)
+                starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+                s = len(self._spaces)
+                self._spaces[s] = _Space(w, keys, starts, part)
+                for k, a in zip(keys, starts[:-1].tolist(), strict=True):
+                    self._start[self._key_index[k]] = a
+                    self._space_of[self._key_index[k]] = s
+        self._views = {k: words(locals_[k], sp.word) for sp in self._spaces.values() for k in sp.keys}
         self._referenced = False  # whether the reference holds a push's values (from the first push on)
-        self._compared = False  # whether this push compared the tensors with it
-        self._hits: dict[int, dict[int, np.ndarray]] = {}  # this push: rank -> word size -> _HIT_DTYPE rows
+        self._compared: set[int] = set()  # the parts this push compared with it
+        self._hits: dict[int, dict[int, np.ndarray]] = {}  # this push: rank -> space -> _HIT_DTYPE rows
         self._chunk_changed: dict[int, tuple[Any, Any] | None] = {}  # chunk -> (changed word indices,
         # values), None: not compared
         self._works: dict[int, DeltaWork] = {}
@@ -675,6 +732,7 @@ class DeltaSender:
                 lead = self.inboxes[self.lead]
                 ib.fixed, ib.fixed_imms, ib.direct, ib.capacity = lead.fixed, lead.fixed_imms, lead.direct, \
                     lead.capacity
+                ib.part, ib.round_len, ib.tables = lead.part, lead.round_len, lead.tables
                 ib.send, ib.region = lead.send, lead.region  # the lead's work: nothing compared for this one
                 self.inboxes[rank] = ib
                 continue
@@ -690,6 +748,7 @@ class DeltaSender:
                 if r.rank != into:
                     continue
                 nrows, spitch, dpitch = r.geometry
+                ib.round_len[ri] = len(r.nbytes)
                 for i in range(len(r.nbytes)):
                     key = src_keys[int(r.src_index[i])]
                     nr = int(nrows[i]) if nrows is not None else 1
@@ -705,9 +764,12 @@ class DeltaSender:
                                   self.engine.imm_count(rb, True, nr)))
             ib.direct = np.array(rows_, _DIRECT_DTYPE) if rows_ else np.zeros(0, _DIRECT_DTYPE)
             ib.flat = self._flat(ib.direct)
+            ib.part = self._key_part[ib.direct["key"]]
             slot = dests[into].target.slot
-            ib.capacity = len(ib.direct) + int((staged["dst_rank"] == slot).sum()) + len(ib.fixed)
-            need = data_at(ib.capacity)  # the entries and the stream table
+            ib.capacity = int((staged["dst_rank"] == slot).sum()) + len(ib.fixed)
+            # the entry and stream tables: every early part's, then the final one's
+            need = ib.tables = sum(data_at(int((ib.part == p).sum())) for p in range(PARTS)) + \
+                data_at(ib.capacity)
             if need > share:
                 raise WeightSyncError(
                     f"source {self.rank}: destination {rank}'s delta inbox gives each of {sources} sources "
@@ -718,10 +780,12 @@ class DeltaSender:
             self.inboxes[rank] = ib
 
     def _flat(self, d: np.ndarray) -> dict[int, np.ndarray]:
-        """Per word size, the compared direct writes of ``d`` where they lie in the reference, by start."""
+        """Per space, the compared direct writes of ``d`` where they lie in its reference, by start."""
         out: dict[int, np.ndarray] = {}
-        for w in self._spaces:
-            rows = np.flatnonzero(d["word"] == w)
+        space = np.where(d["word"] > 0, self._space_of[d["key"]], -1)
+        for s, sp in self._spaces.items():
+            w = sp.word
+            rows = np.flatnonzero(space == s)
             if not len(rows):
                 continue
             e = d[rows]
@@ -734,19 +798,18 @@ class DeltaSender:
             f["n"] = e["rows"] * e["row_bytes"] // w
             f["row_words"] = e["row_bytes"] // w
             f["pitch_words"] = e["src_pitch"] // w
-            out[w] = f[np.argsort(f["start"], kind="stable")]
+            out[s] = f[np.argsort(f["start"], kind="stable")]
         return out
 
     # -- one push ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """At the push's start: compares every local tensor with the reference (the changed words'
-        positions and values are kept for this push, and where they fall in every inbox's direct
-        writes), or takes the first reference."""
+        """At the push's start: compares the first part's tensors with the reference (the others are
+        compared as their part is decided, :meth:`decide`), or takes the first reference."""
         import torch
 
         t0 = time.perf_counter()
         self._chunk_changed, self._works, self._hits = {}, {}, {}
-        self._compared = False
+        self._compared = set()
         self.base = self.ref_version
         self.ref_version = -1  # until this push has succeeded (its values replace the reference's)
         self.encode_seconds = 0.0
@@ -754,28 +817,37 @@ class DeltaSender:
         if not self.enabled:
             return
         if not self._referenced:
-            for w, sp in self._spaces.items():
-                sp.ref = torch.empty(int(sp.starts[-1]), dtype=word_dtype(w), device=self.device)
+            for sp in self._spaces.values():
+                sp.ref = torch.empty(int(sp.starts[-1]), dtype=word_dtype(sp.word), device=self.device)
             self._referenced = True
             self.base = -1
-        if self.base >= 0:
-            self._compare()
-        else:  # the reference is not of a version anyone holds: it becomes this push's values
+        if self.base < 0:  # the reference is not of a version anyone holds: it becomes this push's values
             for sp in self._spaces.values():
                 for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(), strict=True):
                     sp.ref[a:b].copy_(self._views[key])
-        self.encode_seconds = time.perf_counter() - t0
-        self.phases["compare"] = self.encode_seconds
+            self._spent("compare", t0)
+        else:
+            self.compare(0)
 
-    def _compare(self) -> None:
-        """Every space compared with its reference: the changed positions (one nonzero per slice of
-        COMPARE_SLICE words), then where each key's and each inbox write's changes start among them (one
-        searchsorted per space, one copy to the host for all), the new values (one gather per key) and
-        the strided writes' own changes."""
+    def compare_all(self) -> None:
+        """Every part compared (the reference must take all of this push's changes, whether or not a
+        destination asked for them): before the push checks that its tensors did not change."""
+        for part in range(PARTS):
+            self.compare(part)
+
+    def compare(self, part: int) -> None:
+        """The spaces of ``part`` compared with their reference (once a push): the changed positions (one
+        nonzero per slice of COMPARE_SLICE words, or the kernels), then where each key's and each inbox
+        write's changes start among them (one searchsorted per space, one copy to the host for all), the
+        new values (one gather per key) and the strided writes' own changes."""
         import torch
 
+        if not self.enabled or self.base < 0 or part in self._compared:
+            return
+        t0 = time.perf_counter()
+        spaces = {s: sp for s, sp in self._spaces.items() if sp.part == part}
         cuts = []
-        for sp in self._spaces.values():
+        for s, sp in spaces.items():
             sp.vals, sp.ref_done = None, False
             found = self._changed_words_kernels(sp) if self.use_kernels else None
             if found is not None:
@@ -783,11 +855,12 @@ class DeltaSender:
             else:
                 sp.idx = self._changed_words(sp)
             if sp.query is None:
-                sp.query = _to_device(self._query(sp), self.device)
+                sp.query = _to_device(self._query(s, sp), self.device)
             cuts.append(torch.searchsorted(sp.idx, sp.query))
         host = torch.cat(cuts).cpu().numpy() if cuts else np.zeros(0, np.int64)
         at = 0
-        for w, sp in self._spaces.items():
+        for s, sp in spaces.items():
+            w = sp.word
             q = host[at:at + int(sp.query.numel())]
             at += int(sp.query.numel())
             nk = len(sp.keys)
@@ -802,7 +875,7 @@ class DeltaSender:
             pos = nk + 1
             strided: list[tuple[int, np.ndarray]] = []
             for rank, ib in self.inboxes.items():
-                f = ib.flat.get(w)
+                f = ib.flat.get(s)
                 if f is None:
                     continue
                 b = q[pos:pos + 2 * len(f)]
@@ -810,11 +883,12 @@ class DeltaSender:
                 hits = np.zeros(len(f), _HIT_DTYPE)
                 hits["lo"], hits["hi"] = b[0::2], b[1::2]
                 hits["k"] = hits["hi"] - hits["lo"]
-                self._hits.setdefault(rank, {})[w] = hits
+                self._hits.setdefault(rank, {})[s] = hits
                 if f["strided"].any():
                     strided.append((rank, np.flatnonzero(f["strided"])))
-            self._select_strided(sp, strided)
-        self._compared = True
+            self._select_strided(s, sp, strided)
+        self._compared.add(part)
+        self._spent("compare", t0)
 
     def _changed_words_kernels(self, sp: _Space) -> tuple[Any, Any] | None:
         """:meth:`_changed_words` and the values' gathers as kernels: on a GPU those of
@@ -880,18 +954,18 @@ class DeltaSender:
         sp.hint = k + k // 8
         return out[:k]
 
-    def _query(self, sp: _Space) -> np.ndarray:
+    def _query(self, space: int, sp: _Space) -> np.ndarray:
         """The positions whose place among the changed ones a push looks up: the keys' starts and the
         total, then per inbox (in order) each compared direct write's first word and the word after its
         last."""
         parts = [sp.starts]
         for ib in self.inboxes.values():
-            f = ib.flat.get(sp.word)
+            f = ib.flat.get(space)
             if f is not None:
                 parts.append(np.stack([f["start"], f["start"] + f["span"]], 1).reshape(-1))
         return np.concatenate(parts).astype(np.int64)
 
-    def _select_strided(self, sp: _Space, strided: list[tuple[int, np.ndarray]]) -> None:
+    def _select_strided(self, s: int, sp: _Space, strided: list[tuple[int, np.ndarray]]) -> None:
         """The changes of the strided direct writes (source rows with words between them that are not
         theirs) among the changed words in their span, as indices into their own words, for all inboxes
         at once: two host synchronizations when any such write has changes in its span."""
@@ -902,7 +976,7 @@ class DeltaSender:
             return
         tables = []
         for rank, rows in strided:
-            f, h = self.inboxes[rank].flat[sp.word][rows], self._hits[rank][sp.word][rows]
+            f, h = self.inboxes[rank].flat[s][rows], self._hits[rank][s][rows]
             tables.append(np.stack([h["lo"], h["hi"] - h["lo"], f["start"], f["row_words"],
                                     f["pitch_words"]]))
         t = np.concatenate(tables, 1)
@@ -927,7 +1001,7 @@ class DeltaSender:
             first = np.zeros(len(seg), np.int64)
         i = 0
         for rank, rows in strided:
-            h = self._hits[rank][sp.word]
+            h = self._hits[rank][s]
             h["at"][rows] = first[i:i + len(rows)]
             h["k"][rows] = first[i + 1:i + len(rows) + 1] - first[i:i + len(rows)]
             i += len(rows)
@@ -955,26 +1029,51 @@ class DeltaSender:
         self._spent("chunk", t0)
 
     def begin(self, rank: int, base: int, dense_bytes: int) -> DeltaWork:
-        """Decides, from the counts the comparison found, which of this push's direct writes into inbox
-        destination ``rank`` (which can take a delta on version ``base``; -1: none) go sparse and which
-        as planned; staged writes follow (``staged``), the payload is encoded at ``finalize``. No device
-        work."""
-        t0 = time.perf_counter()
+        """The work of a push to inbox destination ``rank``, which can take a delta on version ``base``
+        (-1: none): a delta if the reference holds that version. Its parts are decided one by one
+        (:meth:`decide`), the staged writes follow (:meth:`staged`), the final payload is encoded at
+        :meth:`finalize`. No device work."""
         ib = self.inboxes[rank]
-        d = ib.direct
-        delta = self.enabled and base >= 0 and base == self.base and self._compared
-        work = DeltaWork(rank, delta, None, dense_bytes)
-        enc = np.full(len(d), ENC_DENSE, np.int32)
-        counts = np.zeros(len(d), np.int64)
-        if delta:
+        delta = self.enabled and base >= 0 and base == self.base
+        work = DeltaWork(rank, delta, dense_bytes)
+        work.room = ib.share - ib.tables
+        self._works[rank] = work
+        return work
+
+    def decide(self, rank: int, part: int) -> dict[int, np.ndarray] | None:
+        """Part ``part`` of the push to ``rank`` (compared first if it was not): which of its direct writes
+        go sparse (their changes smaller than the write, and within the room left in this source's share
+        of the inbox) and which as planned. Returns the latter, round index -> mask over the round's
+        writes ({}: none; None: every write of every round, a dense push's first part). Once a push."""
+        work = self._works[rank]
+        if len(work.parts) > part:
+            return work.parts[part].keep
+        assert len(work.parts) == part, "parts are decided in order"
+        t0 = time.perf_counter()
+        if work.delta:
+            self.compare(part)
+        ib = self.inboxes[rank]
+        sel = np.flatnonzero(ib.part == part)  # its direct writes (rows of ib.direct)
+        d = ib.direct[sel]
+        enc = np.full(len(sel), ENC_DENSE, np.int32)
+        counts = np.zeros(len(sel), np.int64)
+        mine = {s: f for s, f in ib.flat.items() if self._spaces[s].part == part}
+        direct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        changed = 0
+        if work.delta:
             hits = self._hits.get(rank, {})
-            for w, f in ib.flat.items():
-                k = hits[w]["k"]
-                enc[f["row"]] = _choose_many(f["n"], k, w)
-                counts[f["row"]] = k
-                work.changed += int(k.sum())
+            for s, f in mine.items():
+                k = hits[s]["k"]
+                at = np.searchsorted(sel, f["row"])
+                enc[at] = _choose_many(f["n"], k, self._spaces[s].word)
+                counts[at] = k
+                changed += int(k.sum())
                 work.words += int(f["n"].sum())
-            self._fit(ib, work, enc)
+            self._fit(work, mine, sel, enc)
+            for s, f in mine.items():
+                sparse = enc[np.searchsorted(sel, f["row"])] == ENC_STREAM
+                direct[s] = (f[sparse], hits[s][sparse])
+        work.changed += changed
         rows = np.zeros(len(d), ENTRY_DTYPE)
         rows["key"] = d["dkey"]
         rows["enc"] = enc
@@ -984,51 +1083,58 @@ class DeltaSender:
         rows["row_bytes"] = d["row_bytes"]
         rows["pitch"] = d["dst_pitch"]
         rows["count"] = np.where(enc == ENC_DENSE, 0, counts)
-        work.rows.append(rows)
         dense = enc == ENC_DENSE
         work.planned_imms += int(d["imms"][dense].sum())
         work.planned_bytes += int((d["rows"] * d["row_bytes"])[dense].sum())
-        if delta:
-            for w, f in ib.flat.items():
-                sparse = enc[f["row"]] == ENC_STREAM
-                work.direct[w] = (f[sparse], self._hits[rank][w][sparse])
-            work.keep = {}
-            for ri in np.unique(d["round"]).tolist():
-                m = d["round"] == ri
-                mask = np.zeros(int(d["pos"][m].max()) + 1, bool)
-                mask[d["pos"][m]] = dense[m]
-                work.keep[int(ri)] = mask
-        self._works[rank] = work
+        keep: dict[int, np.ndarray] | None
+        if not work.delta:  # every write as planned, all posted with the first part
+            keep = None if part == 0 else {}
+        else:
+            keep = {}
+            for ri in np.unique(d["round"][dense]).tolist():
+                m = dense & (d["round"] == ri)
+                mask = np.zeros(ib.round_len[int(ri)], bool)
+                mask[d["pos"][m]] = True
+                keep[int(ri)] = mask
+        work.parts.append(_Part(rows, direct, keep, changed))
         self._spent("begin", t0)
-        return work
+        return keep
 
-    def _fit(self, ib: _Inbox, work: DeltaWork, enc: np.ndarray) -> None:
-        """The streams' totals of the sparse direct writes (``enc``), within this source's share of the
-        inbox: where all of them do not fit, writes go as planned instead from the first that does not."""
-        totals: dict[int, list[int]] = {}
-        hits = self._hits.get(ib.rank, {})
-        for w, f in ib.flat.items():
-            sparse = enc[f["row"]] == ENC_STREAM
-            if sparse.any():
-                totals[w] = [int(f["n"][sparse].sum()), int(hits[w]["k"][sparse].sum())]
-        if not _streams_fit(ib, totals):
-            totals = {}
-            for w, f in ib.flat.items():
-                for i in np.flatnonzero(enc[f["row"]] == ENC_STREAM).tolist():
-                    t = {x: list(v) for x, v in totals.items()}
-                    nk = t.setdefault(w, [0, 0])
-                    nk[0] += int(f["n"][i])
-                    nk[1] += int(hits[w]["k"][i])
-                    if _streams_fit(ib, t):
-                        totals = t
+    def _fit(self, work: DeltaWork, mine: Mapping[int, np.ndarray], sel: np.ndarray, enc: np.ndarray) -> None:
+        """The streams of a part's sparse direct writes (``enc``), within the room left in this source's
+        share of the inbox: where all of them do not fit, writes go as planned instead from the first that
+        does not. Takes their room."""
+        hits = self._hits.get(work.rank, {})
+
+        def totals_of(pick: Mapping[int, np.ndarray]) -> dict[int, list[int]]:
+            out: dict[int, list[int]] = {}
+            for s, m in pick.items():
+                if m.any():
+                    t = out.setdefault(self._spaces[s].word, [0, 0])
+                    t[0] += int(mine[s]["n"][m].sum())
+                    t[1] += int(hits[s]["k"][m].sum())
+            return out
+
+        sparse = {s: enc[np.searchsorted(sel, f["row"])] == ENC_STREAM for s, f in mine.items()}
+        size = _streams_bytes(totals_of(sparse))
+        if size > work.room:
+            kept: dict[int, np.ndarray] = {s: np.zeros(len(m), bool) for s, m in sparse.items()}
+            size = 0
+            for s, m in sparse.items():
+                for i in np.flatnonzero(m).tolist():
+                    kept[s][i] = True
+                    trial = _streams_bytes(totals_of(kept))
+                    if trial <= work.room:
+                        size = trial
                     else:
-                        enc[f["row"][i]] = ENC_DENSE
-        work.streams = totals
+                        kept[s][i] = False
+                        enc[np.searchsorted(sel, mine[s]["row"][i])] = ENC_DENSE
+        work.room -= size
 
-    def _take(self, ib: _Inbox, work: DeltaWork, piece: _Piece) -> int:
-        """Whether a staged write's changes travel in its word size's stream (ENC_STREAM; ENC_EMPTY:
-        none changed) or the write goes as planned (ENC_DENSE: its changes would not be smaller, or the
-        streams would no longer fit this source's share of the inbox)."""
+    def _take(self, work: DeltaWork, piece: _Piece) -> int:
+        """Whether a staged write's changes travel in its word size's stream of the final part
+        (ENC_STREAM; ENC_EMPTY: none changed) or the write goes as planned (ENC_DENSE: its changes would
+        not be smaller, or the streams would no longer fit the room left in this source's share)."""
         n, k, w = piece.n, piece.k, piece.word
         work.changed += k
         work.words += n
@@ -1039,7 +1145,7 @@ class DeltaSender:
         t = totals.setdefault(w, [0, 0])
         t[0] += n
         t[1] += k
-        if not _streams_fit(ib, totals):
+        if _streams_bytes(totals) > work.room:
             return ENC_DENSE
         work.streams = totals
         work.pieces.append(piece)
@@ -1076,7 +1182,7 @@ class DeltaSender:
                 lo, hi = cut[2 * i], cut[2 * i + 1]
                 piece = _Piece(len(work.rows), i, cw, int(keys[i]), idx[lo:hi], vals[lo:hi],
                                -(int(so[i]) // cw), hi - lo, int(nb[i]) // cw)
-                enc[i], counts[i], word[i] = self._take(ib, work, piece), hi - lo, cw
+                enc[i], counts[i], word[i] = self._take(work, piece), hi - lo, cw
         rows = np.zeros(n_w, ENTRY_DTYPE)
         rows["key"] = keys
         rows["enc"] = enc
@@ -1093,64 +1199,109 @@ class DeltaSender:
         self._spent("staged", t0)
         return keep
 
+    def encode_part(self, rank: int, part: int) -> _Part:
+        """Early part ``part`` of the push to ``rank`` (decided) encoded into the send buffer after the
+        parts before it; once a push (a relay chain's members share it)."""
+        import torch
+
+        work = self._works[rank]
+        pt = work.parts[part]
+        if pt.at >= 0:
+            return pt
+        t0 = time.perf_counter()
+        ib = self.inboxes[rank]
+        sel = np.flatnonzero(ib.part == part)
+        direct = {self._spaces[s].word: (s, f, h, np.searchsorted(sel, f["row"]))
+                  for s, (f, h) in pt.direct.items() if len(f)}
+        pt.at = work.at
+        pt.nbytes, _ = self._encode(ib, pt.at, len(pt.rows), [pt.rows], direct, [], np.zeros(0, ENTRY_DTYPE))
+        pt.imms = self.engine.imm_count(pt.nbytes) if pt.nbytes else 0
+        work.at += _align(pt.nbytes)
+        work.payload_bytes += pt.nbytes
+        if self.device.type == "cuda" and pt.nbytes:
+            torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
+        self._spent("finalize", t0)
+        return pt
+
     def finalize(self, rank: int) -> DeltaWork:
-        """The payload of ``rank`` complete: per word size its stream (the sparse direct writes in the
-        order of their words in the reference, then the staged ones) encoded into the send buffer, the
-        entries (the tail's last) and the stream table at its head; returns the work with its final
-        figures."""
+        """The final part of ``rank``'s push (every early part is decided and encoded by now): the staged
+        writes' streams, the entries (the tail's last) and the stream table, after the early parts;
+        returns the work with its final figures."""
         import torch
 
         work = self._works[rank]
         if work.final:
             return work  # a relay chain member: the lead's payload, encoded once
+        for part in range(PARTS):  # parts no destination asked for (a push that posted none)
+            self.decide(rank, part)
+            self.encode_part(rank, part)
         t0 = time.perf_counter()
         ib = self.inboxes[rank]
+        work.final_at = work.at
+        work.final_bytes, n = self._encode(ib, work.final_at, ib.capacity, work.rows, {}, work.pieces,
+                                           ib.fixed)
+        work.entries = n
+        work.payload_bytes += work.final_bytes
+        work.imms = (self.engine.imm_count(work.final_bytes) if work.final_bytes else 0) + \
+            (0 if ib.relay else work.planned_imms + ib.fixed_imms)
+        tail = int(ib.fixed["rows"] @ ib.fixed["row_bytes"])
+        work.wire_bytes = work.payload_bytes + work.planned_bytes + tail
+        work.final = True
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
+        self._spent("finalize", t0)
+        return work
+
+    def _encode(self, ib: _Inbox, at0: int, cap: int, blocks: list[np.ndarray],
+                direct: Mapping[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]], pieces: list[_Piece],
+                tail: np.ndarray) -> tuple[int, int]:
+        """One part's payload written at byte ``at0`` of the send buffer, with room for ``cap`` entries:
+        per word size its stream (the sparse direct writes of ``direct``: space, _FLAT_DTYPE and _HIT_DTYPE
+        rows by start, their entries' rows in ``blocks[0]``; then the sparse staged ``pieces``), the
+        stream table and the entries (``blocks`` then ``tail``). Returns (bytes, entries); (0, 0) for a
+        part without entries (nothing is written or sent)."""
+        entries = np.concatenate([*blocks, tail]) if blocks or len(tail) else np.zeros(0, ENTRY_DTYPE)
+        if len(entries) > cap:
+            raise WeightSyncError(f"internal: {len(entries)} delta entries for destination {ib.rank}, room "
+                                  f"for {cap}")
+        if not len(entries):
+            return 0, 0
         streams = np.zeros(len(WORDS), STREAM_DTYPE)
         streams["word"] = WORDS
-        at = data_at(ib.capacity)
+        at = data_at(cap)  # from the part's start
         for j, w in enumerate(WORDS):
-            f, h = work.direct.get(w, (np.zeros(0, _FLAT_DTYPE), np.zeros(0, _HIT_DTYPE)))
-            pieces = [p for p in work.pieces if p.word == w]
-            if not len(f) and not pieces:
+            s, f, h, pos = direct.get(w, (-1, np.zeros(0, _FLAT_DTYPE), np.zeros(0, _HIT_DTYPE),
+                                          np.zeros(0, np.int64)))
+            mine = [p for p in pieces if p.word == w]
+            if not len(f) and not mine:
                 continue
-            ns = np.concatenate([f["n"], np.array([p.n for p in pieces], np.int64)])
-            ks = np.concatenate([h["k"], np.array([p.k for p in pieces], np.int64)])
+            ns = np.concatenate([f["n"], np.array([p.n for p in mine], np.int64)])
+            ks = np.concatenate([h["k"], np.array([p.k for p in mine], np.int64)])
             bases = np.cumsum(ns) - ns
             n, k = int(ns.sum()), int(ks.sum())
-            work.rows[0]["data"][f["row"]] = bases[:len(f)]
-            for p, b in zip(pieces, bases[len(f):].tolist(), strict=True):
-                work.rows[p.block][p.row]["data"] = b
+            entries["data"][pos] = bases[:len(f)]
+            for p, b in zip(mine, bases[len(f):].tolist(), strict=True):
+                entries["data"][sum(len(x) for x in blocks[:p.block]) + p.row] = b
             enc, size = stream_size(n, k, w)
-            out = ib.send[at:at + size]
+            out = ib.send[at0 + at:at0 + at + size]
             o = _values_at(enc, n, k)
             values = out[o:o + w * k].view(word_dtype(w))
             index = _IndexWriter(out, enc, n, k, self.device)  # the changed words' positions in the stream
             o = 0
             if len(f):
-                o = self._direct_changes(self._spaces[w], f, h, bases[:len(f)], index, values)
-            for p, b in zip(pieces, bases[len(f):].tolist(), strict=True):
+                o = self._direct_changes(self._spaces[s], f, h, bases[:len(f)], index, values)
+            for p, b in zip(mine, bases[len(f):].tolist(), strict=True):
                 index.add(p.idx, p.shift + b, (b, b + p.n))
                 values[o:o + p.k].copy_(p.vals)
                 o += p.k
             index.close()
             streams[j] = (w, enc, n, k, at, (0, 0, 0))
             at += _align(size)
-        s0 = streams_at(ib.capacity)
+        s0 = at0 + streams_at(cap)
         ib.send[s0:s0 + streams.nbytes].copy_(_to_device(streams.view(np.uint8), self.device))
-        entries = np.concatenate([*work.rows, ib.fixed])
-        if len(entries) > ib.capacity:
-            raise WeightSyncError(f"internal: {len(entries)} delta entries for destination {rank}, room for "
-                                  f"{ib.capacity}")
-        ib.send[: len(entries) * ENTRY_DTYPE.itemsize].copy_(_to_device(entries.view(np.uint8), self.device))
-        work.entries = len(entries)
-        work.payload_bytes = at
-        work.imms = self.engine.imm_count(at) + (0 if ib.relay else work.planned_imms + ib.fixed_imms)
-        work.wire_bytes = at + work.planned_bytes + int(ib.fixed["rows"] @ ib.fixed["row_bytes"])
-        work.final = True
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
-        self._spent("finalize", t0)
-        return work
+        ib.send[at0:at0 + len(entries) * ENTRY_DTYPE.itemsize].copy_(
+            _to_device(entries.view(np.uint8), self.device))
+        return at, len(entries)
 
     @staticmethod
     def _direct_changes(sp: _Space, f: np.ndarray, h: np.ndarray, bases: np.ndarray, index: _IndexWriter,
@@ -1203,29 +1354,41 @@ class DeltaSender:
         for r in ranks:
             self._works[r] = work
 
-    def header(self, rank: int, epoch: int, version: int, work: DeltaWork) -> None:
+    def header(self, rank: int, epoch: int, version: int, work: DeltaWork, part: int | None = None) -> int:
+        """Fills the header record of ``rank``'s final part (``part`` None) or of early part ``part`` in
+        the outbox; returns its slot (the same slot of the destination's header array, less this
+        source's rank plus ``rank``: :func:`header_slot`)."""
         ib = self.inboxes[rank]
-        self.headers[rank] = (epoch, version, work.imms, ib.offset, work.payload_bytes, work.entries,
-                              work.changed, ib.capacity)
+        slot = header_slot(rank, part)
+        if part is None:
+            self.headers[slot] = (epoch, version, work.imms, ib.offset + work.final_at, work.final_bytes,
+                                  work.entries, work.changed, ib.capacity)
+        else:
+            pt = work.parts[part]
+            self.headers[slot] = (epoch, version, pt.imms, ib.offset + pt.at, pt.nbytes, len(pt.rows),
+                                  pt.changed, len(pt.rows))
+        return slot
 
     def finish(self, version: int, ok: bool) -> None:
         """After the push: the changed values become the reference (one indexed copy per word size);
         usable from the next push on if this one succeeded."""
         t0 = time.perf_counter()
         for sp in self._spaces.values():
-            if self._compared and sp.idx is not None and not sp.ref_done:
+            if sp.idx is not None and not sp.ref_done:
                 sp.ref[sp.idx] = sp.vals
             sp.idx = sp.vals = sp.strided_local = sp.strided_vals = None
             sp.ref_done = False
         for c, changed in self._chunk_changed.items():
             if changed is not None:
                 words(self.chunk_refs[c], int(self.chunk_words[c]))[changed[0]] = changed[1]
-        self._chunk_changed, self._hits, self._compared = {}, {}, False
+        # A part left uncompared would leave its spaces' reference behind: the next push is then dense.
+        whole = self.base < 0 or len(self._compared) == PARTS
+        self._chunk_changed, self._hits, self._compared = {}, {}, set()
         if self.device.type == "cuda":
             import torch
 
             torch.cuda.current_stream(self.device).synchronize()
-        self.ref_version = version if ok and self.enabled and self._referenced else -1
+        self.ref_version = version if ok and whole and self.enabled and self._referenced else -1
         self.phases["finish"] = time.perf_counter() - t0
         self.encode_seconds += self.phases["finish"]
 
@@ -1243,7 +1406,7 @@ class DeltaReceiver:
         self.mode = mode
         self.device = device
         self.keys = sorted(buffers)
-        self.headers = np.full(MAX_HEADERS, -1, HEADER_RECORD)
+        self.headers = np.full(MAX_HEADERS * (1 + PARTS), -1, HEADER_RECORD)  # header_slot(source, part)
         self.header_region = engine.register(self.headers, name=f"destination {rank} delta headers")
         self.payload = torch.zeros(max(int(nbytes), ALIGN), dtype=torch.uint8, device=device)
         self.payload_region = engine.register(self.payload, name=f"destination {rank} delta payload")
@@ -1252,8 +1415,10 @@ class DeltaReceiver:
         # ENC_IDX16 streams' contiguous runs scattered by a device kernel (CUDA C++ or Triton)
         self.use_kernels = _kernels_wanted(device)
         self.scatter_backend = ""  # the kernels of the last scatter by kernel
-        # this version's entries, streams and payload offset, per source
+        # this version's entries, streams and payload offset, per part read and source; those not yet
+        # scattered
         self._entries: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray, int]] = []
         # this version's headers as read (payload offset, entries, room, head bytes), per source, until the
         # payload has landed and read_entries takes the entries from it; the sources' ranks, in that order
         self._heads: list[tuple[int, int, int, int]] = []
@@ -1273,45 +1438,53 @@ class DeltaReceiver:
     def granted(self, shadow: int) -> None:
         self.holds[shadow] = -1  # bytes of the new version may land in it from now on
         self._entries = []
+        self._pending = []
         self._heads = []
+        self._sources = []
+        self.apply_seconds = 0.0
 
-    def read_headers(self, sources: Sequence[int], epoch: int, version: int) -> int:
-        """The data immediates the version's headers announce (every header has arrived). Only the header
-        records are read: the entries and streams lie in the payload, which may land after its header
-        (nothing orders two writes on the wire); :meth:`read_entries` takes them once the announced
-        immediates, the payload's among them, have all arrived."""
+    def read_headers(self, sources: Sequence[int], epoch: int, version: int, part: int | None = None) -> int:
+        """The immediates the headers of the version's final part (``part`` None: its data immediates) or
+        of early part ``part`` (its payload's) announce (every one of those headers has arrived). Only
+        the header records are read: the entries and streams lie in the payload, which may land after
+        its header (nothing orders two writes on the wire); :meth:`read_entries` takes them once the
+        announced immediates, the payload's among them, have all arrived."""
         total = 0
-        self._entries = []
         self._heads = []
-        self._sources = list(sources)
+        what = "final part" if part is None else f"part {part}"
         for r in sources:
-            h = self.headers[r]
+            h = self.headers[header_slot(r, part)]
             if int(h["version"]) != version or int(h["epoch"]) != epoch:
-                raise WeightSyncError(f"delta header of source {r} names version {int(h['version'])} of plan "
-                                      f"epoch {int(h['epoch'])}, not {version} of {epoch}")
+                raise WeightSyncError(f"delta header ({what}) of source {r} names version "
+                                      f"{int(h['version'])} of plan epoch {int(h['epoch'])}, not {version} "
+                                      f"of {epoch}")
             total += int(h["imms"])
-            # entries, then (past the room for all of them) the streams
-            self._heads.append((int(h["offset"]), int(h["entries"]), int(h["room"]), data_at(int(h["room"]))))
+            # entries, then (past the room for all of them) the streams; a part without entries has no
+            # payload
+            if int(h["entries"]) > 0:
+                self._heads.append((r, int(h["offset"]), int(h["entries"]), int(h["room"]),
+                                    data_at(int(h["room"]))))
         return total
 
     def read_entries(self) -> None:
-        """The entries and streams of every source whose header :meth:`read_headers` read, in one copy to
-        the host: call it once every immediate the headers announce has arrived (the payload is in
-        place)."""
+        """The entries and streams of the part whose headers :meth:`read_headers` read, in one copy to
+        the host: call it once every immediate the headers announce has arrived (the payloads are in
+        place). They are scattered by the next :meth:`apply`."""
         import torch
 
-        self._entries = []
         heads, self._heads = self._heads, []
         if not heads:
             return
-        host = torch.cat([self.payload[off:off + size] for off, _, _, size in heads]).cpu().numpy()
+        host = torch.cat([self.payload[off:off + size] for _, off, _, _, size in heads]).cpu().numpy()
         at = 0
-        for off, n, room, size in heads:
+        for r, off, n, room, size in heads:
             head = host[at:at + size]
             at += size
             entries = head[:n * ENTRY_DTYPE.itemsize].view(ENTRY_DTYPE).copy()
             streams = head[streams_at(room):data_at(room)].view(STREAM_DTYPE).copy()
             self._entries.append((entries, streams, off))
+            self._pending.append((entries, streams, off))
+            self._sources.append(r)
 
     def planned_chunks(self, at: Mapping[tuple[str, int], int], total: int) -> list[int]:
         """A relay chain member: the relay chunks this version's entries say were sent as planned (they
@@ -1337,20 +1510,21 @@ class DeltaReceiver:
         return sorted(planned)
 
     def apply(self, shadow: int) -> None:
-        """Scatters this version's sparse entries into buffer ``shadow``."""
+        """Scatters the sparse entries read since the last apply into buffer ``shadow``."""
         t0 = time.perf_counter()
-        self._scatter_all(shadow)
+        pending, self._pending = self._pending, []
+        self._scatter_all(shadow, pending)
         self._sync_device()
-        self.apply_seconds = time.perf_counter() - t0
+        self.apply_seconds += time.perf_counter() - t0
 
-    def _scatter_all(self, shadow: int) -> None:
+    def _scatter_all(self, shadow: int, parts: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> None:
         """Per source and word size: decodes its stream once, then scatters each run of its entries that
         go into one key with one placement (contiguous ones whose stream and destination offsets differ
         by the same amount, or strided ones) with one indexed copy. With the kernels, an ENC_IDX16
         stream's contiguous runs go by one kernel launch instead, and only its strided runs are decoded."""
         import torch
 
-        for entries, streams, off in self._entries:
+        for entries, streams, off in parts:
             for st in streams:
                 k, w = int(st["k"]), int(st["word"])
                 if k == 0:
@@ -1435,7 +1609,7 @@ class DeltaReceiver:
         for entries, _, _ in self._entries:
             for e in entries[entries["enc"] == ENC_DENSE]:
                 self._copy_region(e, shadow, other)
-        self._scatter_all(other)
+        self._scatter_all(other, self._entries)
         self._sync_device()
         self.holds[other] = version
 

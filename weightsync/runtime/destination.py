@@ -43,7 +43,7 @@ from weightsync.control.client import ControlClient
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.plan.parts import DESTINATION, DestinationPart
-from weightsync.runtime.delta import DELTA_KEY, DeltaReceiver
+from weightsync.runtime.delta import DELTA_KEY, PARTS, DeltaReceiver
 from weightsync.runtime.links import PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.relay import RelayMember, consumed
@@ -61,6 +61,7 @@ from weightsync.wire import (
     SLOT_BYTES,
     data_imm,
     delta_header_imm,
+    delta_part_imm,
     grant_imm,
     grant_slot,
 )
@@ -538,11 +539,39 @@ class Destination(Participant):
                     return False, reason
         return False, None
 
+    def _land_parts(self, target: int, buffer: int, deadline: float,
+                    between: Callable[[], bool] | None = None) -> tuple[bool, str | None]:
+        """A delta inbox destination: the early parts of ``target`` in order, each as it lands: every
+        source's header of the part, then the immediates of the payloads they announce, then its sparse
+        entries scattered into ``buffer`` (while the sources compare and send the next part)."""
+        inbox = self._delta
+        assert inbox is not None
+        sources = sorted(self._sources)
+        for part in range(PARTS):
+            headers = self.engine.counter(delta_part_imm(self.epoch, target, part, header=True))
+            complete, reason = self._count(headers, len(sources), target, deadline, between)
+            if not complete:
+                return False, reason
+            try:
+                total = inbox.read_headers(sources, self.epoch, target, part)
+            except WeightSyncError as exc:
+                return False, str(exc)
+            payloads = self.engine.counter(delta_part_imm(self.epoch, target, part, header=False))
+            complete, reason = self._count(payloads, total, target, deadline, between)
+            if not complete:
+                return False, reason
+            inbox.read_entries()  # the payloads are in place only now
+            inbox.apply(buffer)
+        return True, None
+
     def _land_delta(self, target: int, buffer: int, counter: Any, deadline: float) -> tuple[bool, str | None]:
-        """A delta inbox destination: waits for every source's header of ``target``, then for the data
-        immediates they announce (the payloads' among them), then reads the entries from the payloads and
-        scatters the sparse ones into ``buffer``."""
+        """A delta inbox destination: its early parts (:meth:`_land_parts`), then every source's final
+        header of ``target``, then the data immediates they announce (the final payloads' among them),
+        then the final entries read from the payloads and their sparse ones scattered into ``buffer``."""
         assert self._delta is not None
+        complete, reason = self._land_parts(target, buffer, deadline)
+        if not complete:
+            return False, reason
         complete, reason = self._count(self.engine.counter(delta_header_imm(self.epoch, target)),
                                        len(self._sources), target, deadline)
         if not complete:
@@ -580,6 +609,9 @@ class Destination(Participant):
             arm_if_granted()
             return self._unanswered_during(target) or self._dropped_during()
 
+        complete, reason = self._land_parts(target, buffer, deadline, arm_if_granted)
+        if not complete:
+            return False, reason, armed
         complete, reason = self._count(self.engine.counter(delta_header_imm(self.epoch, target)),
                                        len(self._sources), target, deadline, arm_if_granted)
         if not complete:
@@ -684,6 +716,9 @@ class Destination(Participant):
         counter.reset()
         if self._delta is not None:
             self.engine.counter(delta_header_imm(self.epoch, target)).reset()
+            for part in range(PARTS):
+                for header in (True, False):
+                    self.engine.counter(delta_part_imm(self.epoch, target, part, header)).reset()
         if self._relay is not None:
             self._relay.abandon(target)
         self.log.warning("destination %d: version %d abandoned: %s", self.rank, target, reason)

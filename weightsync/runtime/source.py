@@ -59,7 +59,7 @@ from weightsync.errors import TimeoutError, TransportError, WeightSyncError  # n
 from weightsync.plan.lower import ChunkGroup, Round, SourceProgram, source_program
 from weightsync.plan.parts import DESTINATION, SOURCE, EngineInfo, SourcePart
 from weightsync.plan.writes import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
-from weightsync.runtime.delta import DeltaSender, DeltaWork
+from weightsync.runtime.delta import PARTS, DeltaSender, DeltaWork, header_slot
 from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, PushWorker, watched_tensors
@@ -76,6 +76,7 @@ from weightsync.wire import (
     SLOT_BYTES,
     data_imm,
     delta_header_imm,
+    delta_part_imm,
     gathered_imm,
     grant_imm,
     grant_slot,
@@ -690,7 +691,7 @@ class Source(Participant):
         # The announces first: the grants travel while the delta compare reads the tensors (nothing in a
         # grant depends on the compare; the compare's outcome is used only once a grant is in).
         announces = self._announce(version, failed)
-        self._delta.start()  # compares the tensors with what the last push sent (reads them now)
+        self._delta.start()  # compares the first part's tensors with what the last push sent
         transfers: list[tuple[int, Any]] = []
         imm = data_imm(self.epoch, version)
         relay_bits = relay_version_bits(version)
@@ -698,7 +699,11 @@ class Source(Participant):
         chain = [r for r in self._relay if r in self._delta.inboxes]  # relay members with inboxes
 
         def post_rounds(ranks: set[int]) -> None:
-            keeps: dict[int, dict[int, np.ndarray] | None] = {}
+            """The direct writes into ``ranks`` (just granted): those of destinations without an inbox at
+            once; for the inbox destinations part by part, each part compared, decided, its writes as
+            planned posted and its payload and header sent before the next part is compared (the
+            destination scatters it meanwhile)."""
+            owner: dict[int, int] = {}  # destination whose direct rounds are posted -> whose work decides
             if chain:
                 lead = self._delta.lead
                 assert lead is not None
@@ -710,14 +715,29 @@ class Source(Participant):
                     work = self._delta.begin(lead, base, self._dests[self._relay[0]].batch.bytes)
                     self._delta.share(work, chain)
                     works.update(dict.fromkeys(chain, work))
-                keeps[self._relay[0]] = works[lead].keep
+                if self._relay[0] in ranks:
+                    owner[self._relay[0]] = lead
+                parted = [r for r in chain if r in ranks and r not in failed]
+                deciders = [lead]
             else:
                 for r in sorted(ranks & set(self._delta.inboxes)):
                     if r not in failed:  # its changes encoded against the version its grant says it holds
-                        base = grants.bases.get(r, -1)
-                        work = works[r] = self._delta.begin(r, base, self._dests[r].batch.bytes)
-                        keeps[r] = work.keep
-            transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, ranks, keeps))
+                        works[r] = self._delta.begin(r, grants.bases.get(r, -1), self._dests[r].batch.bytes)
+                        owner[r] = r
+                parted = deciders = sorted(owner)
+            plain = {r for r in ranks if r not in owner and r not in self._delta.inboxes}
+            transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, plain))
+            for part in range(PARTS):
+                keeps = {r: self._delta.decide(o, part) for r, o in owner.items()}
+                for o in deciders:
+                    self._delta.decide(o, part)
+                if keeps:
+                    transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, set(keeps), keeps))
+                for r in parted:
+                    if r not in failed:
+                        transfers.extend(self._post_part(r, version, part, works[r], failed))
+            # The reference takes every change of this push, asked for or not (before the tensors' check).
+            self._delta.compare_all()
 
         tails: list[tuple[int, Any]] = []
         committed: set[int] = set()
@@ -867,7 +887,9 @@ class Source(Participant):
                 continue
             works[rank] = self._delta_header(rank, version)
             try:
-                out.append((rank, self._post_payload(rank, imm, works[rank])))
+                payload = self._post_payload(rank, imm, works[rank])
+                if payload is not None:
+                    out.append((rank, payload))
                 out.append((rank, self._post_header(rank, version)))
             except TransportError as exc:
                 failed[rank] = str(exc)
@@ -880,15 +902,40 @@ class Source(Participant):
         return work
 
     def _post_payload(self, rank: int, imm: int, work: DeltaWork) -> Any:
+        """The final part's payload (None: it has none)."""
+        if not work.final_bytes:
+            return None
         ib = self._delta.inboxes[rank]
-        return self.engine.write(ib.region, 0, self._dests[rank].peer, ib.payload, ib.offset,
-                                 work.payload_bytes, imm=imm)
+        return self.engine.write(ib.region, work.final_at, self._dests[rank].peer, ib.payload,
+                                 ib.offset + work.final_at, work.final_bytes, imm=imm)
 
-    def _post_header(self, rank: int, version: int) -> Any:
+    def _post_header(self, rank: int, version: int, part: int | None = None) -> Any:
         hdr = self._delta.headers.itemsize
-        return self.engine.write(self._delta.header_region, rank * hdr, self._dests[rank].peer,
-                                 self._delta.inboxes[rank].header, self.rank * hdr, hdr,
-                                 imm=delta_header_imm(self.epoch, version))
+        imm = delta_header_imm(self.epoch, version) if part is None else \
+            delta_part_imm(self.epoch, version, part, header=True)
+        return self.engine.write(self._delta.header_region, header_slot(rank, part) * hdr,
+                                 self._dests[rank].peer, self._delta.inboxes[rank].header,
+                                 header_slot(self.rank, part) * hdr, hdr, imm=imm)
+
+    def _post_part(self, rank: int, version: int, part: int, work: DeltaWork, failed: dict[int, str]
+                   ) -> list[tuple[int, Any]]:
+        """Early part ``part`` of ``rank``'s delta: its payload (entries and encoded changes; none for a
+        part without writes), then its header, each with the part's own immediate. Nothing orders the
+        two on the wire: the destination reads the payload only once the immediates the header
+        announces are in."""
+        pt = self._delta.encode_part(rank, part)
+        self._delta.header(rank, self.epoch, version, work, part)
+        ib = self._delta.inboxes[rank]
+        out: list[tuple[int, Any]] = []
+        try:
+            if pt.nbytes:
+                imm = delta_part_imm(self.epoch, version, part, header=False)
+                out.append((rank, self.engine.write(ib.region, pt.at, self._dests[rank].peer, ib.payload,
+                                                    ib.offset + pt.at, pt.nbytes, imm=imm)))
+            out.append((rank, self._post_header(rank, version, part)))
+        except TransportError as exc:
+            failed[rank] = str(exc)
+        return out
 
     def _post_rounds(self, imm: int, relay_bits: int, deadline: float, failed: dict[int, str],
                      ranks: set[int], keeps: Mapping[int, dict[int, np.ndarray] | None] | None = None
