@@ -24,6 +24,7 @@ def push_both_ways(sender: Any, version: int, where: Any = None,
         assert all(sp.ref_done == ref_done for sp in sender._spaces.values()), where
     got = {w: (sp.idx.clone(), sp.vals.clone()) for w, sp in sender._spaces.items()}
     sender.finish(version, True)
+    sender.settle()  # the reference's update on a GPU's side stream
     after = {w: sp.ref.clone() for w, sp in sender._spaces.items()}
     for w, sp in sender._spaces.items():
         sp.ref.copy_(before[w])
@@ -38,6 +39,7 @@ def push_both_ways(sender: Any, version: int, where: Any = None,
         assert torch.equal(idx, sp.idx), (where, w)
         assert torch.equal(vals, sp.vals), (where, w)
     sender.finish(version, True)
+    sender.settle()  # the reference's update on a GPU's side stream
     for w, sp in sender._spaces.items():
         assert torch.equal(after[w], sp.ref), (where, w)
         assert torch.equal(sp.ref, torch.cat([sender._views[k] for k in sp.keys])), (where, w)

@@ -642,6 +642,8 @@ class DeltaSender:
         # the kernels ran), begin (host decisions), staged, finalize (streams and index sections), finish
         # (the reference update of the torch path)
         self.phases: dict[str, float] = {}
+        self._side: Any = None  # the CUDA stream of the reference's update (finish), made at first use
+        self._ref_ready: Any = None  # its event: recorded by finish, waited for by settle
 
     def _spent(self, phase: str, t0: float) -> None:
         """The time since ``t0`` to the push's encode and to ``phase``."""
@@ -810,6 +812,7 @@ class DeltaSender:
         t0 = time.perf_counter()
         self._chunk_changed, self._works, self._hits = {}, {}, {}
         self._compared = set()
+        self.settle()
         self.base = self.ref_version
         self.ref_version = -1  # until this push has succeeded (its values replace the reference's)
         self.encode_seconds = 0.0
@@ -828,6 +831,15 @@ class DeltaSender:
             self._spent("compare", t0)
         else:
             self.compare(0)
+
+    def settle(self) -> None:
+        """Makes the device's current stream wait for the last push's reference update (:meth:`finish`)
+        before anything reads or writes the reference."""
+        if self._ref_ready is not None:
+            import torch
+
+            torch.cuda.current_stream(self.device).wait_event(self._ref_ready)
+            self._ref_ready = None
 
     def compare_all(self) -> None:
         """Every part compared (the reference must take all of this push's changes, whether or not a
@@ -1049,9 +1061,9 @@ class DeltaSender:
         if len(work.parts) > part:
             return work.parts[part].keep
         assert len(work.parts) == part, "parts are decided in order"
-        t0 = time.perf_counter()
         if work.delta:
             self.compare(part)
+        t0 = time.perf_counter()
         ib = self.inboxes[rank]
         sel = np.flatnonzero(ib.part == part)  # its direct writes (rows of ib.direct)
         d = ib.direct[sel]
@@ -1370,12 +1382,32 @@ class DeltaSender:
         return slot
 
     def finish(self, version: int, ok: bool) -> None:
-        """After the push: the changed values become the reference (one indexed copy per word size);
-        usable from the next push on if this one succeeded."""
+        """After the push: the changed values become the reference (one indexed copy per space); usable
+        from the next push on if this one succeeded. On a GPU the copies run on a side stream and the
+        push does not wait for them (about 6 ms for Llama-3-8B at 2% changed, after the destinations
+        have applied their last part): the next compare, or anything else that touches the reference
+        through this class, waits for them first (:meth:`settle`)."""
+        import torch
+
         t0 = time.perf_counter()
+        todo = [(sp.ref, sp.idx, sp.vals) for sp in self._spaces.values()
+                if sp.idx is not None and not sp.ref_done]
+        if todo and self.device.type == "cuda":
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            self._side.wait_stream(torch.cuda.current_stream(self.device))  # the values are gathered
+            with torch.cuda.stream(self._side):
+                for ref, idx, vals in todo:
+                    ref[idx] = vals
+            for _, idx, vals in todo:  # their memory is not reused before the side stream is done with it
+                idx.record_stream(self._side)
+                vals.record_stream(self._side)
+            self._ref_ready = torch.cuda.Event()
+            self._ref_ready.record(self._side)
+        else:
+            for ref, idx, vals in todo:
+                ref[idx] = vals
         for sp in self._spaces.values():
-            if sp.idx is not None and not sp.ref_done:
-                sp.ref[sp.idx] = sp.vals
             sp.idx = sp.vals = sp.strided_local = sp.strided_vals = None
             sp.ref_done = False
         for c, changed in self._chunk_changed.items():
@@ -1385,9 +1417,7 @@ class DeltaSender:
         whole = self.base < 0 or len(self._compared) == PARTS
         self._chunk_changed, self._hits, self._compared = {}, {}, set()
         if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.current_stream(self.device).synchronize()  # not the side stream
         self.ref_version = version if ok and whole and self.enabled and self._referenced else -1
         self.phases["finish"] = time.perf_counter() - t0
         self.encode_seconds += self.phases["finish"]
