@@ -138,8 +138,10 @@ MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsyn
 # before the next part is compared, and a destination scatters a part as soon as it has landed, so the
 # compare of one part overlaps the transfer and the apply of the ones before. The final part (the header
 # of old) carries the staged writes and the tail and completes the version. At most 7
-# (weightsync.wire.delta_part_imm).
-PARTS = 4
+# (weightsync.wire.delta_part_imm). Each part costs host synchronizations and kernel launches on the
+# sender's critical path: on 2 x H100 (Llama-3-8B, 1.8% changed) 2 parts took 25.0 ms, 4 parts 27.1 and 1
+# part 27.1 (docs/BENCHMARKS.md).
+PARTS = 2
 assert PARTS <= DELTA_PARTS_MAX
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
                           ("nbytes", "<i8"), ("entries", "<i8"), ("changed", "<i8"), ("room", "<i8")])
