@@ -285,6 +285,23 @@ class Team:
                     f"destination {j} ({self.layouts[j]}, {self.modes[j]}) {k} differs at version "
                     f"{self.version}")
 
+    def push_after_readmission(self, j: int) -> list[ws.PushStats]:
+        """Destination ``j`` was dropped: waits until it has joined again, then pushes a step at a time
+        until a push reaches it (its first push back may still miss it, paths being re-established),
+        and checks every destination."""
+        d = self.dsts[j]
+        deadline = time.monotonic() + 60
+        while d.readmissions < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.readmissions >= 1
+        for attempt in range(3):
+            self.set(step(self.full, "odd", seed=10 + attempt))
+            stats = self.push()
+            if all(j not in s.failed_destinations for s in stats):
+                break
+        self.check()
+        return stats
+
     def start_reader(self, j: int) -> None:
         """A staged destination's generation loop: applies the newest version at each safe point and checks
         every tensor against that version (a mix of two versions is recorded)."""
@@ -698,16 +715,7 @@ def test_a_chain_member_that_missed_a_version_makes_the_chain_dense(team_factory
     assert all(s.failed_destinations == [2] for s in stats), stats
     team.check([0, 1])
     assert last.version == 1
-    deadline = time.monotonic() + 60
-    while last.readmissions < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert last.readmissions >= 1
-    for attempt in range(3):  # its first push back may still miss it (paths being re-established)
-        team.set(step(team.full, "odd", seed=10 + attempt))
-        stats = team.push()
-        if all(2 not in s.failed_destinations for s in stats):
-            break
-    team.check()
+    stats = team.push_after_readmission(2)
     assert all(s.delta_destinations == [] for s in stats), stats
     team.set(step(team.full, "odd", seed=20))
     stats = team.push()
@@ -781,16 +789,7 @@ def test_a_destination_that_missed_a_version_gets_it_dense_after_the_replan(team
         assert all(s.delta_destinations == [0, 2] for s in stats), stats
     team.check([0, 2])
     assert missed.version == before
-    deadline = time.monotonic() + 60
-    while missed.readmissions < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert missed.readmissions >= 1
-    for attempt in range(3):  # its first push back may still miss it (paths being re-established)
-        team.set(step(team.full, "odd", seed=10 + attempt))
-        stats = team.push()
-        if all(1 not in s.failed_destinations for s in stats):
-            break
-    team.check()
+    stats = team.push_after_readmission(1)
     for s in stats:
         assert 1 not in s.delta_destinations and {0, 2} <= set(s.delta_destinations), s
     team.set(step(team.full, "last", seed=20))
