@@ -524,12 +524,13 @@ class _Piece:
 @dataclass
 class _Part:
     """One early part of a push to one destination as decided: the entries of its direct writes, per
-    space its sparse ones (_FLAT_DTYPE and _HIT_DTYPE rows, by start), which of its writes go as planned
-    (round index -> mask over the round's writes; None: all of every round), and once encoded where its
-    payload lies in the send buffer, its bytes and the immediates its write delivers."""
+    space its sparse ones (_FLAT_DTYPE and _HIT_DTYPE rows, by start, and their rows in ``rows``), which
+    of its writes go as planned (round index -> mask over the round's writes; None: all of every round),
+    and once encoded where its payload lies in the send buffer, its bytes and the immediates its write
+    delivers."""
 
     rows: np.ndarray
-    direct: dict[int, tuple[np.ndarray, np.ndarray]]
+    direct: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
     keep: dict[int, np.ndarray] | None
     changed: int = 0
     at: int = -1
@@ -1072,21 +1073,21 @@ class DeltaSender:
         enc = np.full(len(sel), ENC_DENSE, np.int32)
         counts = np.zeros(len(sel), np.int64)
         mine = {s: f for s, f in ib.flat.items() if self._spaces[s].part == part}
-        direct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        at = {s: np.searchsorted(sel, f["row"]) for s, f in mine.items()}  # their rows in the part's entries
+        direct: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         changed = 0
         if work.delta:
             hits = self._hits.get(rank, {})
             for s, f in mine.items():
                 k = hits[s]["k"]
-                at = np.searchsorted(sel, f["row"])
-                enc[at] = _choose_many(f["n"], k, self._spaces[s].word)
-                counts[at] = k
+                enc[at[s]] = _choose_many(f["n"], k, self._spaces[s].word)
+                counts[at[s]] = k
                 changed += int(k.sum())
                 work.words += int(f["n"].sum())
-            self._fit(work, mine, sel, enc)
+            self._fit(work, mine, at, enc)
             for s, f in mine.items():
-                sparse = enc[np.searchsorted(sel, f["row"])] == ENC_STREAM
-                direct[s] = (f[sparse], hits[s][sparse])
+                sparse = enc[at[s]] == ENC_STREAM
+                direct[s] = (f[sparse], hits[s][sparse], at[s][sparse])
         work.changed += changed
         rows = np.zeros(len(d), ENTRY_DTYPE)
         rows["key"] = d["dkey"]
@@ -1114,10 +1115,11 @@ class DeltaSender:
         self._spent("begin", t0)
         return keep
 
-    def _fit(self, work: DeltaWork, mine: Mapping[int, np.ndarray], sel: np.ndarray, enc: np.ndarray) -> None:
-        """The streams of a part's sparse direct writes (``enc``), within the room left in this source's
-        share of the inbox: where all of them do not fit, writes go as planned instead from the first that
-        does not. Takes their room."""
+    def _fit(self, work: DeltaWork, mine: Mapping[int, np.ndarray], at: Mapping[int, np.ndarray],
+             enc: np.ndarray) -> None:
+        """The streams of a part's sparse direct writes (``enc``; ``mine`` per space, ``at`` their rows in
+        ``enc``), within the room left in this source's share of the inbox: where all of them do not fit,
+        writes go as planned instead from the first that does not. Takes their room."""
         hits = self._hits.get(work.rank, {})
 
         def totals_of(pick: Mapping[int, np.ndarray]) -> dict[int, list[int]]:
@@ -1129,7 +1131,7 @@ class DeltaSender:
                     t[1] += int(hits[s]["k"][m].sum())
             return out
 
-        sparse = {s: enc[np.searchsorted(sel, f["row"])] == ENC_STREAM for s, f in mine.items()}
+        sparse = {s: enc[at[s]] == ENC_STREAM for s in mine}
         size = _streams_bytes(totals_of(sparse))
         if size > work.room:
             kept: dict[int, np.ndarray] = {s: np.zeros(len(m), bool) for s, m in sparse.items()}
@@ -1142,7 +1144,7 @@ class DeltaSender:
                         size = trial
                     else:
                         kept[s][i] = False
-                        enc[np.searchsorted(sel, mine[s]["row"][i])] = ENC_DENSE
+                        enc[at[s][i]] = ENC_DENSE
         work.room -= size
 
     def _take(self, work: DeltaWork, piece: _Piece) -> int:
@@ -1224,9 +1226,7 @@ class DeltaSender:
             return pt
         t0 = time.perf_counter()
         ib = self.inboxes[rank]
-        sel = np.flatnonzero(ib.part == part)
-        direct = {self._spaces[s].word: (s, f, h, np.searchsorted(sel, f["row"]))
-                  for s, (f, h) in pt.direct.items() if len(f)}
+        direct = {self._spaces[s].word: (s, f, h, rows) for s, (f, h, rows) in pt.direct.items() if len(f)}
         pt.at = work.at
         pt.nbytes, _ = self._encode(ib, pt.at, len(pt.rows), [pt.rows], direct, [], np.zeros(0, ENTRY_DTYPE))
         pt.imms = self.engine.imm_count(pt.nbytes) if pt.nbytes else 0

@@ -539,50 +539,50 @@ class Destination(Participant):
                     return False, reason
         return False, None
 
-    def _land_parts(self, target: int, buffer: int, deadline: float,
-                    between: Callable[[], bool] | None = None) -> tuple[bool, str | None]:
-        """A delta inbox destination: the early parts of ``target`` in order, each as it lands: every
-        source's header of the part, then the immediates of the payloads they announce, then its sparse
-        entries scattered into ``buffer`` (while the sources compare and send the next part)."""
+    def _read_part(self, target: int, part: int | None, headers: Any, payloads: Any, deadline: float,
+                   between: Callable[[], bool] | None) -> tuple[bool, str | None]:
+        """Part ``part`` of ``target`` (None: the final one) read from the inbox: every source's header of
+        it (immediates on ``headers``), then the immediates those headers announce (on ``payloads``),
+        then the entries from the payloads, which are in place only now (a header can land before its
+        payload). The next :meth:`DeltaReceiver.apply` scatters them."""
         inbox = self._delta
         assert inbox is not None
         sources = sorted(self._sources)
-        for part in range(PARTS):
-            headers = self.engine.counter(delta_part_imm(self.epoch, target, part, header=True))
-            complete, reason = self._count(headers, len(sources), target, deadline, between)
-            if not complete:
-                return False, reason
-            try:
-                total = inbox.read_headers(sources, self.epoch, target, part)
-            except WeightSyncError as exc:
-                return False, str(exc)
-            payloads = self.engine.counter(delta_part_imm(self.epoch, target, part, header=False))
-            complete, reason = self._count(payloads, total, target, deadline, between)
-            if not complete:
-                return False, reason
-            inbox.read_entries()  # the payloads are in place only now
-            inbox.apply(buffer)
-        return True, None
-
-    def _land_delta(self, target: int, buffer: int, counter: Any, deadline: float) -> tuple[bool, str | None]:
-        """A delta inbox destination: its early parts (:meth:`_land_parts`), then every source's final
-        header of ``target``, then the data immediates they announce (the final payloads' among them),
-        then the final entries read from the payloads and their sparse ones scattered into ``buffer``."""
-        assert self._delta is not None
-        complete, reason = self._land_parts(target, buffer, deadline)
-        if not complete:
-            return False, reason
-        complete, reason = self._count(self.engine.counter(delta_header_imm(self.epoch, target)),
-                                       len(self._sources), target, deadline)
+        complete, reason = self._count(headers, len(sources), target, deadline, between)
         if not complete:
             return False, reason
         try:
-            total = self._delta.read_headers(sorted(self._sources), self.epoch, target)
+            total = inbox.read_headers(sources, self.epoch, target, part)
         except WeightSyncError as exc:
             return False, str(exc)
-        complete, reason = self._count(counter, total, target, deadline)
-        if complete:  # the payloads are in place only now: a header can land before its payload
-            self._delta.read_entries()
+        complete, reason = self._count(payloads, total, target, deadline, between)
+        if complete:
+            inbox.read_entries()
+        return complete, reason
+
+    def _land_parts(self, target: int, buffer: int, counter: Any, deadline: float,
+                    between: Callable[[], bool] | None = None) -> tuple[bool, str | None]:
+        """A delta inbox destination: the early parts of ``target`` in order, each scattered into
+        ``buffer`` as it lands (while the sources compare and send the next part), then the final part
+        read, its data immediates (every write sent as planned, the final payloads) on ``counter``. Its
+        entries are left to the caller's apply."""
+        assert self._delta is not None
+        for part in range(PARTS):
+            headers = self.engine.counter(delta_part_imm(self.epoch, target, part, header=True))
+            payloads = self.engine.counter(delta_part_imm(self.epoch, target, part, header=False))
+            complete, reason = self._read_part(target, part, headers, payloads, deadline, between)
+            if not complete:
+                return False, reason
+            self._delta.apply(buffer)
+        headers = self.engine.counter(delta_header_imm(self.epoch, target))
+        return self._read_part(target, None, headers, counter, deadline, between)
+
+    def _land_delta(self, target: int, buffer: int, counter: Any, deadline: float) -> tuple[bool, str | None]:
+        """A delta inbox destination: every part of ``target`` (:meth:`_land_parts`), the final one's sparse
+        entries scattered into ``buffer`` last."""
+        assert self._delta is not None
+        complete, reason = self._land_parts(target, buffer, counter, deadline)
+        if complete:
             self._delta.apply(buffer)
         return complete, reason
 
@@ -609,21 +609,9 @@ class Destination(Participant):
             arm_if_granted()
             return self._unanswered_during(target) or self._dropped_during()
 
-        complete, reason = self._land_parts(target, buffer, deadline, arm_if_granted)
+        complete, reason = self._land_parts(target, buffer, counter, deadline, arm_if_granted)
         if not complete:
             return False, reason, armed
-        complete, reason = self._count(self.engine.counter(delta_header_imm(self.epoch, target)),
-                                       len(self._sources), target, deadline, arm_if_granted)
-        if not complete:
-            return False, reason, armed
-        try:
-            total = inbox.read_headers(sorted(self._sources), self.epoch, target)
-        except WeightSyncError as exc:
-            return False, str(exc), armed
-        complete, reason = self._count(counter, total, target, deadline, arm_if_granted)
-        if not complete:
-            return False, reason, armed
-        inbox.read_entries()  # the payloads are in place only now
         try:
             planned = inbox.planned_chunks(relay.chunks_at(), len(relay.imm))
         except WeightSyncError as exc:

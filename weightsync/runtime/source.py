@@ -728,9 +728,8 @@ class Source(Participant):
             plain = {r for r in ranks if r not in owner and r not in self._delta.inboxes}
             transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, plain))
             for part in range(PARTS):
-                keeps = {r: self._delta.decide(o, part) for r, o in owner.items()}
-                for o in deciders:
-                    self._delta.decide(o, part)
+                decided = {o: self._delta.decide(o, part) for o in deciders}
+                keeps = {r: decided[o] for r, o in owner.items()}
                 if keeps:
                     transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, set(keeps), keeps))
                 for r in parted:
