@@ -163,6 +163,19 @@ def test_choose_break_even() -> None:
         assert _choose_many(ns, ks, w).tolist() == want
 
 
+def test_parts_cut_in_order_the_last_one_smaller() -> None:
+    from weightsync.runtime.delta import part_of
+
+    ten = np.full(10, 100)
+    assert part_of(ten, 2, 1.0).tolist() == [0] * 5 + [1] * 5
+    assert part_of(ten, 4, 1.0).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert part_of(ten, 4, 0.5).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]  # the last part half of another
+    assert part_of(ten, 1, 0.5).tolist() == [0] * 10
+    # a tensor goes with the part its first byte falls in; a dominant one alone in its part
+    assert part_of(np.array([1, 1000, 1, 1]), 2, 1.0).tolist() == [0, 0, 1, 1]
+    assert part_of(np.zeros(3, np.int64), 3, 1.0).tolist() == [0, 0, 0]
+
+
 def test_placed_and_word() -> None:
     local = torch.tensor([0, 2, 3, 5])
     assert placed(local, 10, 3, 8, 2).tolist() == [10, 12, 18, 20]
@@ -213,14 +226,14 @@ class Team:
 
     def __init__(self, name: str, layouts: list[str], modes: list[str],
                  delta_bytes: int | list[int] = 1 << 20, delta: bool = True,
-                 push_timeout: float = 20.0, relay: bool | None = None) -> None:
+                 push_timeout: float = 20.0, relay: bool | None = None, source_device: str = "cpu") -> None:
         self.name, self.layouts, self.modes = name, layouts, modes
         self.group = ws.Group.create(name, num_sources=2, num_destinations=len(layouts), relay=relay)
         self.full = initial()
         self.history: dict[int, dict[str, torch.Tensor]] = {}
         self.locals: list[dict[str, torch.Tensor]] = []
         for i in range(2):
-            self.locals.append({k: (t.clone() if k == "norm" else t[self._box(k, i)].clone())
+            self.locals.append({k: (t if k == "norm" else t[self._box(k, i)]).clone().to(source_device)
                                 for k, t in self.full.items()})
         self.dtensors: list[dict[str, torch.Tensor]] = []
         sizes = delta_bytes if isinstance(delta_bytes, list) else [delta_bytes] * len(layouts)
@@ -419,6 +432,37 @@ def test_every_case_bitwise_on_inplace_and_staged_with_a_reader(team_factory) ->
     time.sleep(0.2)
     assert team.mixed == []
     assert team.reads[2], "the reader applied no version"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_factory, monkeypatch) -> None:
+    # The sources' tensors on the GPU: each part's CUDA compare is launched on a stream of its own before
+    # the host needs it (the first two at the push's start, the next while the host takes the one before
+    # on), and a launched compare must see the tensors as the caller last updated them on its stream.
+    from weightsync.runtime import delta_cuda
+    from weightsync.runtime.delta_kernels import Compactor
+
+    if delta_cuda.module(torch.device("cuda")) is None:
+        pytest.skip(f"no CUDA compare here: {delta_cuda.unavailable(torch.device('cuda'))}")
+    launched: list[bool] = []
+    launch = Compactor.launch
+
+    def counted(self: Compactor, *args: Any, **kwargs: Any) -> bool:
+        launched.append(launch(self, *args, **kwargs))
+        return launched[-1]
+
+    monkeypatch.setattr(Compactor, "launch", counted)
+    team = team_factory("delta-gpu", ["tp0", "tp1", "replica"], ["inplace", "staged", "staged"],
+                        source_device="cuda")
+    team.push()
+    team.check()
+    for v, case in enumerate(CASES, start=1):
+        team.set(step(team.full, case, seed=v))
+        stats = team.push()
+        team.check()
+        assert all(s.delta_destinations == [0, 1, 2] and s.failed_destinations == [] for s in stats), case
+    assert any(launched), "no compare was launched ahead"
 
 
 def test_strided_source_rows_written_directly_and_compared_in_slices(team_factory, monkeypatch) -> None:

@@ -386,7 +386,7 @@ def test_the_cuda_compare_matches_the_torch_path(slice_tiles: int, aligned: bool
 def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
     """Thousands of tiles (the look-back across windows of 32 predecessors and beyond), keys whose words
     and addresses are 16-byte aligned (vector loads) or of odd sizes at odd addresses, output room far too
-    small (second run), against torch."""
+    small (second run), against torch; each also launched ahead on a side stream and finished later."""
     from weightsync.runtime import delta_cuda
     from weightsync.runtime.delta_kernels import Compactor
 
@@ -412,11 +412,17 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
     views[-1][-1] ^= 1
     cur = torch.cat(views)
     want = torch.nonzero(cur != ref).reshape(-1)
-    for hint in (len(want) + 10, 1024):
+    for hint, ahead in [(len(want) + 10, False), (1024, False), (len(want) + 10, True), (1024, True)]:
         r = ref.clone()
         c = Compactor(word, starts, dev)
         c.poison = 0x5A
+        if ahead:  # launched on a stream of its own, finished by the compare (second run there too)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            assert c.launch(views, r, hint, side)
+            assert c.pending is not None
         idx, vals = c.compare(views, r, hint)
+        assert c.pending is None
         assert c.backend == "cuda", delta_cuda.unavailable(dev)
         assert c.vec == (16 // word if aligned else 1)
         assert torch.equal(idx, want), (hint, idx.numel(), want.numel())

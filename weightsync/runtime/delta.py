@@ -143,6 +143,22 @@ MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsyn
 # part 27.1 (docs/BENCHMARKS.md).
 PARTS = 2
 assert PARTS <= DELTA_PARTS_MAX
+# The last early part's bytes against each other part's. What follows the last part's compare (its
+# encode, transfer and apply) is the one stretch of a push that nothing overlaps, so it pays to make that
+# part smaller than the others. Only the source cuts parts; the destination takes whatever it is sent.
+LAST_PART_SHARE = 1.0
+
+
+def part_of(nbytes: np.ndarray, parts: int = PARTS, last_share: float = LAST_PART_SHARE) -> np.ndarray:
+    """Each tensor's part (``nbytes``: the tensors' bytes, in order): runs in order whose bytes are
+    about equal, the last one ``last_share`` of another's; a tensor goes with the part its first byte
+    falls in."""
+    nbytes = np.asarray(nbytes, np.int64)
+    shares = np.ones(parts)
+    shares[-1] = last_share
+    bounds = np.cumsum(shares)[:-1] / shares.sum()  # where each part after the first starts, as a fraction
+    before = (np.cumsum(nbytes) - nbytes) / max(int(nbytes.sum()), 1)
+    return np.searchsorted(bounds, before, side="right").astype(np.int64)
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
                           ("nbytes", "<i8"), ("entries", "<i8"), ("changed", "<i8"), ("room", "<i8")])
 ENTRY_DTYPE = np.dtype([("key", "<i4"), ("enc", "<i4"), ("word", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"),
@@ -606,11 +622,10 @@ class DeltaSender:
         self.header_region = engine.register(self.headers, name=f"source {rank} delta headers")
         self.words = {k: self._key_word(t) for k, t in locals_.items()}
         self._key_index = {k: i for i, k in enumerate(locals_)}
-        # Parts: the local tensors in order, cut into PARTS runs of about equal bytes.
+        # Parts: the local tensors in order, cut into PARTS runs (part_of).
         nbytes = np.array([int(t.nbytes) if isinstance(t, np.ndarray) else
                            int(t.numel()) * int(t.element_size()) for t in locals_.values()], np.int64)
-        before = np.cumsum(nbytes) - nbytes
-        self._key_part = np.minimum(before * PARTS // max(int(nbytes.sum()), 1), PARTS - 1).astype(np.int64)
+        self._key_part = part_of(nbytes)
         # The reference's layout: per part and word size a space, its keys end to end (in the order of the
         # local tensors).
         self._spaces: dict[int, _Space] = {}
@@ -632,6 +647,8 @@ class DeltaSender:
         self._views = {k: words(locals_[k], sp.word) for sp in self._spaces.values() for k in sp.keys}
         self._referenced = False  # whether the reference holds a push's values (from the first push on)
         self._compared: set[int] = set()  # the parts this push compared with it
+        self._launched: set[int] = set()  # the parts whose compare this push launched (CUDA kernels)
+        self._compare_stream: Any = None  # the CUDA stream the launched compares run on
         self._hits: dict[int, dict[int, np.ndarray]] = {}  # this push: rank -> space -> _HIT_DTYPE rows
         self._chunk_changed: dict[int, tuple[Any, Any] | None] = {}  # chunk -> (changed word indices,
         # values), None: not compared
@@ -808,13 +825,18 @@ class DeltaSender:
 
     # -- one push ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """At the push's start: compares the first part's tensors with the reference (the others are
-        compared as their part is decided, :meth:`decide`), or takes the first reference."""
+        """At the push's start: takes the first reference, or starts comparing the first parts' tensors
+        with it. Where the CUDA kernels run, the first two parts' compares are only launched (on a
+        stream of their own, :meth:`prefetch`) and the host goes on; elsewhere the first part is
+        compared here (the others as their part is decided, :meth:`decide`)."""
         import torch
 
         t0 = time.perf_counter()
         self._chunk_changed, self._works, self._hits = {}, {}, {}
-        self._compared = set()
+        self._compared, self._launched = set(), set()
+        for sp in self._spaces.values():  # a compare launched by a push that did not get to it
+            if getattr(sp.compactor, "pending", None) is not None:
+                sp.compactor.pending = None
         self.settle()
         self.base = self.ref_version
         self.ref_version = -1  # until this push has succeeded (its values replace the reference's)
@@ -832,8 +854,32 @@ class DeltaSender:
                 for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(), strict=True):
                     sp.ref[a:b].copy_(self._views[key])
             self._spent("compare", t0)
-        else:
+        elif not (self.prefetch(0) | self.prefetch(1)):
             self.compare(0)
+
+    def prefetch(self, part: int) -> bool:
+        """Launches the CUDA compare of ``part``'s spaces on the compare stream and returns without
+        waiting for the device, so that the GPU compares one part while the host decides, encodes and
+        posts the one before (:meth:`compare` finishes it). The stream waits for everything queued on
+        the current one first (the caller's updates of the tensors; the reference's update,
+        :meth:`settle`). False where nothing was launched (no CUDA kernels here, or already)."""
+        import torch
+
+        if not self.enabled or self.base < 0 or part >= PARTS or part in self._compared or \
+                part in self._launched or not self.use_kernels or self.device.type != "cuda":
+            return False
+        t0 = time.perf_counter()
+        if self._compare_stream is None:
+            self._compare_stream = torch.cuda.Stream(self.device)
+        self._compare_stream.wait_stream(torch.cuda.current_stream(self.device))
+        launched = False
+        for sp in self._spaces.values():
+            if sp.part == part:
+                launched |= self._compactor(sp).launch([self._views[k] for k in sp.keys], sp.ref, sp.hint,
+                                                       self._compare_stream)
+        self._launched.add(part)
+        self._spent("compare", t0)
+        return launched
 
     def settle(self) -> None:
         """Makes the device's current stream wait for the last push's reference update (:meth:`finish`)
@@ -859,6 +905,10 @@ class DeltaSender:
 
         if not self.enabled or self.base < 0 or part in self._compared:
             return
+        # the next part's collect queued behind this one's: the device runs it while the host takes
+        # this part's changes on
+        self.prefetch(part)
+        self.prefetch(part + 1)
         t0 = time.perf_counter()
         spaces = {s: sp for s, sp in self._spaces.items() if sp.part == part}
         cuts = []
@@ -911,6 +961,15 @@ class DeltaSender:
         :mod:`weightsync.runtime.delta_host`, its buffers kept in the space from push to push. Whether
         they also put the new values into the reference goes to ``sp.ref_done``. None where they cannot
         compare this space (the torch ops do)."""
+        found = self._compactor(sp).compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
+        if found is not None:
+            sp.hint = int(found[0].numel()) + int(found[0].numel()) // 8
+            sp.ref_done = sp.compactor.ref_updated
+        return found
+
+    def _compactor(self, sp: _Space) -> Any:
+        """The space's compare kernels: the C++ ones on CPU (:mod:`weightsync.runtime.delta_host`), else
+        :class:`weightsync.runtime.delta_kernels.Compactor` (CUDA C++ or Triton)."""
         from weightsync.runtime import delta_host
         from weightsync.runtime.delta_kernels import Compactor
 
@@ -919,11 +978,7 @@ class DeltaSender:
                 sp.compactor = delta_host.SpaceCompare()
         elif sp.compactor is None:
             sp.compactor = Compactor(sp.word, sp.starts, self.device)
-        found = sp.compactor.compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
-        if found is not None:
-            sp.hint = int(found[0].numel()) + int(found[0].numel()) // 8
-            sp.ref_done = sp.compactor.ref_updated
-        return found
+        return sp.compactor
 
     @property
     def scratch_bytes(self) -> int:

@@ -380,43 +380,107 @@ def _table(rows: Any, device: Any) -> Any:
     return _to_device(np.ascontiguousarray(np.asarray(rows, np.int64).T), device)
 
 
+class Collect:
+    """A space's ``ws_collect`` launched on a stream, its count not yet read: the tiles' counts and places,
+    the scratch of (16-bit word, value) per change, the count copied to pinned host memory and an event
+    after that copy. The caller's host goes on (deciding and encoding another part) while the device
+    compares; :func:`finish` reads the count and orders the changes."""
+
+    def __init__(self, mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
+                 cap: int, poison: int | None, stream: Any, host_count: Any) -> None:
+        import torch
+
+        self.mod, self.tables, self.ntiles, self.vec, self.word = mod, tables, ntiles, vec, word
+        self.ref = ref
+        self.poison, self.stream, self.host_count = poison, stream, host_count
+        device = ref.device
+        with torch.cuda.stream(stream):
+            # per tile its count and its place in the scratch, then the scratch's used count
+            self.counts = torch.empty(2 * ntiles + 1, dtype=torch.int64, device=device)
+            self.event = torch.cuda.Event()
+            self._run(cap)
+
+    def _run(self, cap: int) -> None:
+        """One collect with room for ``cap`` changes on the stream, then its count's copy to the host."""
+        import torch
+
+        device = self.ref.device
+        nt = self.ntiles
+        tile_count, tile_base, used = self.counts[:nt], self.counts[nt:2 * nt], self.counts[2 * nt:]
+        self.cap = cap
+        self.tmp_off = torch.empty(cap, dtype=torch.int16, device=device)
+        self.tmp_val = torch.empty(cap, dtype=self.ref.dtype, device=device)
+        if self.poison is not None:
+            for t in (self.tmp_off, self.tmp_val, self.counts):
+                t.view(torch.uint8).fill_(self.poison)
+        used.zero_()
+        _launch(self.mod, f"ws_collect_w{self.word}", nt,
+                [*self.tables, self.ref, used, tile_count, tile_base, self.tmp_off, self.tmp_val, cap,
+                 int(self.vec)], device)
+        self.host_count.copy_(used, non_blocking=True)
+        self.event.record(torch.cuda.current_stream(device))
+
+    def finish(self) -> tuple[Any, Any]:
+        """The space's changed words as (sorted int64 positions, values), the order kernel queued on
+        torch's current stream of the device (which waits for the collect first). One host wait: for
+        the count (two where more than the room changed: the collect runs again with room for all; the
+        reference is unchanged, so it finds the same changes)."""
+        import torch
+
+        device = self.ref.device
+        self.event.synchronize()
+        k = int(self.host_count[0])
+        if k > self.cap:
+            with torch.cuda.stream(self.stream):
+                self._run(k)
+            self.event.synchronize()
+        current = torch.cuda.current_stream(device)
+        current.wait_event(self.event)
+        nt = self.ntiles
+        for t in (self.counts, self.tmp_off, self.tmp_val):  # made on the collect's stream, read on this one
+            t.record_stream(current)
+        tile_count, tile_base = self.counts[:nt], self.counts[nt:2 * nt]
+        out_idx = torch.empty(k, dtype=torch.int64, device=device)
+        out_val = torch.empty(k, dtype=self.ref.dtype, device=device)
+        if self.poison is not None:
+            out_idx.view(torch.uint8).fill_(self.poison)
+            out_val.view(torch.uint8).fill_(self.poison)
+        first = torch.cumsum(tile_count, 0) - tile_count
+        _launch(self.mod, f"ws_order_w{self.word}", nt,
+                [self.tables[4], tile_count, tile_base, first, self.tmp_off, self.tmp_val, out_idx, out_val],
+                device)
+        return out_idx, out_val
+
+
 def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
-            hint: int, total_words: int, poison: int | None = None) -> tuple[Any, Any]:
+            hint: int, total_words: int, poison: int | None = None, stream: Any = None,
+            host_count: Any = None) -> tuple[Any, Any]:
     """The space's changed words as (sorted int64 positions, values); the reference is left as it was
-    (the caller copies the values into it). One collect run (two where more than ``hint``-and-margin
-    changed: the first one's count sizes the second), one host synchronization each, then the order
-    kernel. ``tables``: the Compactor's (key_at, key_start, key_end, tile_key, tile_start) on the device."""
+    (the caller copies the values into it). :func:`launch` and its :meth:`Collect.finish` in one."""
+    import torch
+
+    if not ntiles:
+        return torch.empty(0, dtype=torch.int64, device=ref.device), ref.new_empty(0)
+    return launch(mod, tables, ntiles, vec, word, ref, hint, total_words, poison, stream, host_count).finish()
+
+
+def launch(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
+           hint: int, total_words: int, poison: int | None = None, stream: Any = None,
+           host_count: Any = None) -> Collect:
+    """The collect of a space (``ntiles`` > 0) launched on ``stream`` (None: torch's current stream of
+    the device), with room for ``hint`` and a margin. ``tables``: the Compactor's (key_at, key_start,
+    key_end, tile_key, tile_start) on the device; ``host_count``: one int64 of pinned host memory for
+    the count (made here if None). The stream must already wait for whatever wrote ``ref`` and the
+    keys."""
     import torch
 
     device = ref.device
-    if not ntiles:
-        return torch.empty(0, dtype=torch.int64, device=device), ref.new_empty(0)
-    cap = first_room(hint, total_words)
-    # per tile its count and its place in the scratch, then the scratch's used count
-    counts = torch.empty(2 * ntiles + 1, dtype=torch.int64, device=device)
-    tile_count, tile_base, used = counts[:ntiles], counts[ntiles:2 * ntiles], counts[2 * ntiles:]
-    while True:
-        tmp_off = torch.empty(cap, dtype=torch.int16, device=device)
-        tmp_val = torch.empty(cap, dtype=ref.dtype, device=device)
-        if poison is not None:
-            for t in (tmp_off, tmp_val, counts):
-                t.view(torch.uint8).fill_(poison)
-        used.zero_()
-        _launch(mod, f"ws_collect_w{word}", ntiles,
-                [*tables, ref, used, tile_count, tile_base, tmp_off, tmp_val, cap, int(vec)], device)
-        k = int(used.item())  # the host synchronization
-        if k <= cap:
-            break
-        cap = k  # every change is found again, with room for all
-    out_idx = torch.empty(k, dtype=torch.int64, device=device)
-    out_val = torch.empty(k, dtype=ref.dtype, device=device)
-    if poison is not None:
-        out_idx.view(torch.uint8).fill_(poison)
-        out_val.view(torch.uint8).fill_(poison)
-    first = torch.cumsum(tile_count, 0) - tile_count
-    _launch(mod, f"ws_order_w{word}", ntiles,
-            [tables[4], tile_count, tile_base, first, tmp_off, tmp_val, out_idx, out_val], device)
-    return out_idx, out_val
+    if stream is None:
+        stream = torch.cuda.current_stream(device)
+    if host_count is None:
+        host_count = torch.empty(1, dtype=torch.int64, pin_memory=True)
+    return Collect(mod, tables, ntiles, vec, word, ref, first_room(hint, total_words), poison, stream,
+                   host_count)
 
 
 def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, low: Any, out_vals: Any,

@@ -269,6 +269,9 @@ class Compactor:
         self.ref_updated = False
         # tests: fill the scratch and the outputs with this byte first (an entry left unwritten shows)
         self.poison: int | None = None
+        # a compare started by launch: the keys' and the reference's addresses it read, its collect
+        self.pending: tuple[list[int], int, Any] | None = None
+        self._host_count: Any = None  # pinned: the collect's count for the host
 
     def _tables(self, views: Sequence[Any], ref: Any) -> None:
         import torch
@@ -308,36 +311,76 @@ class Compactor:
         within = np.arange(int(ntiles.sum()), dtype=np.int64) - np.repeat(first, ntiles)
         return tile_key, self.starts[:-1][tile_key] + within * tile
 
+    def _cuda(self) -> Any:
+        """The CUDA kernels' module where they run on this device (their tile tables made), else None."""
+        import torch
+
+        if self.device.type != "cuda":
+            return None
+        from weightsync.runtime import delta_cuda
+
+        mod = delta_cuda.module(self.device)
+        if mod is not None and self.cuda_tables is None:  # its tiles are larger (32 KB)
+            tile_key, tile_start = self._tiles(delta_cuda.tile_words(self.word))
+            self.cuda_tables = (*self.keys, torch.from_numpy(tile_key).to(self.device),
+                                torch.from_numpy(tile_start).to(self.device))
+        return mod
+
+    def launch(self, views: Sequence[Any], ref: Any, hint: int, stream: Any) -> bool:
+        """Starts the CUDA compare of the space on ``stream`` (which must wait for the keys' and the
+        reference's writers) and returns at once; the next :meth:`compare` with the same tensors takes
+        its outcome. False (nothing started) where the CUDA kernels do not run here: :meth:`compare`
+        does all of it then."""
+        import torch
+
+        self.pending = None
+        self._tables(views, ref)
+        mod = self._cuda() if self.usable else None
+        nt = int(self.cuda_tables[3].numel()) if mod is not None else 0
+        if not nt:
+            return False
+        from weightsync.runtime import delta_cuda
+
+        if self._host_count is None:
+            self._host_count = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        self.pending = (self.addrs, self.ref_addr, delta_cuda.launch(
+            mod, self.cuda_tables, nt, self.vec > 1, self.word, ref, hint, int(self.starts[-1]), self.poison,
+            stream, self._host_count))
+        self._note_cuda(nt, hint)
+        return True
+
+    def _note_cuda(self, nt: int, hint: int) -> None:
+        from weightsync.runtime.delta import first_room
+
+        self.backend = "cuda"
+        self.ref_updated = False
+        # the tiles' counts and places, the scratch of (16-bit word, value) per change
+        self.scratch_bytes = (2 * nt + 1) * 8 + first_room(hint, int(self.starts[-1])) * (2 + self.word)
+
     def compare(self, views: Sequence[Any], ref: Any, hint: int) -> tuple[Any, Any] | None:
         """The changed words of the space (``views``: its keys' word views in order, ``ref``: its
         reference) as (sorted int64 positions, values); the reference takes the values here where
         :attr:`ref_updated` says so after the call (the Triton kernels), else the caller copies them in
-        (the CUDA kernels). ``hint``: how many changed words to make room for first. None (nothing
-        done) where a key's address is not a whole number of words from the reference's (the torch path
-        compares that space)."""
+        (the CUDA kernels). ``hint``: how many changed words to make room for first. A compare started
+        by :meth:`launch` on these tensors is finished here. None (nothing done) where a key's address
+        is not a whole number of words from the reference's (the torch path compares that space)."""
         import torch
 
+        pending, self.pending = self.pending, None
         self._tables(views, ref)
+        if pending is not None and pending[0] == self.addrs and pending[1] == self.ref_addr:
+            return pending[2].finish()
         if not self.usable:
             return None
         total = int(self.starts[-1])
-        if self.device.type == "cuda":
+        mod = self._cuda()
+        if mod is not None:
             from weightsync.runtime import delta_cuda
-            from weightsync.runtime.delta import first_room
 
-            mod = delta_cuda.module(self.device)
-            if mod is not None:
-                if self.cuda_tables is None:  # its tiles are larger (32 KB)
-                    tile_key, tile_start = self._tiles(delta_cuda.tile_words(self.word))
-                    self.cuda_tables = (*self.keys, torch.from_numpy(tile_key).to(self.device),
-                                        torch.from_numpy(tile_start).to(self.device))
-                nt = int(self.cuda_tables[3].numel())
-                self.backend = "cuda"
-                self.ref_updated = False
-                # the tiles' counts and places, the scratch of (16-bit word, value) per change
-                self.scratch_bytes = (2 * nt + 1) * 8 + first_room(hint, total) * (2 + self.word)
-                return delta_cuda.compare(mod, self.cuda_tables, nt, self.vec > 1, self.word, ref, hint,
-                                          total, self.poison)
+            nt = int(self.cuda_tables[3].numel())
+            self._note_cuda(nt, hint)
+            return delta_cuda.compare(mod, self.cuda_tables, nt, self.vec > 1, self.word, ref, hint, total,
+                                      self.poison)
         if triton is None:
             return None
         self.backend = "triton"

@@ -685,13 +685,14 @@ class Source(Participant):
                                   "dropped as failed and none has joined again); nothing was written")
 
         t = time.perf_counter()
+        # The delta compare first: on a GPU it is only launched, and the device reads the tensors while
+        # the host snapshots the tails and announces; the grants travel meanwhile (nothing in a grant
+        # depends on the compare; its outcome is used only once a grant is in).
+        self._delta.start()
         self._snapshot_direct_tails()
         works: dict[int, DeltaWork] = {}
         failed: dict[int, str] = {}
-        # The announces first: the grants travel while the delta compare reads the tensors (nothing in a
-        # grant depends on the compare; the compare's outcome is used only once a grant is in).
         announces = self._announce(version, failed)
-        self._delta.start()  # compares the first part's tensors with what the last push sent
         transfers: list[tuple[int, Any]] = []
         imm = data_imm(self.epoch, version)
         relay_bits = relay_version_bits(version)
