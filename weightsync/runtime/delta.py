@@ -870,7 +870,8 @@ class DeltaSender:
             return False
         t0 = time.perf_counter()
         if self._compare_stream is None:
-            self._compare_stream = torch.cuda.Stream(self.device)
+            # the lowest priority: the push's own kernels (on its stream) go first
+            self._compare_stream = torch.cuda.Stream(self.device, priority=0)
         self._compare_stream.wait_stream(torch.cuda.current_stream(self.device))
         launched = False
         for sp in self._spaces.values():

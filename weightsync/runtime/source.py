@@ -382,7 +382,12 @@ class Source(Participant):
         self._last_push: PushHandle | None = None
         self._push_worker: PushWorker | None = None  # background pushes' thread, from the first one on
         self._closing = False
-        self._push_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Every push's own device work (the tails' snapshot, a delta's order and encode kernels) runs on
+        # this stream, at a higher priority than the delta compare's (weightsync.runtime.delta.
+        # DeltaSender.prefetch): a part's encode is not queued behind the next part's compare, whose
+        # blocks would otherwise fill the device first.
+        self._push_stream = (torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda"
+                             else None)
         self._tails: dict[int, _Tail] = {}
         self._staged_tails: dict[int, list[_Tail]] = {}
         self._snap: Any = None
@@ -653,8 +658,8 @@ class Source(Participant):
         return h
 
     def _run_push(self, h: PushHandle) -> PushStats:
-        """The push of ``h``, in its thread: on a GPU with the device (and, in the background, the push's
-        own stream) current, once the caller's last kernels are done."""
+        """The push of ``h``, in its thread: on a GPU with the device and the push's own stream current,
+        once the caller's last kernels are done."""
         if self.device.type != "cuda":
             return self._push_body(h)
         import torch
@@ -662,11 +667,12 @@ class Source(Participant):
         with torch.cuda.device(self.device):
             if h.background:
                 h._ready.synchronize()
-                with torch.cuda.stream(self._push_stream):
-                    return self._push_body(h)
-            # The engine reads the tensors outside torch's streams: the caller's last update must be done.
-            torch.cuda.current_stream(self.device).synchronize()
-            return self._push_body(h)
+            else:
+                # The engine reads the tensors outside torch's streams: the caller's last update must be
+                # done.
+                torch.cuda.current_stream(self.device).synchronize()
+            with torch.cuda.stream(self._push_stream):
+                return self._push_body(h)
 
     def _push_body(self, h: PushHandle) -> PushStats:
         version, timeout = h.version, h.timeout
