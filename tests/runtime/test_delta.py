@@ -163,17 +163,16 @@ def test_choose_break_even() -> None:
         assert _choose_many(ns, ks, w).tolist() == want
 
 
-def test_parts_cut_in_order_the_last_one_smaller() -> None:
+def test_parts_cut_in_order() -> None:
     from weightsync.runtime.delta import part_of
 
     ten = np.full(10, 100)
-    assert part_of(ten, 2, 1.0).tolist() == [0] * 5 + [1] * 5
-    assert part_of(ten, 4, 1.0).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
-    assert part_of(ten, 4, 0.5).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]  # the last part half of another
-    assert part_of(ten, 1, 0.5).tolist() == [0] * 10
-    # a tensor goes with the part its first byte falls in; a dominant one alone in its part
-    assert part_of(np.array([1, 1000, 1, 1]), 2, 1.0).tolist() == [0, 0, 1, 1]
-    assert part_of(np.zeros(3, np.int64), 3, 1.0).tolist() == [0, 0, 0]
+    assert part_of(ten, 2).tolist() == [0] * 5 + [1] * 5
+    assert part_of(ten, 4).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert part_of(ten, 1).tolist() == [0] * 10
+    # a tensor goes with the part its first byte falls in: a dominant one alone in its part
+    assert part_of(np.array([1, 1000, 1, 1]), 2).tolist() == [0, 0, 1, 1]
+    assert part_of(np.zeros(3, np.int64), 3).tolist() == [0, 0, 0]
 
 
 def test_placed_and_word() -> None:

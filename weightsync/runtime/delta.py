@@ -133,32 +133,28 @@ COMPARE_SLICE = 1 << 29
 SCRATCH = 1 << 25  # stream positions put in a bitmap at a time (int64: 256 MiB at most)
 ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
 MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsync.wire.MAX_SLOTS)
-# A push's early parts: the local tensors in order, cut into this many runs of about equal bytes. Each
-# part's direct writes are compared, decided, encoded and sent (entries, payload and header of their own)
-# before the next part is compared, and a destination scatters a part as soon as it has landed, so the
-# compare of one part overlaps the transfer and the apply of the ones before. The final part (the header
-# of old) carries the staged writes and the tail and completes the version. At most 7
-# (weightsync.wire.delta_part_imm). Each part costs host synchronizations and kernel launches on the
-# sender's critical path: on 2 x H100 (Llama-3-8B, 1.8% changed) 2 parts took 25.0 ms, 4 parts 27.1 and 1
-# part 27.1 (docs/BENCHMARKS.md).
-PARTS = 2
+# A push's early parts: the local tensors in order, cut into this many runs of about equal bytes
+# (part_of). Each part's direct writes are compared, decided, encoded and sent (entries, payload and header
+# of their own), and a destination scatters a part as soon as it has landed. On a GPU the next part's
+# compare is already running (launched ahead on a stream of lower priority, DeltaSender.prefetch) while
+# the host decides and encodes one part, so the compare overlaps the encode, transfer and apply of the
+# parts before; what follows the last part's compare is the one stretch nothing overlaps. The final part
+# (the header of old) carries the staged writes and the tail and completes the version. At most 7
+# (weightsync.wire.delta_part_imm). On 2 x H100 (Llama-3-8B, 1.8% changed, docs/BENCHMARKS.md) 4 parts
+# took 18.9 ms, 2 parts 21.8 and 6 parts (the last one half as large) 20.2.
+PARTS = 4
 assert PARTS <= DELTA_PARTS_MAX
-# The last early part's bytes against each other part's. What follows the last part's compare (its
-# encode, transfer and apply) is the one stretch of a push that nothing overlaps, so it pays to make that
-# part smaller than the others. Only the source cuts parts; the destination takes whatever it is sent.
-LAST_PART_SHARE = 1.0
 
 
-def part_of(nbytes: np.ndarray, parts: int = PARTS, last_share: float = LAST_PART_SHARE) -> np.ndarray:
-    """Each tensor's part (``nbytes``: the tensors' bytes, in order): runs in order whose bytes are
-    about equal, the last one ``last_share`` of another's; a tensor goes with the part its first byte
-    falls in."""
+def part_of(nbytes: np.ndarray, parts: int = PARTS) -> np.ndarray:
+    """Each tensor's part (``nbytes``: the tensors' bytes, in order): runs in order of about equal bytes;
+    a tensor goes with the part its first byte falls in (so one larger than a part has one to itself,
+    and the part after it may be empty)."""
     nbytes = np.asarray(nbytes, np.int64)
-    shares = np.ones(parts)
-    shares[-1] = last_share
-    bounds = np.cumsum(shares)[:-1] / shares.sum()  # where each part after the first starts, as a fraction
-    before = (np.cumsum(nbytes) - nbytes) / max(int(nbytes.sum()), 1)
-    return np.searchsorted(bounds, before, side="right").astype(np.int64)
+    before = np.cumsum(nbytes) - nbytes
+    return np.minimum(before * parts // max(int(nbytes.sum()), 1), parts - 1).astype(np.int64)
+
+
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
                           ("nbytes", "<i8"), ("entries", "<i8"), ("changed", "<i8"), ("room", "<i8")])
 ENTRY_DTYPE = np.dtype([("key", "<i4"), ("enc", "<i4"), ("word", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"),
