@@ -252,11 +252,21 @@ class Trainer:
         return {"changed_fraction": frac, "step": self.kept.adam.steps, "step_s": time.perf_counter() - t1,
                 "setup_s": t1 - t0, **self.kept.where()}
 
-    def push(self, kind: str, version: int) -> dict[str, Any]:
+    def push(self, kind: str, version: int, trace: str = "") -> dict[str, Any]:
+        """One push of group ``kind``; ``trace``: a path to write its CUDA timeline to (the push's start
+        and end on the host clock beside it, as ``push_ns``)."""
         _sync(self.dev)
+        prof = _profiler(self.dev) if trace else None
+        if prof is not None:
+            prof.start()
+        start_ns = time.time_ns()
         t0 = time.perf_counter()
         stats = ws.push(self.srcs[kind], version, timeout=300)
         wall = time.perf_counter() - t0
+        if prof is not None:
+            _sync(self.dev)
+            prof.stop()
+            _export(prof, trace, push_ns=[start_ns, start_ns + int(wall * 1e9)])
         sender = self.srcs[kind]._delta
         return {"wall_s": wall, "seconds": stats.seconds, "wire_bytes": stats.wire_bytes,
                 "dense_bytes": stats.dense_bytes, "changed_fraction": stats.changed_fraction,
@@ -298,6 +308,18 @@ class Rollout:
     def wait(self, version: int) -> list[int]:
         return [d.wait(version, timeout=300) for d in self.dsts.values()]
 
+    def trace(self, path: str = "") -> None:
+        """Starts recording this GPU's timeline (``path`` empty), or stops and writes it to ``path``."""
+        if not path:
+            self._prof = _profiler(self.dev)
+            if self._prof is not None:
+                self._prof.start()
+        elif getattr(self, "_prof", None) is not None:
+            _sync(self.dev)
+            self._prof.stop()
+            _export(self._prof, path)
+            self._prof = None
+
     def digests(self, kind: str) -> dict[str, int]:
         from scripts.bench_worker import local_view
 
@@ -327,6 +349,68 @@ def copy_bound_s(nbytes: int, cuda: bool, repeat: int = 5) -> tuple[float, str]:
         times.append(time.perf_counter() - t0)
     gbps = size / statistics.median(times) / 1e9
     return nbytes / (gbps * 1e9), f"host memcpy at {gbps:.1f} GB/s (for scale: the CPU pushes go over TCP)"
+
+
+def _profiler(dev: Any) -> Any:
+    """A torch profiler of this process's CUDA kernels and copies (every thread's: the destination's
+    scatter runs in its receiving thread), None on CPU."""
+    if dev.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA])
+
+
+def _export(prof: Any, path: str, **extra: Any) -> None:
+    """The device events of ``prof`` as JSON rows (name, start and end in ns on the host's clock, stream,
+    kind), with ``extra``."""
+    import json
+
+    prof.export_chrome_trace(path + ".chrome.json")
+    with open(path + ".chrome.json") as f:
+        trace = json.load(f)
+    base = int(trace.get("baseTimeNanoseconds", 0))
+    rows = [{"name": e["name"], "start": base + int(e["ts"] * 1e3),
+             "end": base + int((e["ts"] + e["dur"]) * 1e3), "stream": e.get("args", {}).get("stream", -1),
+             "cat": e.get("cat", "")}
+            for e in trace.get("traceEvents", [])
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    with open(path, "w") as f:
+        json.dump({"events": rows, **extra}, f)
+    os.unlink(path + ".chrome.json")
+
+
+def timeline(trainer_path: str, rollout_path: str) -> list[str]:
+    """One traced push in time order: runs of the same kernel or copy on one stream merged, in ms from
+    the push's start (host clock: both actors run on this host), the trainer's and the replica's."""
+    import json
+
+    with open(trainer_path) as f:
+        tr = json.load(f)
+    with open(rollout_path) as f:
+        ro = json.load(f)
+    t0, t1 = tr["push_ns"]
+    runs: list[tuple[int, int, str, str, int]] = []  # start, end, who, name, count
+    for who, events in (("trainer", tr["events"]), ("replica", ro["events"])):
+        cur: list[Any] | None = None
+        for e in sorted(events, key=lambda e: (e["stream"], e["start"])):
+            if e["end"] < t0 - 5_000_000 or e["start"] > t1 + 5_000_000:
+                continue
+            name = e["name"].split("(")[0][:48]
+            if cur is not None and cur[3] == name and cur[5] == e["stream"] and e["start"] - cur[1] < 200_000:
+                cur[1] = max(cur[1], e["end"])
+                cur[4] += 1
+                continue
+            if cur is not None:
+                runs.append(tuple(cur[:5]))  # type: ignore[arg-type]
+            cur = [e["start"], e["end"], f"{who} s{e['stream']}", name, 1, e["stream"]]
+        if cur is not None:
+            runs.append(tuple(cur[:5]))  # type: ignore[arg-type]
+    lines = [f"push {(t1 - t0) / 1e6:.2f} ms (host clock); device work from its start, ms:"]
+    for a, b, who, name, n in sorted(runs):
+        times = f"  {(a - t0) / 1e6:8.2f} {(b - t0) / 1e6:8.2f}"
+        lines.append(f"{times}  {who:<12} {name}{f' x{n}' if n > 1 else ''}")
+    return lines
 
 
 def _med(xs: list[float]) -> float:
@@ -409,7 +493,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 version += 1
                 deltas = [k for k in kinds if k != "dense"]
                 for kind in ["dense", *(deltas if n % 2 else deltas[::-1])]:
-                    r = ray.get(trainer.push.remote(kind, version), timeout=1200)
+                    trace = ""
+                    last = n == untimed + args.steps - 1 and lr == args.lrs[0]
+                    if args.profile and cuda and kind == "delta" and last:
+                        os.makedirs(args.profile, exist_ok=True)
+                        trace = os.path.join(args.profile, "trainer.json")
+                        ray.get(rollout.trace.remote(), timeout=600)
+                    r = ray.get(trainer.push.remote(kind, version, trace), timeout=1200)
+                    if trace:
+                        ray.get(rollout.wait.remote(version), timeout=600)
+                        replica = os.path.join(args.profile, "replica.json")
+                        ray.get(rollout.trace.remote(replica), timeout=600)
+                        print("\n".join(timeline(trace, replica)), flush=True)
                     if n >= untimed:
                         rows[kind].append(r)
                 if n >= untimed:
@@ -789,6 +884,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the delta inbox, a fraction of the model bytes")
     ap.add_argument("--out", default="", help="write the JSON result here too")
     ap.add_argument("--verbose", action="store_true", help="show the actors' logs")
+    ap.add_argument("--profile", default="", help="trace the last timed delta push of the first lr on both "
+                    "GPUs (torch.profiler) into this folder and print its timeline")
     ap.add_argument("--compare", action="store_true", help="the sender's compare alone on one device, kernel "
                     "and torch paths from the same reference, checked equal (one GPU)")
     ap.add_argument("--changed", type=float, default=0.0423, help="--compare: fraction of words changed")
