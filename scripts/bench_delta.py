@@ -95,6 +95,7 @@ from scripts.bench_common import (  # noqa: E402
     step_span,
     untimed_steps,
 )
+from weightsync.runtime import trace as marks  # noqa: E402
 
 
 def adam_step(master: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], gen: torch.Generator,
@@ -258,6 +259,8 @@ class Trainer:
         _sync(self.dev)
         prof = _profiler(self.dev) if trace else None
         if prof is not None:
+            marks.take()
+            marks.enable()
             prof.start()
         start_ns = time.time_ns()
         t0 = time.perf_counter()
@@ -266,7 +269,8 @@ class Trainer:
         if prof is not None:
             _sync(self.dev)
             prof.stop()
-            _export(prof, trace, push_ns=[start_ns, start_ns + int(wall * 1e9)])
+            marks.enable(False)
+            _export(prof, trace, push_ns=[start_ns, start_ns + int(wall * 1e9)], marks=marks.take())
         sender = self.srcs[kind]._delta
         return {"wall_s": wall, "seconds": stats.seconds, "wire_bytes": stats.wire_bytes,
                 "dense_bytes": stats.dense_bytes, "changed_fraction": stats.changed_fraction,
@@ -313,11 +317,14 @@ class Rollout:
         if not path:
             self._prof = _profiler(self.dev)
             if self._prof is not None:
+                marks.take()
+                marks.enable()
                 self._prof.start()
         elif getattr(self, "_prof", None) is not None:
             _sync(self.dev)
             self._prof.stop()
-            _export(self._prof, path)
+            marks.enable(False)
+            _export(self._prof, path, marks=marks.take())
             self._prof = None
 
     def digests(self, kind: str) -> dict[str, int]:
@@ -406,6 +413,8 @@ def timeline(trainer_path: str, rollout_path: str) -> list[str]:
             cur = [e["start"], e["end"], f"{who} s{e['stream']}", name, 1, e["stream"]]
         if cur is not None:
             runs.append(tuple(cur[:5]))  # type: ignore[arg-type]
+        for t, label in (tr if who == "trainer" else ro).get("marks", []):  # weightsync.runtime.trace
+            runs.append((t, t, f"{who} host", label, 1))
     lines = [f"push {(t1 - t0) / 1e6:.2f} ms (host clock); device work from its start, ms:"]
     for a, b, who, name, n in sorted(runs):
         times = f"  {(a - t0) / 1e6:8.2f} {(b - t0) / 1e6:8.2f}"

@@ -47,6 +47,7 @@ from weightsync.runtime.delta import DELTA_KEY, PARTS, DeltaReceiver
 from weightsync.runtime.links import PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.relay import RelayMember, consumed
+from weightsync.runtime.trace import mark
 from weightsync.wire import (
     ACK,
     ACK_RECORD,
@@ -423,6 +424,7 @@ class Destination(Participant):
         """Writes one grant record to sources ``ranks`` (and, for a granted version in a relay chain, to the
         predecessor, which forwards into this member)."""
         slot = self._grant_record(version, shadow, status, held)
+        mark("destination %d version %d: grant %d to %s", self.rank, version, status, ranks)
         writes = []
         # (what, link, sender index of the grant slot at the receiver)
         targets = [(f"source {r}", self._sources[r], self.rank) for r in ranks if r in self._sources]
@@ -551,13 +553,16 @@ class Destination(Participant):
         complete, reason = self._count(headers, len(sources), target, deadline, between)
         if not complete:
             return False, reason
+        mark("destination %d version %d: part %s headers in", self.rank, target, part)
         try:
             total = inbox.read_headers(sources, self.epoch, target, part)
         except WeightSyncError as exc:
             return False, str(exc)
         complete, reason = self._count(payloads, total, target, deadline, between)
         if complete:
+            mark("destination %d: part %s payloads in", self.rank, part)
             inbox.read_entries()
+            mark("destination %d: part %s entries read", self.rank, part)
         return complete, reason
 
     def _land_parts(self, target: int, buffer: int, counter: Any, deadline: float,
@@ -574,6 +579,7 @@ class Destination(Participant):
             if not complete:
                 return False, reason
             self._delta.apply(buffer)
+            mark("destination %d: part %d applied", self.rank, part)
         headers = self.engine.counter(delta_header_imm(self.epoch, target))
         return self._read_part(target, None, headers, counter, deadline, between)
 
@@ -734,6 +740,7 @@ class Destination(Participant):
         return armed
 
     def _ack(self, version: int, next_buffer: int, apply_us: int = 0) -> None:
+        mark("destination %d version %d: ack", self.rank, version)
         slot = version & 1
         # ``reserved``: microseconds this destination spent scattering a delta (PushStats.apply_seconds).
         self._outbox[slot] = (version, next_buffer, apply_us)

@@ -64,6 +64,7 @@ from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, PushWorker, watched_tensors
 from weightsync.runtime.staging import Staging
+from weightsync.runtime.trace import mark
 from weightsync.wire import (
     ACK,
     ACK_RECORD,
@@ -694,11 +695,13 @@ class Source(Participant):
         # The delta compare first: on a GPU it is only launched, and the device reads the tensors while
         # the host snapshots the tails and announces; the grants travel meanwhile (nothing in a grant
         # depends on the compare; its outcome is used only once a grant is in).
+        mark("source %d push %d: start", self.rank, version)
         self._delta.start()
         self._snapshot_direct_tails()
         works: dict[int, DeltaWork] = {}
         failed: dict[int, str] = {}
         announces = self._announce(version, failed)
+        mark("source %d: announced", self.rank)
         transfers: list[tuple[int, Any]] = []
         imm = data_imm(self.epoch, version)
         relay_bits = relay_version_bits(version)
@@ -732,6 +735,7 @@ class Source(Participant):
                         works[r] = self._delta.begin(r, grants.bases.get(r, -1), self._dests[r].batch.bytes)
                         owner[r] = r
                 parted = deciders = sorted(owner)
+            mark("source %d: granted by %s", self.rank, sorted(ranks))
             plain = {r for r in ranks if r not in owner and r not in self._delta.inboxes}
             transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, plain))
             for part in range(PARTS):
@@ -739,9 +743,11 @@ class Source(Participant):
                 keeps = {r: decided[o] for r, o in owner.items()}
                 if keeps:
                     transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, set(keeps), keeps))
+                mark("source %d: part %d decided", self.rank, part)
                 for r in parted:
                     if r not in failed:
                         transfers.extend(self._post_part(r, version, part, works[r], failed))
+                mark("source %d: part %d posted", self.rank, part)
             # The reference takes every change of this push, asked for or not (before the tensors' check).
             self._delta.compare_all()
 
@@ -787,6 +793,7 @@ class Source(Participant):
             headed = [r for r in ready if r in works and r not in sent_headers]
             sent_headers.update(headed)
             tails.extend(self._post_headers(version, imm, failed, headed, works))
+            mark("source %d: committed, tails and final parts posted to %s", self.rank, sorted(ranks))
 
         grants = _Grants(self, version, deadline, announces, failed, post_rounds, commit)
         # The staged pipeline prepares its first chunks while the grants travel; its first post opens the
@@ -818,6 +825,7 @@ class Source(Participant):
         t = time.perf_counter()
         waiting = {r for r in self._dests if r not in failed and r not in grants.refused}
         acked = self._await_acks(version, waiting, deadline)
+        mark("source %d: acked by %s", self.rank, sorted(acked))
         phases["ack"] = time.perf_counter() - t
         for r in waiting - acked:
             failed[r] = (f"no grant of version {version} within {timeout} s" if r in grants.ungranted else
