@@ -203,7 +203,10 @@ class Lane {
   virtual int post_write(const WriteRequest& req) = 0;
   // Appends up to `max` completions to `out`; returns how many were appended.
   virtual size_t poll(std::vector<Completion>& out, size_t max) = 0;
-  // Sleeps until a completion may be ready, `signal()` is called, or `timeout_ms` passes.
+  // Called by the worker before it looks for new work (commands, writes to post): a `wait` after it
+  // returns at once if `signal()` came in between, so a signal is never lost in that window.
+  virtual void arm() {}
+  // Sleeps until a completion may be ready, `signal()` is called (since `arm`), or `timeout_ms` passes.
   virtual void wait(int timeout_ms) = 0;
   // Wakes a concurrent `wait` (the only method another thread may call, with set_region_live).
   virtual void signal() = 0;

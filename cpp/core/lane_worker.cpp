@@ -136,6 +136,7 @@ void LaneWorker::run() {
   completions.reserve(256);
   while (true) {
     bool stopping;
+    lane_->arm();  // before looking: a signal from here on ends the wait below at once
     {
       std::lock_guard<std::mutex> lock(mu_);
       commands.swap(commands_);

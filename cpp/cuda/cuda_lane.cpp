@@ -431,7 +431,7 @@ void CudaLane::wait(int timeout_ms) {
   const auto idle = std::chrono::steady_clock::now() - last_busy_;
   if (inflight_.empty() && ready_.empty() && landing_.empty() &&
       idle > std::chrono::duration<double, std::micro>(spin_us_)) {
-    ring_.sleep(int64_t(timeout_ms) * 1000);
+    ring_.sleep(int64_t(timeout_ms) * 1000, ticket_);
   } else {
     // A timed sleep would cost the timer slack (50 us by default) on every completion: yield instead.
     std::this_thread::yield();

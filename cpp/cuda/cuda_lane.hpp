@@ -65,6 +65,7 @@ class CudaLane final : public Lane, public LocalCopies {
 
   int post_write(const WriteRequest& req) override;
   size_t poll(std::vector<Completion>& out, size_t max) override;
+  void arm() override { ticket_ = ring_.ticket(); }
   void wait(int timeout_ms) override;
   void signal() override;
 
@@ -135,6 +136,7 @@ class CudaLane final : public Lane, public LocalCopies {
   double spin_us_ = 0;
   std::chrono::steady_clock::time_point last_busy_{};
   ImmRing ring_;                                  // immediates other processes push to us
+  uint32_t ticket_ = 0;                           // the ring's bell when the worker last armed
   std::unordered_map<uint64_t, ImmRing> peer_rings_;  // by peer handle: where we push theirs
   std::unordered_map<uint64_t, int> peer_pids_;       // by peer handle: to notice a peer that exited
   uint64_t next_peer_ = 1;

@@ -110,14 +110,17 @@ bool ImmRing::pop(uint32_t& imm) {
   return true;
 }
 
-void ImmRing::sleep(int64_t timeout_us) {
-  const uint32_t bell = shared_->bell.load(std::memory_order_acquire);
+uint32_t ImmRing::ticket() const { return shared_->bell.load(std::memory_order_seq_cst); }
+
+void ImmRing::sleep(int64_t timeout_us, uint32_t ticket) {
   shared_->sleeping.store(1, std::memory_order_seq_cst);
-  // Re-check after announcing that we sleep: a push in between has rung the bell or is visible now.
+  // Re-check after announcing that we sleep: a push in between has rung the bell or is visible now. A
+  // wake since the ticket has moved the bell, so the futex does not wait.
   Slot& next = shared_->slots[tail_ & (kSlots - 1)];
-  if (next.seq.load(std::memory_order_acquire) != tail_ + 1) {
+  if (next.seq.load(std::memory_order_acquire) != tail_ + 1 &&
+      shared_->bell.load(std::memory_order_seq_cst) == ticket) {
     timespec ts{static_cast<time_t>(timeout_us / 1000000), static_cast<long>((timeout_us % 1000000) * 1000)};
-    futex(&shared_->bell, FUTEX_WAIT, bell, &ts);
+    futex(&shared_->bell, FUTEX_WAIT, ticket, &ts);
   }
   shared_->sleeping.store(0, std::memory_order_relaxed);
 }

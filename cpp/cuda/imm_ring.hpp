@@ -38,8 +38,13 @@ class ImmRing {
   bool push(uint32_t imm);
   // Consumer: true and the next immediate, or false when empty.
   bool pop(uint32_t& imm);
-  // Consumer: sleeps until something is pushed, wake() is called, or timeout_us passes.
-  void sleep(int64_t timeout_us);
+  // Consumer: the bell's count now. Taken before the consumer last looks for work, it makes sleep()
+  // return at once for a wake() that came after that look (it would otherwise be lost: the waker saw no
+  // sleeper, and the sleeper would wait on the bell as the wake left it).
+  uint32_t ticket() const;
+  // Consumer: sleeps until something is pushed, wake() is called after `ticket` was taken, or timeout_us
+  // passes.
+  void sleep(int64_t timeout_us, uint32_t ticket);
   // Wakes a sleeping consumer (producers call it after push; the owner for its own work queue).
   void wake();
 

@@ -45,3 +45,24 @@ def test_open_of_a_missing_ring_is_an_error() -> None:
 
     with pytest.raises(ws.TransportError, match="cannot open the immediate ring"):
         ImmRing.open(os.getpid(), 987654)
+
+
+def test_a_wake_after_the_ticket_ends_the_sleep_at_once() -> None:
+    # The worker takes a ticket before it looks for work; a wake in between (a write submitted after the
+    # look, before the sleep) must end the sleep at once. Taking the bell inside the sleep lost it: the
+    # worker slept out its timeout with the write queued.
+    ring = ImmRing.create()
+    ticket = ring.ticket()
+    ring.wake()
+    t0 = time.monotonic()
+    ring.sleep(5_000_000, ticket)
+    assert time.monotonic() - t0 < 1.0
+    # no wake since the ticket: the sleep lasts its timeout
+    t0 = time.monotonic()
+    ring.sleep(100_000, ring.ticket())
+    assert time.monotonic() - t0 >= 0.09
+    # a wake before a sleep without a ticket is the sleep's own business: it takes the bell as it is
+    ring.wake()
+    t0 = time.monotonic()
+    ring.sleep(100_000)
+    assert time.monotonic() - t0 >= 0.09

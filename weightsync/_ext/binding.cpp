@@ -193,7 +193,13 @@ NB_MODULE(_core, m) {
         if (r.pop(imm)) return imm;
         return std::nullopt;
       })
-      .def("sleep", &ws::ImmRing::sleep, "timeout_us"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("ticket", &ws::ImmRing::ticket)
+      .def(
+          "sleep",
+          [](ws::ImmRing& r, int64_t timeout_us, std::optional<uint32_t> ticket) {
+            r.sleep(timeout_us, ticket ? *ticket : r.ticket());
+          },
+          "timeout_us"_a, "ticket"_a = nb::none(), nb::call_guard<nb::gil_scoped_release>())
       .def("wake", &ws::ImmRing::wake)
       .def("set_live", &ws::ImmRing::set_live, "region_id"_a, "live"_a)
       .def("is_live", &ws::ImmRing::is_live, "region_id"_a)
