@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import weightsync as ws
+import weightsync.runtime.delta as delta_module
 from weightsync.runtime.delta import (
     BLOCK,
     ENC_BITMAP,
@@ -167,12 +168,16 @@ def test_parts_cut_in_order() -> None:
     from weightsync.runtime.delta import part_of
 
     ten = np.full(10, 100)
-    assert part_of(ten, 2).tolist() == [0] * 5 + [1] * 5
-    assert part_of(ten, 4).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
-    assert part_of(ten, 1).tolist() == [0] * 10
+    assert part_of(ten, 2, 1).tolist() == [0] * 5 + [1] * 5
+    assert part_of(ten, 4, 1).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert part_of(ten, 1, 1).tolist() == [0] * 10
     # a tensor goes with the part its first byte falls in: a dominant one alone in its part
-    assert part_of(np.array([1, 1000, 1, 1]), 2).tolist() == [0, 0, 1, 1]
-    assert part_of(np.zeros(3, np.int64), 3).tolist() == [0, 0, 0]
+    assert part_of(np.array([1, 1000, 1, 1]), 2, 1).tolist() == [0, 0, 1, 1]
+    assert part_of(np.zeros(3, np.int64), 3, 1).tolist() == [0, 0, 0]
+    # no part under min_bytes where that can be: fewer parts, the last ones empty
+    assert part_of(ten, 4, 300).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert part_of(ten, 4, 250).tolist() == part_of(ten, 4, 1).tolist()
+    assert part_of(ten, 4, 10_000).tolist() == [0] * 10
 
 
 def test_placed_and_word() -> None:
@@ -344,6 +349,13 @@ class Team:
         self.group.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def every_part_filled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The models here are kilobytes: left to MIN_PART_BYTES every source would fill one part, and the
+    # early parts' paths (scattered while the next is compared and sent) would go untested.
+    monkeypatch.setattr(delta_module, "MIN_PART_BYTES", 1)
+
+
 @pytest.fixture
 def team_factory(ray_cluster) -> Iterator[Callable[..., Team]]:
     teams: list[Team] = []
@@ -462,6 +474,19 @@ def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_facto
         team.check()
         assert all(s.delta_destinations == [0, 1, 2] and s.failed_destinations == [] for s in stats), case
     assert any(launched), "no compare was launched ahead"
+
+
+def test_a_small_model_fills_one_part_and_sends_the_others_empty(team_factory, monkeypatch) -> None:
+    monkeypatch.setattr(delta_module, "MIN_PART_BYTES", 1 << 28)  # as shipped: these kilobytes, one part
+    team = team_factory("delta-one-part", ["tp0", "replica"], ["inplace", "staged"])
+    assert all(int(s._delta._key_part.max()) == 0 for s in team.srcs)
+    team.push()
+    team.check()
+    for v, case in enumerate(("odd", "none", "one", "all"), start=1):
+        team.set(step(team.full, case, seed=v))
+        stats = team.push()
+        team.check()
+        assert all(s.delta_destinations == [0, 1] and s.failed_destinations == [] for s in stats), case
 
 
 def test_strided_source_rows_written_directly_and_compared_in_slices(team_factory, monkeypatch) -> None:

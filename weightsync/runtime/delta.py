@@ -144,15 +144,25 @@ MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsyn
 # took 18.9 ms, 2 parts 21.8 and 6 parts (the last one half as large) 20.2.
 PARTS = 4
 assert PARTS <= DELTA_PARTS_MAX
+# The fewest bytes worth a part of their own. A part costs its own waits (headers, payload immediates, a
+# host synchronization on each side) whatever its size, while what it overlaps grows with its bytes: a
+# source with less than PARTS times this fills fewer parts, and the others go empty (their headers
+# only). The RL loop example's 0.6 MB model on the CPU VM: push median 48.6 ms in one part against 57.3
+# in four (docs/BENCHMARKS.md).
+MIN_PART_BYTES = 1 << 28
 
 
-def part_of(nbytes: np.ndarray, parts: int = PARTS) -> np.ndarray:
-    """Each tensor's part (``nbytes``: the tensors' bytes, in order): runs in order of about equal bytes;
-    a tensor goes with the part its first byte falls in (so one larger than a part has one to itself,
-    and the part after it may be empty)."""
+def part_of(nbytes: np.ndarray, parts: int = PARTS, min_bytes: int | None = None) -> np.ndarray:
+    """Each tensor's part (``nbytes``: the tensors' bytes, in order): runs in order of about equal bytes,
+    as many as ``parts`` but none under ``min_bytes`` (None: :data:`MIN_PART_BYTES`) where that can be
+    (the rest empty); a tensor goes with the part its first byte falls in (so one larger than a part has
+    one to itself, and the part after it may be empty)."""
     nbytes = np.asarray(nbytes, np.int64)
+    total = int(nbytes.sum())
+    least = MIN_PART_BYTES if min_bytes is None else min_bytes
+    used = max(1, min(parts, total // max(least, 1)))
     before = np.cumsum(nbytes) - nbytes
-    return np.minimum(before * parts // max(int(nbytes.sum()), 1), parts - 1).astype(np.int64)
+    return np.minimum(before * used // max(total, 1), used - 1).astype(np.int64)
 
 
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
