@@ -257,20 +257,13 @@ class Trainer:
         """One push of group ``kind``; ``trace``: a path to write its CUDA timeline to (the push's start
         and end on the host clock beside it, as ``push_ns``)."""
         _sync(self.dev)
-        prof = _profiler(self.dev) if trace else None
-        if prof is not None:
-            marks.take()
-            marks.enable()
-            prof.start()
+        rec = _record(self.dev) if trace else None
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         stats = ws.push(self.srcs[kind], version, timeout=300)
         wall = time.perf_counter() - t0
-        if prof is not None:
-            _sync(self.dev)
-            prof.stop()
-            marks.enable(False)
-            _export(prof, trace, push_ns=[start_ns, start_ns + int(wall * 1e9)], marks=marks.take())
+        if rec is not None:
+            rec.stop(trace, push_ns=[start_ns, start_ns + int(wall * 1e9)])
         sender = self.srcs[kind]._delta
         return {"wall_s": wall, "seconds": stats.seconds, "wire_bytes": stats.wire_bytes,
                 "dense_bytes": stats.dense_bytes, "changed_fraction": stats.changed_fraction,
@@ -295,6 +288,7 @@ class Rollout:
 
         self.dev = _device()
         self.params = rollout_params(model_config(model), 1, 0)
+        self._rec: _Recording | None = None  # trace(): this GPU's timeline while a push is traced
         self.local: dict[str, dict[str, torch.Tensor]] = {}
         self.dsts: dict[str, ws.Destination] = {}
         nbytes = sum(torch.Size(p.shape).numel() * 2 for p in self.params)
@@ -315,17 +309,10 @@ class Rollout:
     def trace(self, path: str = "") -> None:
         """Starts recording this GPU's timeline (``path`` empty), or stops and writes it to ``path``."""
         if not path:
-            self._prof = _profiler(self.dev)
-            if self._prof is not None:
-                marks.take()
-                marks.enable()
-                self._prof.start()
-        elif getattr(self, "_prof", None) is not None:
-            _sync(self.dev)
-            self._prof.stop()
-            marks.enable(False)
-            _export(self._prof, path, marks=marks.take())
-            self._prof = None
+            self._rec = _record(self.dev)
+        elif self._rec is not None:
+            self._rec.stop(path)
+            self._rec = None
 
     def digests(self, kind: str) -> dict[str, int]:
         from scripts.bench_worker import local_view
@@ -358,14 +345,31 @@ def copy_bound_s(nbytes: int, cuda: bool, repeat: int = 5) -> tuple[float, str]:
     return nbytes / (gbps * 1e9), f"host memcpy at {gbps:.1f} GB/s (for scale: the CPU pushes go over TCP)"
 
 
-def _profiler(dev: Any) -> Any:
-    """A torch profiler of this process's CUDA kernels and copies (every thread's: the destination's
-    scatter runs in its receiving thread), None on CPU."""
-    if dev.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
+class _Recording:
+    """This process's device timeline (torch.profiler: every thread's CUDA kernels and copies; the
+    destination's scatter runs in its receiving thread) and weightsync.runtime.trace's host marks, from
+    its making to :meth:`stop`."""
 
-    return profile(activities=[ProfilerActivity.CUDA])
+    def __init__(self, dev: Any) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.dev = dev
+        self.prof = profile(activities=[ProfilerActivity.CUDA])
+        marks.take()
+        marks.enable()
+        self.prof.start()
+
+    def stop(self, path: str, **extra: Any) -> None:
+        """Stops recording and writes what was recorded to ``path`` (:func:`_export`), with ``extra``."""
+        _sync(self.dev)
+        self.prof.stop()
+        marks.enable(False)
+        _export(self.prof, path, marks=marks.take(), **extra)
+
+
+def _record(dev: Any) -> _Recording | None:
+    """A recording started on a GPU; None on CPU."""
+    return _Recording(dev) if dev.type == "cuda" else None
 
 
 def _export(prof: Any, path: str, **extra: Any) -> None:
