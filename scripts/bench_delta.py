@@ -253,11 +253,12 @@ class Trainer:
         return {"changed_fraction": frac, "step": self.kept.adam.steps, "step_s": time.perf_counter() - t1,
                 "setup_s": t1 - t0, **self.kept.where()}
 
-    def push(self, kind: str, version: int, trace: str = "") -> dict[str, Any]:
-        """One push of group ``kind``; ``trace``: a path to write its CUDA timeline to (the push's start
-        and end on the host clock beside it, as ``push_ns``)."""
+    def push(self, kind: str, version: int, trace: str = "", device_events: bool = True) -> dict[str, Any]:
+        """One push of group ``kind``; ``trace``: a path to write its timeline to (host marks, with
+        ``device_events`` the CUDA kernels and copies too; the push's start and end on the host clock
+        beside them, as ``push_ns``)."""
         _sync(self.dev)
-        rec = _record(self.dev) if trace else None
+        rec = _record(self.dev, device_events) if trace else None
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         stats = ws.push(self.srcs[kind], version, timeout=300)
@@ -306,10 +307,10 @@ class Rollout:
     def wait(self, version: int) -> list[int]:
         return [d.wait(version, timeout=300) for d in self.dsts.values()]
 
-    def trace(self, path: str = "") -> None:
+    def trace(self, path: str = "", device_events: bool = True) -> None:
         """Starts recording this GPU's timeline (``path`` empty), or stops and writes it to ``path``."""
         if not path:
-            self._rec = _record(self.dev)
+            self._rec = _record(self.dev, device_events)
         elif self._rec is not None:
             self._rec.stop(path)
             self._rec = None
@@ -350,45 +351,50 @@ class _Recording:
     destination's scatter runs in its receiving thread) and weightsync.runtime.trace's host marks, from
     its making to :meth:`stop`."""
 
-    def __init__(self, dev: Any) -> None:
+    def __init__(self, dev: Any, device_events: bool) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         self.dev = dev
-        self.prof = profile(activities=[ProfilerActivity.CUDA])
+        self.prof = profile(activities=[ProfilerActivity.CUDA]) if device_events else None
         marks.take()
         marks.enable()
-        self.prof.start()
+        if self.prof is not None:
+            self.prof.start()
 
     def stop(self, path: str, **extra: Any) -> None:
         """Stops recording and writes what was recorded to ``path`` (:func:`_export`), with ``extra``."""
         _sync(self.dev)
-        self.prof.stop()
+        if self.prof is not None:
+            self.prof.stop()
         marks.enable(False)
         _export(self.prof, path, marks=marks.take(), **extra)
 
 
-def _record(dev: Any) -> _Recording | None:
-    """A recording started on a GPU; None on CPU."""
-    return _Recording(dev) if dev.type == "cuda" else None
+def _record(dev: Any, device_events: bool = True) -> _Recording | None:
+    """A recording started on a GPU (``device_events``: the profiler's kernels and copies too, which slow
+    every CUDA call; else the host marks alone); None for device events on CPU."""
+    return _Recording(dev, device_events) if dev.type == "cuda" or not device_events else None
 
 
 def _export(prof: Any, path: str, **extra: Any) -> None:
-    """The device events of ``prof`` as JSON rows (name, start and end in ns on the host's clock, stream,
-    kind), with ``extra``."""
+    """The device events of ``prof`` (None: none recorded) as JSON rows (name, start and end in ns on the
+    host's clock, stream, kind), with ``extra``."""
     import json
 
-    prof.export_chrome_trace(path + ".chrome.json")
-    with open(path + ".chrome.json") as f:
-        trace = json.load(f)
-    base = int(trace.get("baseTimeNanoseconds", 0))
-    rows = [{"name": e["name"], "start": base + int(e["ts"] * 1e3),
-             "end": base + int((e["ts"] + e["dur"]) * 1e3), "stream": e.get("args", {}).get("stream", -1),
-             "cat": e.get("cat", "")}
-            for e in trace.get("traceEvents", [])
-            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    rows: list[dict[str, Any]] = []
+    if prof is not None:
+        prof.export_chrome_trace(path + ".chrome.json")
+        with open(path + ".chrome.json") as f:
+            trace = json.load(f)
+        base = int(trace.get("baseTimeNanoseconds", 0))
+        rows = [{"name": e["name"], "start": base + int(e["ts"] * 1e3),
+                 "end": base + int((e["ts"] + e["dur"]) * 1e3), "stream": e.get("args", {}).get("stream", -1),
+                 "cat": e.get("cat", "")}
+                for e in trace.get("traceEvents", [])
+                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        os.unlink(path + ".chrome.json")
     with open(path, "w") as f:
         json.dump({"events": rows, **extra}, f)
-    os.unlink(path + ".chrome.json")
 
 
 def timeline(trainer_path: str, rollout_path: str) -> list[str]:
@@ -461,13 +467,20 @@ def _summary(lr: float, kind: str, d: list[dict[str, Any]], x: list[dict[str, An
     return res
 
 
+def _cuda_env() -> dict[str, str]:
+    """CUDA settings of this process that the actors must share: how many hardware queues a GPU's
+    streams are spread over (CUDA_DEVICE_MAX_CONNECTIONS; fewer than the streams in use serialize some of
+    them behind each other)."""
+    return {k: os.environ[k] for k in ("CUDA_DEVICE_MAX_CONNECTIONS",) if k in os.environ}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     if cuda and torch.cuda.device_count() < 2:
         raise SystemExit(f"--device cuda needs 2 GPUs, found {torch.cuda.device_count()}")
     ray.init(address="local", num_cpus=4, num_gpus=2 if cuda else 0, include_dashboard=False,
              log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT, **NO_MULTICAST,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, **NO_MULTICAST, **_cuda_env(),
                                        "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
     kinds = ("dense", "delta", "delta-torch") if args.ab else ("dense", "delta")
     groups = {kind: f"bench-delta-{kind}-{os.getpid()}" for kind in kinds}
@@ -508,14 +521,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for kind in ["dense", *(deltas if n % 2 else deltas[::-1])]:
                     trace = ""
                     last = n == untimed + args.steps - 1 and lr == args.lrs[0]
-                    if args.profile and cuda and kind == "delta" and last:
-                        os.makedirs(args.profile, exist_ok=True)
-                        trace = os.path.join(args.profile, "trainer.json")
-                        ray.get(rollout.trace.remote(), timeout=600)
-                    r = ray.get(trainer.push.remote(kind, version, trace), timeout=1200)
+                    # --profile: the last timed push, device events too; --marks: every timed one, host
+                    # marks alone (they cost a clock read each: the pushes stay in the medians)
+                    marked = args.marks and n >= untimed and lr == args.lrs[0]
+                    folder = args.profile or args.marks
+                    events = bool(args.profile and cuda and last)
+                    if kind == "delta" and (events or marked):
+                        os.makedirs(folder, exist_ok=True)
+                        trace = os.path.join(folder, f"trainer-{version}.json")
+                        ray.get(rollout.trace.remote("", events), timeout=600)
+                    r = ray.get(trainer.push.remote(kind, version, trace, events), timeout=1200)
                     if trace:
                         ray.get(rollout.wait.remote(version), timeout=600)
-                        replica = os.path.join(args.profile, "replica.json")
+                        replica = os.path.join(folder, f"replica-{version}.json")
                         ray.get(rollout.trace.remote(replica), timeout=600)
                         print("\n".join(timeline(trace, replica)), flush=True)
                     if n >= untimed:
@@ -897,6 +915,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the delta inbox, a fraction of the model bytes")
     ap.add_argument("--out", default="", help="write the JSON result here too")
     ap.add_argument("--verbose", action="store_true", help="show the actors' logs")
+    ap.add_argument("--marks", default="", help="record the host marks (weightsync.runtime.trace, no "
+                    "profiler) of every timed delta push of the first lr into this folder and print them")
     ap.add_argument("--profile", default="", help="trace the last timed delta push of the first lr on both "
                     "GPUs (torch.profiler) into this folder and print its timeline")
     ap.add_argument("--compare", action="store_true", help="the sender's compare alone on one device, kernel "
