@@ -448,9 +448,10 @@ def test_every_case_bitwise_on_inplace_and_staged_with_a_reader(team_factory) ->
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_factory, monkeypatch) -> None:
-    # The sources' tensors on the GPU: each part's CUDA compare is launched on a stream of its own before
-    # the host needs it (the first two at the push's start, the next while the host takes the one before
-    # on), and a launched compare must see the tensors as the caller last updated them on its stream.
+    # The sources' tensors on the GPU: every part's CUDA compare is launched on a stream of its own at the
+    # push's start, and a launched compare must see the tensors as the caller last updated them on its
+    # stream. (GPU destinations cannot share this process: it cannot open its own CUDA IPC handles; the
+    # replica of scripts/bench_delta.py is one, its bytes checked after every push.)
     from weightsync.runtime import delta_cuda
     from weightsync.runtime.delta_kernels import Compactor
 
@@ -468,12 +469,16 @@ def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_facto
                         source_device="cuda")
     team.push()
     team.check()
+    team.start_reader(2)  # a generation loop applying each version as it completes: never a mix
     for v, case in enumerate(CASES, start=1):
         team.set(step(team.full, case, seed=v))
         stats = team.push()
         team.check()
         assert all(s.delta_destinations == [0, 1, 2] and s.failed_destinations == [] for s in stats), case
     assert any(launched), "no compare was launched ahead"
+    time.sleep(0.2)
+    assert team.mixed == []
+    assert team.reads[2], "the reader applied no version"
 
 
 def test_a_small_model_fills_one_part_and_sends_the_others_empty(team_factory, monkeypatch) -> None:

@@ -118,6 +118,7 @@ from typing import Any
 import numpy as np
 
 from weightsync.errors import WeightSyncError
+from weightsync.runtime.trace import mark
 from weightsync.wire import DELTA_PARTS_MAX
 
 DELTA_KEY = "\x00weightsync.delta"  # the descriptor entry of a destination's delta inbox
@@ -831,10 +832,11 @@ class DeltaSender:
 
     # -- one push ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """At the push's start: takes the first reference, or starts comparing the first parts' tensors
-        with it. Where the CUDA kernels run, the first two parts' compares are only launched (on a
-        stream of their own, :meth:`prefetch`) and the host goes on; elsewhere the first part is
-        compared here (the others as their part is decided, :meth:`decide`)."""
+        """At the push's start: takes the first reference, or starts comparing the tensors with it. Where
+        the CUDA kernels run, every part's compare is only launched (back to back on a stream of their
+        own, :meth:`prefetch`) and the host goes on: the device compares without a gap while the host
+        decides, encodes and posts each part in turn (their scratch is alive at once). Elsewhere the
+        first part is compared here (the others as their part is decided, :meth:`decide`)."""
         import torch
 
         t0 = time.perf_counter()
@@ -860,7 +862,7 @@ class DeltaSender:
                 for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(), strict=True):
                     sp.ref[a:b].copy_(self._views[key])
             self._spent("compare", t0)
-        elif not (self.prefetch(0) | self.prefetch(1)):
+        elif not any([self.prefetch(part) for part in range(PARTS)]):
             self.compare(0)
 
     def prefetch(self, part: int) -> bool:
@@ -912,10 +914,7 @@ class DeltaSender:
 
         if not self.enabled or self.base < 0 or part in self._compared:
             return
-        # the next part's collect queued behind this one's: the device runs it while the host takes
-        # this part's changes on
-        self.prefetch(part)
-        self.prefetch(part + 1)
+        self.prefetch(part)  # launched at the start where it could be; else now
         t0 = time.perf_counter()
         spaces = {s: sp for s, sp in self._spaces.items() if sp.part == part}
         cuts = []
@@ -929,7 +928,9 @@ class DeltaSender:
             if sp.query is None:
                 sp.query = _to_device(self._query(s, sp), self.device)
             cuts.append(torch.searchsorted(sp.idx, sp.query))
+        mark("source %d: part %d changes ordered", self.rank, part)
         host = torch.cat(cuts).cpu().numpy() if cuts else np.zeros(0, np.int64)
+        mark("source %d: part %d cuts read", self.rank, part)
         at = 0
         for s, sp in spaces.items():
             w = sp.word
@@ -989,10 +990,10 @@ class DeltaSender:
 
     @property
     def scratch_bytes(self) -> int:
-        """The kernels' largest scratch of the last compare (slots and counts, from torch's caching
-        allocator on the device; not in ``ref_bytes``)."""
-        return max((sp.compactor.scratch_bytes for sp in self._spaces.values() if sp.compactor is not None),
-                   default=0)
+        """The kernels' scratch of the last push, every space's (slots and counts, from torch's caching
+        allocator on the device; not in ``ref_bytes``): a push launches every part's compare at its start,
+        so all of it is alive at once."""
+        return sum(sp.compactor.scratch_bytes for sp in self._spaces.values() if sp.compactor is not None)
 
     def _changed_words(self, sp: _Space) -> Any:
         """The sorted positions (int64) of the words of ``sp`` that differ from its reference."""
@@ -1295,6 +1296,7 @@ class DeltaSender:
         work.at += _align(pt.nbytes)
         work.payload_bytes += pt.nbytes
         if self.device.type == "cuda" and pt.nbytes:
+            mark("source %d: part %d encode queued", self.rank, part)
             torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
         self._spent("finalize", t0)
         return pt
@@ -1509,6 +1511,9 @@ class DeltaReceiver:
         # ENC_IDX16 streams' contiguous runs scattered by a device kernel (CUDA C++ or Triton)
         self.use_kernels = _kernels_wanted(device)
         self.scatter_backend = ""  # the kernels of the last scatter by kernel
+        # CUDA: the entries are read on a stream of their own, so that reading a part's does not wait
+        # for the scatter of the part before it (queued on the current stream)
+        self._read_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # this version's entries, streams and payload offset, per part read and source; those not yet
         # scattered
         self._entries: list[tuple[np.ndarray, np.ndarray, int]] = []
@@ -1530,6 +1535,9 @@ class DeltaReceiver:
         return version
 
     def granted(self, shadow: int) -> None:
+        # An early part's scatter of a version given up on may still run: it ends before a byte of the
+        # new version can land (in the shadow or the payload it reads).
+        self._sync_device()
         self.holds[shadow] = -1  # bytes of the new version may land in it from now on
         self._entries = []
         self._pending = []
@@ -1569,7 +1577,22 @@ class DeltaReceiver:
         heads, self._heads = self._heads, []
         if not heads:
             return
-        host = torch.cat([self.payload[off:off + size] for _, off, _, _, size in heads]).cpu().numpy()
+        # The payload was written by the sources (or copied in by this engine's landing copies, done
+        # before their immediates count): nothing queued on this device precedes the read. On CUDA it is
+        # copied by the copy engines, on a stream of its own: a kernel (a concatenation) would wait for
+        # the SMs that the last part's scatter fills.
+        total = sum(size for *_, size in heads)
+        if self._read_stream is None:
+            host = torch.cat([self.payload[off:off + size] for _, off, _, _, size in heads]).numpy()
+        else:
+            pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            with torch.cuda.stream(self._read_stream):
+                at = 0
+                for _, off, _, _, size in heads:
+                    pinned[at:at + size].copy_(self.payload[off:off + size], non_blocking=True)
+                    at += size
+            self._read_stream.synchronize()
+            host = pinned.numpy()
         at = 0
         for r, off, n, room, size in heads:
             head = host[at:at + size]
@@ -1603,12 +1626,15 @@ class DeltaReceiver:
             raise WeightSyncError(f"relay chunks {missing} are named by no source's delta entries")
         return sorted(planned)
 
-    def apply(self, shadow: int) -> None:
-        """Scatters the sparse entries read since the last apply into buffer ``shadow``."""
+    def apply(self, shadow: int, wait: bool = True) -> None:
+        """Scatters the sparse entries read since the last apply into buffer ``shadow``; ``wait``: until
+        the device has (an early part's need not: the next part's entries are read meanwhile, and the
+        version's last apply waits for every scatter queued before it)."""
         t0 = time.perf_counter()
         pending, self._pending = self._pending, []
         self._scatter_all(shadow, pending)
-        self._sync_device()
+        if wait:
+            self._sync_device()
         self.apply_seconds += time.perf_counter() - t0
 
     def _scatter_all(self, shadow: int, parts: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> None:
@@ -1649,6 +1675,7 @@ class DeltaReceiver:
                     todo = [(self._address(int(key[i]), shadow), int(shift[i]), int(starts[i]),
                              int(ends[j - 1]), int(ents["data"][i]), int(ents["data"][j - 1] + nwords[j - 1]))
                             for i, j in runs if not strided[i]]
+                    mark("destination: %d runs of word %d found", len(todo), w)
                     if not todo:
                         done = ""
                     elif delta_host.wanted(self.device):  # CPU: C++, each store checked against its key

@@ -578,8 +578,8 @@ class Destination(Participant):
             complete, reason = self._read_part(target, part, headers, payloads, deadline, between)
             if not complete:
                 return False, reason
-            self._delta.apply(buffer)
-            mark("destination %d: part %d applied", self.rank, part)
+            self._delta.apply(buffer, wait=False)  # the final apply waits for it
+            mark("destination %d: part %d scatter queued", self.rank, part)
         headers = self.engine.counter(delta_header_imm(self.epoch, target))
         return self._read_part(target, None, headers, counter, deadline, between)
 
