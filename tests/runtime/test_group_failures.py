@@ -156,6 +156,11 @@ def test_push_when_every_destination_was_dropped_says_it_reached_nobody(ray_clus
         ray.get([t.push.remote(1) for t in trainers], timeout=60)
         for r in rollouts:
             ray.kill(r)
+        for r in rollouts:
+            # ray.kill returns before the actor is gone: pushed at once, a destination could still take
+            # version 2 (and ack it: the push would not raise). One that took only its announce before it
+            # died is test_destinations_that_took_the_announce_then_died_are_reported's case.
+            _await_death(r, 30.0)
         # The writes to the dead fail: no destination confirms, and each source reports them dead. A write
         # into a killed process can sit in the socket until the engine's stall timeout (5 s) fails its
         # path: the push's timeout leaves that room (with 8 s one CI run, on a loaded VM, timed out first
