@@ -323,6 +323,34 @@ def test_destination_stopped_past_the_push_timeout_is_readmitted(ray_cluster, mo
 
 
 @pytest.mark.timeout(150)
+def test_destinations_stopped_while_nobody_acks_are_kept(ray_cluster) -> None:
+    """Every destination is stopped (SIGSTOP) through a push: nobody acks, so the sources probe the silent
+    destinations with one more write each. A stopped destination's probe is not delivered, but it does not
+    fail either: no destination is reported (a stopped destination is not a dead one), the push raises
+    weightsync's TimeoutError, the plan keeps both, and once they resume a push reaches them again."""
+    run = _Run("fault-all-stopped", 2, [("staged", 3.0), ("staged", 3.0)], relay=False)
+    try:
+        assert _ok(run.push(1, 10.0))
+        pids = ray.get([r.pid.remote() for r in run.rollouts], timeout=30)
+        for pid in pids:
+            run.stop(pid)
+        results = run.push(2, 2.5)
+        assert all(not r["ok"] and r["type"] == "TimeoutError" and "probe" not in r["error"]
+                   for r in results), results
+        time.sleep(1.0)  # a report, had there been one, has re-planned by now
+        assert run.group.status()["destinations"] == [0, 1]
+        for pid in pids:
+            run.resume(pid)
+        time.sleep(1.0)  # past their own push_timeout: what they were landing is abandoned
+        results = run.push(3, 10.0)
+        assert _ok(results), results
+        run.check(0, 3)
+        run.check(1, 3)
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(150)
 def test_a_dropped_destination_whose_rank_was_taken_over_stops(ray_cluster) -> None:
     """Destination 0 is stopped past the push timeout and dropped; a replacement joins under rank 0
     before it resumes. The old process must not take the rank back: it stops receiving and its ``wait``

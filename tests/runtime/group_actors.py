@@ -8,6 +8,7 @@ Every version's values come from a seed, so the test builds its reference indepe
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -164,6 +165,27 @@ class Rollout(_Reader):
 
     def version(self) -> int:
         return self.dst.version
+
+    def stop_granting(self) -> int:
+        """From now on announces still land here (the engine takes their bytes and their immediates) but
+        are never answered: no grant goes out, so the sources write nothing more to this destination. What
+        each announce said is kept for ``announced``. Returns this process's pid."""
+        seen: set[tuple[int, int]] = set()
+        self._announces_seen = seen
+        mailbox = self.dst._mailbox
+
+        def answer_nothing() -> None:
+            # Called by the destination's thread once an announce's immediate is in (its bytes before it).
+            seen.update((r, int(mailbox["version"][r])) for r in self.dst._sources)
+
+        self.dst._answer = answer_nothing
+        return os.getpid()
+
+    def announced(self, version: int) -> bool:
+        """Whether every source of this destination's plan has announced ``version`` here (its immediate
+        counted), after ``stop_granting``."""
+        seen = getattr(self, "_announces_seen", set())
+        return all((r, version) in seen for r in self.dst._sources)
 
 
 # -- full replicas (relay tests) ----------------------------------------------------------------------

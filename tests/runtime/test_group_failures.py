@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from typing import Any
 
 import pytest
 import ray
@@ -10,6 +13,7 @@ import torch
 
 import weightsync as ws
 from tests.runtime.group_actors import DESTS, Rollout, Trainer, destination_view, free_port, full_tensors
+from tests.support.peer import pid_alive
 
 
 def _check(rollouts: list, layouts: list[tuple[str, int]], version: int) -> None:
@@ -20,6 +24,19 @@ def _check(rollouts: list, layouts: list[tuple[str, int]], version: int) -> None
         want = destination_view(layout, tp, full)
         for k in want:
             assert torch.equal(got[k], want[k]), f"{layout}{tp} {k} differs at version {version}"
+
+
+def _await_death(actor: Any, within: float) -> None:
+    """Returns once ``actor`` no longer answers (ray.kill returns before the process is gone, and a call
+    made meanwhile may still be answered)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=within)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the actor still answers after ray.kill"
+        time.sleep(0.05)
 
 
 def _start(name: str) -> tuple[ws.Group, list, list, type, type]:
@@ -73,6 +90,43 @@ def test_destination_dies_mid_push_then_replacement_and_new_replica(ray_cluster)
         group.shutdown()
 
 
+def test_destinations_that_took_the_announce_then_died_are_reported(ray_cluster) -> None:
+    """Every destination takes version 2's announce (its bytes and immediate land, so the announce write
+    completes at the sources) but never grants it, then dies: nothing more is written to it, so no write
+    to it fails, and nobody acks. The sources must still find out that they are dead (a stopped
+    destination would be kept: silence alone is no evidence when nobody acked) and report them all; the
+    flake of ``test_push_when_every_destination_was_dropped_says_it_reached_nobody`` was this state,
+    reached by chance when ``ray.kill`` took effect after the announce had landed."""
+    group, trainers, rollouts, _tc, _rc = _start("failures-silent")
+    try:
+        ray.get([t.push.remote(1) for t in trainers], timeout=60)
+        pids = ray.get([r.stop_granting.remote() for r in rollouts], timeout=30)
+        pushes = [t.push.remote(2, timeout=8.0) for t in trainers]
+        deadline = time.monotonic() + 6
+        while not all(ray.get([r.announced.remote(2) for r in rollouts], timeout=30)):
+            assert time.monotonic() < deadline, "the announces of version 2 did not land"
+            time.sleep(0.05)
+        time.sleep(0.2)  # the announces' delivery acknowledgements reach the sources
+        for pid in pids:  # SIGKILL, not ray.kill (which returns before the process is gone)
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5  # gone well before the push's timeout runs out
+        while any(pid_alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, "a killed destination still runs"
+            time.sleep(0.05)
+        for ref in pushes:
+            with pytest.raises(ray.exceptions.RayTaskError) as info:
+                ray.get(ref, timeout=60)
+            assert isinstance(info.value.cause, ws.TimeoutError), info.value
+        deadline = time.monotonic() + 10
+        while group.status()["destinations"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group.status()["destinations"] == []
+    finally:
+        for a in trainers + rollouts:
+            ray.kill(a)
+        group.shutdown()
+
+
 def test_source_dies_no_destination_flips(ray_cluster) -> None:
     group, trainers, rollouts, _tc, _rc = _start("failures-src")
     try:
@@ -102,6 +156,11 @@ def test_push_when_every_destination_was_dropped_says_it_reached_nobody(ray_clus
         ray.get([t.push.remote(1) for t in trainers], timeout=60)
         for r in rollouts:
             ray.kill(r)
+        for r in rollouts:
+            # ray.kill returns before the actor is gone: pushed at once, a destination could still take
+            # version 2 (and ack it: the push would not raise). One that took only its announce before it
+            # died is test_destinations_that_took_the_announce_then_died_are_reported's case.
+            _await_death(r, 30.0)
         # The writes to the dead fail: no destination confirms, and each source reports them dead. A write
         # into a killed process can sit in the socket until the engine's stall timeout (5 s) fails its
         # path: the push's timeout leaves that room (with 8 s one CI run, on a loaded VM, timed out first

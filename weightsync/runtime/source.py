@@ -29,6 +29,11 @@ Failures: a destination whose writes fail or that does not grant or ack within t
 re-plans without it; the other destinations still complete. If no destination acks at all, or a source
 is missing (every destination waits for all sources), the push raises ``weightsync.TimeoutError``; if the
 plan has no destination left (all dropped, none joined again), it raises ``WeightSyncError`` at once.
+Reported are only destinations with evidence against them: a write to it that failed, or its silence while
+another destination acked. When none acked, silence is no evidence (a source may be what is missing, or
+the destinations are stopped, not dead), so each silent destination gets one more write, a probe (see
+``_probe``): a destination whose process died after its announce (or every write it granted) landed is
+reported once its probe fails; a stopped one's probe does not fail, and it is kept.
 
 Delta pushes (``Source(delta=True)``, weightsync.runtime.delta): the source keeps what it last pushed; a
 destination with a delta inbox whose grant says it holds that version gets, per planned write, either the
@@ -98,6 +103,10 @@ GRANT_TURN_S = 0.002
 # Once the first destination has answered, how much longer the others get before the writes start
 # without them (they are then served as their grants come in): at least this, or twice the first's time.
 GRANT_GRACE_S = 0.05
+# When no destination acked, how long the probes of the silent ones get (at most the push's timeout): a
+# destination whose process is gone answers a write with a refused connection or a reset at once, from its
+# host's kernel; one that does not answer in this time (stopped, or its host gone) is kept, as before.
+PROBE_WAIT_S = 2.0
 TAIL_ALIGN = 256  # tails' places in the snapshot buffer (alignment the copy engines like)
 
 
@@ -830,6 +839,13 @@ class Source(Participant):
         for r in waiting - acked:
             failed[r] = (f"no grant of version {version} within {timeout} s" if r in grants.ungranted else
                          f"no confirmation of version {version} within {timeout} s")
+        if not acked and waiting and not self._closing:
+            # Silence is evidence only beside an ack; without one, a destination no write to it failed
+            # may be dead all the same: its announce (and every write it granted) landed before it died,
+            # and nothing more was written to find out. One more write to each tells dead from stopped.
+            for r, why in self._probe(sorted(waiting), timeout).items():
+                failed[r] = f"{failed[r]}, and a probe write to it failed: {why}"
+                waiting.discard(r)  # a failed write: evidence against it (_report_failures)
         if self._closing and self.engine.closed:
             # Failures seen now may be the closing engine's doing: none is reported against a destination.
             raise WeightSyncError(f"group {self.group!r}: push of version {version} from source {self.rank}: "
@@ -1008,12 +1024,43 @@ class Source(Participant):
                 len(self._gatherers), max(deadline - time.monotonic(), 0.0))
         return acked
 
+    def _probe(self, ranks: list[int], timeout: float) -> dict[int, str]:
+        """Writes to each destination of ``ranks`` once more and returns those whose write failed, with
+        why (the engine's error names the peer). The write rewrites the ``buffer`` field of this source's
+        announce slot there, which every announce sets to 0 and no destination reads: harmless to a live
+        destination, whatever it is doing and in whichever order it lands. Completion means delivered, so
+        a stopped destination's probe neither completes nor fails within PROBE_WAIT_S: no evidence."""
+        field_off = ANNOUNCE_RECORD.fields["buffer"][1]
+        nbytes = ANNOUNCE_RECORD["buffer"].itemsize
+        failed: dict[int, str] = {}
+        probes: list[tuple[int, Any]] = []
+        for rank in ranks:
+            d = self._dests[rank]
+            try:
+                probes.append((rank, self.engine.write(
+                    self._outbox_region, rank * SLOT_BYTES + field_off, d.peer, d.target.mailbox,
+                    self.rank * SLOT_BYTES + field_off, nbytes)))
+            except TransportError as exc:
+                failed[rank] = str(exc)
+        until = time.monotonic() + min(PROBE_WAIT_S, timeout)
+        for rank, tr in probes:
+            try:
+                tr.wait(max(until - time.monotonic(), 0.0))
+            except TransportError as exc:
+                failed[rank] = str(exc)
+            except TimeoutError:
+                pass  # not delivered in time: stopped or slow, not known to be dead
+        if probes or failed:
+            mark("source %d: probed silent destinations %s, failed %s", self.rank, ranks, sorted(failed))
+        return failed
+
     def _report_failures(self, version: int, timeout: float, failed: dict[int, str], waiting: set[int],
                          acked: set[int], stale: set[int], refused: bool) -> None:
         for r, why in sorted(failed.items()):
             self.log.warning("group %s: push %d to destination %d failed: %s", self.group, version, r, why)
-        # Writes that failed are evidence against the destination; a missing grant or ack only when others
-        # acked (otherwise a source may be what is missing). A destination of another plan epoch is not.
+        # Writes that failed (a probe's included) are evidence against the destination; a missing grant or
+        # ack only when others acked (otherwise a source may be what is missing, or the destinations are
+        # stopped). A destination of another plan epoch is not.
         dead = sorted(r for r in failed if (r not in waiting or acked) and r not in stale)
         if self._relay and acked:
             # A chain member that did not confirm starves the ones after it: only the first of them is
@@ -1025,7 +1072,8 @@ class Source(Participant):
             self._control.report_dead(DESTINATION, dead, self.epoch)
         if not acked and not refused:
             raise TimeoutError(f"group {self.group!r}: push of version {version} from source {self.rank}: "
-                               f"no destination confirmed within {timeout} s ({failed[min(failed)]})")
+                               f"no destination confirmed within {timeout} s (destination {min(failed)}: "
+                               f"{failed[min(failed)]})")
 
 
 def push(src: Source, version: int, timeout: float = 60.0) -> PushStats:
