@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -59,11 +60,15 @@ class DeltaRollout:
         self.local: list[dict[str, torch.Tensor]] = []
         self.dsts: list[ws.Destination] = []
         full = initial()
-        for j, (layout, mode) in enumerate(zip(LAYOUTS, MODES, strict=True)):
-            poison = {k: torch.full_like(v, float("nan")).cuda() for k, v in view(layout, full).items()}
-            self.local.append(poison)
-            self.dsts.append(ws.Destination(group, j, named(layout, poison), mode, timeout=60,
-                                            push_timeout=20, delta_bytes=1 << 20))
+        futs = []
+        # Together: each one's join waits for the group's plan, which needs every destination.
+        with ThreadPoolExecutor(len(LAYOUTS)) as ex:
+            for j, (layout, mode) in enumerate(zip(LAYOUTS, MODES, strict=True)):
+                poison = {k: torch.full_like(v, float("nan")).cuda() for k, v in view(layout, full).items()}
+                self.local.append(poison)
+                futs.append(ex.submit(ws.Destination, group, j, named(layout, poison), mode, timeout=60,
+                                      push_timeout=20, delta_bytes=1 << 20))
+            self.dsts = [f.result(timeout=120) for f in futs]
         self.mixed: list[str] = []
         self.reads: set[int] = set()
         self._stop = threading.Event()
