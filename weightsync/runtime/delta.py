@@ -136,13 +136,14 @@ ALIGN = 16  # every section of a payload starts at a multiple of this (word view
 MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsync.wire.MAX_SLOTS)
 # A push's early parts: the local tensors in order, cut into this many runs of about equal bytes
 # (part_of). Each part's direct writes are compared, decided, encoded and sent (entries, payload and header
-# of their own), and a destination scatters a part as soon as it has landed. On a GPU the next part's
-# compare is already running (launched ahead on a stream of lower priority, DeltaSender.prefetch) while
-# the host decides and encodes one part, so the compare overlaps the encode, transfer and apply of the
-# parts before; what follows the last part's compare is the one stretch nothing overlaps. The final part
-# (the header of old) carries the staged writes and the tail and completes the version. At most 7
-# (weightsync.wire.delta_part_imm). On 2 x H100 (Llama-3-8B, 1.8% changed, docs/BENCHMARKS.md) 4 parts
-# took 18.9 ms, 2 parts 21.8 and 6 parts (the last one half as large) 20.2.
+# of their own), and a destination scatters a part as soon as it has landed. On a GPU every part's
+# compare is launched at the push's start (back to back on a stream of lower priority, DeltaSender.
+# prefetch) while the host decides and encodes one part after another, so the compare overlaps the
+# encode, transfer and apply of the parts before; what follows the last part's compare is the one
+# stretch nothing overlaps. The final part (the header of old) carries the staged writes and the tail
+# and completes the version. At most 7 (weightsync.wire.delta_part_imm). On 2 x H100 (Llama-3-8B, 1.8%
+# changed, docs/BENCHMARKS.md) 4 parts took 18.9 ms, 2 parts 21.8 and 6 parts (the last one half as
+# large) 20.2; four parts of 30, 30, 28 and 12% of the bytes no faster than four equal ones.
 PARTS = 4
 assert PARTS <= DELTA_PARTS_MAX
 # The fewest bytes worth a part of their own. A part costs its own waits (headers, payload immediates, a
