@@ -440,6 +440,7 @@ def test_every_case_bitwise_on_inplace_and_staged_with_a_reader(team_factory) ->
             if case == "none":
                 assert s.changed_fraction == 0.0
             assert 0.0 <= s.changed_fraction <= 1.0
+        assert all(s.delta_scratch_bytes > 0 for s in stats), case  # the compare's outputs, kept
     time.sleep(0.2)
     assert team.mixed == []
     assert team.reads[2], "the reader applied no version"

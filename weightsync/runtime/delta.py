@@ -89,7 +89,8 @@ cannot be had, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``, two Triton kernels p
 slice at most), which update the reference in the same pass (``finish`` has nothing left to copy for
 those spaces: a push that fails leaves the reference's version at -1, and the next push copies the
 tensors whole into it). Their scratch (``DeltaSender.scratch_bytes``) comes from torch's caching
-allocator and is not in ``PushStats.delta_ref_bytes``. Where triton imports, the receiver scatters an
+allocator and is reported as ``PushStats.delta_scratch_bytes``, beside the reference's
+``delta_ref_bytes``. Where triton imports, the receiver scatters an
 ENC_IDX16 stream's contiguous runs with one kernel per stream, without decoding
 (:func:`weightsync.runtime.delta_kernels.scatter_idx16`).
 

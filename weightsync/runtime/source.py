@@ -147,6 +147,9 @@ class PushStats:
     encode_seconds: float = 0.0       # compare, encode and reference update on this source
     apply_seconds: float = 0.0        # the slowest destination's scatter of the changes (its ack says)
     delta_ref_bytes: int = 0          # the reference this source keeps (what it last pushed)
+    # The compare's outputs and scratch of this push, beside the reference (on a GPU every part's compare
+    # is launched at the push's start: all of it alive at once; on CPU kept from push to push)
+    delta_scratch_bytes: int = 0
     delta_destinations: list[int] = field(default_factory=list)  # destinations sent a delta this push
 
 
@@ -875,7 +878,8 @@ class Source(Participant):
                           else -1.0, encode_seconds=self._delta.encode_seconds,
                           apply_seconds=max([float(self._mailbox[r]["reserved"]) * 1e-6 for r in written
                                              if r in works] or [0.0]),
-                          delta_ref_bytes=self._delta.ref_bytes, delta_destinations=delta_sent)
+                          delta_ref_bytes=self._delta.ref_bytes,
+                          delta_scratch_bytes=self._delta.scratch_bytes, delta_destinations=delta_sent)
         self._control.record_push(stats.seconds, stats.bytes)
         if failed:
             self._report_failures(version, timeout, failed, waiting, acked, grants.stale,
