@@ -916,7 +916,6 @@ class DeltaSender:
 
         if not self.enabled or self.base < 0 or part in self._compared:
             return
-        self.prefetch(part)  # launched at the start where it could be; else now
         t0 = time.perf_counter()
         spaces = {s: sp for s, sp in self._spaces.items() if sp.part == part}
         cuts = []
