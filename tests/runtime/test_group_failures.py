@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
 
 import pytest
 import ray
@@ -26,16 +25,33 @@ def _check(rollouts: list, layouts: list[tuple[str, int]], version: int) -> None
             assert torch.equal(got[k], want[k]), f"{layout}{tp} {k} differs at version {version}"
 
 
-def _await_death(actor: Any, within: float) -> None:
-    """Returns once ``actor`` no longer answers (ray.kill returns before the process is gone, and a call
-    made meanwhile may still be answered)."""
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (one that has exited runs nothing more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _kill_and_await_death(actors: list, within: float) -> None:
+    """Kills ``actors`` and returns once their processes have exited. Ray reports an actor dead (a call
+    to it raises) before its process is gone: a destination there can still take a version and confirm
+    it (seen on a 32-core host, where a push right after the report did)."""
+    pids = [ray.get(a.__ray_call__.remote(lambda _self: os.getpid()), timeout=30) for a in actors]
+    for a in actors:
+        ray.kill(a)
     deadline = time.monotonic() + within
-    while True:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=within)
-        except ray.exceptions.RayActorError:
-            return
-        assert time.monotonic() < deadline, "the actor still answers after ray.kill"
+    for a in actors:
+        while True:
+            try:
+                ray.get(a.__ray_ready__.remote(), timeout=within)
+            except ray.exceptions.RayActorError:
+                break
+            assert time.monotonic() < deadline, "the actor still answers after ray.kill"
+            time.sleep(0.05)
+    while any(_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"processes {pids} still run after ray.kill"
         time.sleep(0.05)
 
 
@@ -154,13 +170,10 @@ def test_push_when_every_destination_was_dropped_says_it_reached_nobody(ray_clus
     group, trainers, rollouts, _tc, rollout_cls = _start("failures-nobody")
     try:
         ray.get([t.push.remote(1) for t in trainers], timeout=60)
-        for r in rollouts:
-            ray.kill(r)
-        for r in rollouts:
-            # ray.kill returns before the actor is gone: pushed at once, a destination could still take
-            # version 2 (and ack it: the push would not raise). One that took only its announce before it
-            # died is test_destinations_that_took_the_announce_then_died_are_reported's case.
-            _await_death(r, 30.0)
+        # ray.kill returns before the actor is gone: pushed at once, a destination could still take
+        # version 2 (and ack it: the push would not raise). One that took only its announce before it died
+        # is test_destinations_that_took_the_announce_then_died_are_reported's case.
+        _kill_and_await_death(rollouts, 30.0)
         # The writes to the dead fail: no destination confirms, and each source reports them dead. A write
         # into a killed process can sit in the socket until the engine's stall timeout (5 s) fails its
         # path: the push's timeout leaves that room (with 8 s one CI run, on a loaded VM, timed out first
