@@ -178,6 +178,11 @@ def test_parts_cut_in_order() -> None:
     assert part_of(ten, 4, 300).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert part_of(ten, 4, 250).tolist() == part_of(ten, 4, 1).tolist()
     assert part_of(ten, 4, 10_000).tolist() == [0] * 10
+    # parts in proportion to their shares: the last one smaller
+    assert part_of(ten, 4, 1, (3, 3, 3, 1)).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert part_of(ten, 2, 1, (4, 1)).tolist() == [0] * 8 + [1] * 2
+    # shares for another count of parts than are used: equal ones
+    assert part_of(ten, 4, 300, (3, 3, 3, 1)).tolist() == part_of(ten, 3, 1).tolist()
 
 
 def test_placed_and_word() -> None:

@@ -386,7 +386,9 @@ def test_the_cuda_compare_matches_the_torch_path(slice_tiles: int, aligned: bool
 def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
     """Thousands of tiles (the look-back across windows of 32 predecessors and beyond), keys whose words
     and addresses are 16-byte aligned (vector loads) or of odd sizes at odd addresses, output room far too
-    small (second run), against torch; each also launched ahead on a side stream and finished later."""
+    small (second run), against torch; each also launched ahead on a side stream and finished later, and
+    with its ordering and a search queued ahead on another (whose answers the host reads with the count,
+    or, past the room, does not)."""
     from weightsync.runtime import delta_cuda
     from weightsync.runtime.delta_kernels import Compactor
 
@@ -412,7 +414,12 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
     views[-1][-1] ^= 1
     cur = torch.cat(views)
     want = torch.nonzero(cur != ref).reshape(-1)
-    for hint, ahead in [(len(want) + 10, False), (1024, False), (len(want) + 10, True), (1024, True)]:
+    # where the keys start, every change, the words around them, none changed (the total, 0)
+    query = torch.cat([torch.from_numpy(starts).to(dev), want[::7], want[::11] + 1, want[::13] - 1,
+                       torch.randint(0, int(starts[-1]), (500,), generator=g, device=dev)])
+    room = len(want) + 10
+    for hint, ahead, ordered in [(room, False, False), (1024, False, False), (room, True, False),
+                                 (1024, True, False), (room, True, True), (1024, True, True)]:
         r = ref.clone()
         c = Compactor(word, starts, dev)
         c.poison = 0x5A
@@ -421,8 +428,15 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
             side.wait_stream(torch.cuda.current_stream(dev))
             assert c.launch(views, r, hint, side)
             assert c.pending is not None
+            if ordered:
+                c.order_ahead(query, torch.cuda.Stream(dev, priority=-1))
         idx, vals = c.compare(views, r, hint)
         assert c.pending is None
+        if ordered and hint > len(want):
+            assert c.cuts is not None
+            assert c.cuts.tolist() == torch.searchsorted(want, query).tolist()
+        else:  # past the room the collect ran again, and the caller searches
+            assert c.cuts is None, hint
         assert c.backend == "cuda", delta_cuda.unavailable(dev)
         assert c.vec == (16 // word if aligned else 1)
         assert torch.equal(idx, want), (hint, idx.numel(), want.numel())
@@ -487,3 +501,23 @@ def test_the_cuda_encode_matches_the_index_writer(word: int) -> None:
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert int(outs[1][:4 * (-(-n // 65536))].view(torch.int32).sum()) == k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not _nvrtc(), reason="needs CUDA and NVRTC")
+def test_the_cuda_block_ends_are_the_prefix_of_the_counts() -> None:
+    """``ws_block_ends`` (one block's scan) against torch's cumsum: fewer counts than threads, a count
+    per thread and some over, thousands, counts up to a whole block's 65536."""
+    from weightsync.runtime import delta_cuda
+
+    dev = torch.device("cuda")
+    mod = delta_cuda.module(dev)
+    assert mod is not None, delta_cuda.unavailable(dev)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for nb in [1, 7, 256, 257, 30_637, 131_072]:
+        counts = torch.randint(0, 65537, (nb,), generator=g, device=dev, dtype=torch.int32)
+        counts[:: 5] = 0
+        want = torch.zeros(nb + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(counts, 0, out=want[1:])
+        got = delta_cuda.block_ends(mod, counts)
+        assert torch.equal(got, want), nb

@@ -82,8 +82,12 @@ one key and one placement with one indexed copy.
 On CUDA (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the sender's compare is device kernels instead: the
 changed words' positions and values found reading each tensor and the reference once. First choice, CUDA
 C++ compiled at run time with NVRTC (:mod:`weightsync.runtime.delta_cuda`: each tile's changes collected
-where an atomic counter puts them, then put in order; one host synchronization per space); it leaves the
-reference to ``finish``'s indexed copy, which runs while the destinations apply theirs. Where NVRTC
+where an atomic counter puts them, then put in order; one host synchronization per space). Every
+part's collect is launched at the push's start; once the announces are out, each one's ordering and the
+search of its bounds are queued too, on a stream of their own that waits for it on the device
+(:meth:`DeltaSender.order_ahead`), so the host only waits for each part's answers and launches nothing
+between the last compare and the last part's decisions. It leaves the reference to ``finish``'s indexed
+copy, which runs while the destinations apply theirs. Where NVRTC
 cannot be had, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``, two Triton kernels per slice
 (:mod:`weightsync.runtime.delta_kernels`: one host synchronization per slice, a slot scratch of 256 MiB a
 slice at most), which update the reference in the same pass (``finish`` has nothing left to copy for
@@ -135,18 +139,20 @@ COMPARE_SLICE = 1 << 29
 SCRATCH = 1 << 25  # stream positions put in a bitmap at a time (int64: 256 MiB at most)
 ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
 MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsync.wire.MAX_SLOTS)
-# A push's early parts: the local tensors in order, cut into this many runs of about equal bytes
-# (part_of). Each part's direct writes are compared, decided, encoded and sent (entries, payload and header
-# of their own), and a destination scatters a part as soon as it has landed. On a GPU every part's
-# compare is launched at the push's start (back to back on a stream of lower priority, DeltaSender.
-# prefetch) while the host decides and encodes one part after another, so the compare overlaps the
-# encode, transfer and apply of the parts before; what follows the last part's compare is the one
-# stretch nothing overlaps. The final part (the header of old) carries the staged writes and the tail
-# and completes the version. At most 7 (weightsync.wire.delta_part_imm). On 2 x H100 (Llama-3-8B, 1.8%
-# changed, docs/BENCHMARKS.md) 4 parts took 18.9 ms, 2 parts 21.8 and 6 parts (the last one half as
-# large) 20.2; four parts of 30, 30, 28 and 12% of the bytes no faster than four equal ones.
+# A push's early parts: the local tensors in order, cut into this many runs (part_of). Each part's direct
+# writes are compared, decided, encoded and sent (entries, payload and header of their own), and a
+# destination scatters a part as soon as it has landed. On a GPU every part's compare is launched at the
+# push's start (back to back on a stream of lower priority, DeltaSender.prefetch) while the host decides
+# and encodes one part after another, so the compare overlaps the encode, transfer and apply of the parts
+# before; what follows the last part's compare is the one stretch nothing overlaps. The final part (the
+# header of old) carries the staged writes and the tail and completes the version. At most 7
+# (weightsync.wire.delta_part_imm). On 2 x H100 (Llama-3-8B, 1.8% changed, docs/BENCHMARKS.md) 4 parts
+# took 18.9 ms, 2 parts 21.8 and 6 parts (the last one half as large) 20.2.
 PARTS = 4
 assert PARTS <= DELTA_PARTS_MAX
+# The parts' relative sizes (part_of).
+PART_SHARES = (1, 1, 1, 1)
+assert len(PART_SHARES) == PARTS
 # The fewest bytes worth a part of their own. A part costs its own waits (headers, payload immediates, a
 # host synchronization on each side) whatever its size, while what it overlaps grows with its bytes: a
 # source with less than PARTS times this fills fewer parts, and the others go empty (their headers
@@ -155,17 +161,23 @@ assert PARTS <= DELTA_PARTS_MAX
 MIN_PART_BYTES = 1 << 28
 
 
-def part_of(nbytes: np.ndarray, parts: int = PARTS, min_bytes: int | None = None) -> np.ndarray:
-    """Each tensor's part (``nbytes``: the tensors' bytes, in order): runs in order of about equal bytes,
-    as many as ``parts`` but none under ``min_bytes`` (None: :data:`MIN_PART_BYTES`) where that can be
-    (the rest empty); a tensor goes with the part its first byte falls in (so one larger than a part has
-    one to itself, and the part after it may be empty)."""
+def part_of(nbytes: np.ndarray, parts: int = PARTS, min_bytes: int | None = None,
+            shares: Sequence[int] | None = None) -> np.ndarray:
+    """Each tensor's part (``nbytes``: the tensors' bytes, in order): runs in order whose bytes are about
+    in proportion to ``shares`` (None: :data:`PART_SHARES`), as many as ``parts`` but none under
+    ``min_bytes`` (None: :data:`MIN_PART_BYTES`) where that can be (the rest empty, and the parts used
+    equal); a tensor goes with the part its first byte falls in (so one larger than a part has one to
+    itself, and the part after it may be empty)."""
     nbytes = np.asarray(nbytes, np.int64)
     total = int(nbytes.sum())
     least = MIN_PART_BYTES if min_bytes is None else min_bytes
     used = max(1, min(parts, total // max(least, 1)))
+    want = list(PART_SHARES if shares is None else shares)
+    w = np.asarray(want if len(want) == used else [1] * used, np.int64)
+    # part p starts at the first byte at or past its share of the total
+    starts = -(-np.cumsum(w)[:-1] * total // int(w.sum()))
     before = np.cumsum(nbytes) - nbytes
-    return np.minimum(before * used // max(total, 1), used - 1).astype(np.int64)
+    return np.searchsorted(starts, before, side="right").astype(np.int64)
 
 
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
@@ -305,14 +317,17 @@ class _IndexWriter:
     def __init__(self, out: Any, enc: int, n: int, k: int, device: Any) -> None:
         import torch
 
-        self.out, self.enc, self.n = out, enc, n
+        self.out, self.enc, self.n, self.device = out, enc, n, device
         self.done = 0  # positions written (or reserved: :meth:`reserve`)
         self.fill = 0  # positions in the scratch
-        self.extra: Any = None  # ENC_IDX16: block counts added by a kernel (int32), besides ``below``'s
+        # ENC_IDX16: the section's block counts, where a kernel adds into them (:meth:`kernel_counts`);
+        # per block end, how many positions :meth:`add` gave lie below it. Made when first wanted: each
+        # is a device op or two of host time, on the push's path.
+        self.counts: Any = None
+        self.ends: Any = None
+        self.below: Any = None
         if enc == ENC_IDX16:
             self.nb = -(-n // BLOCK)
-            self.ends = torch.arange(1, self.nb + 1, device=device, dtype=torch.int64) * BLOCK
-            self.below = torch.zeros(self.nb, dtype=torch.int64, device=device)
             o = _align(4 * self.nb)
             self.low = out[o:o + 2 * k].view(torch.int16)
         elif enc == ENC_BITMAP:
@@ -334,6 +349,9 @@ class _IndexWriter:
             if not m:
                 return
             positions = positions.contiguous()
+            if self.below is None:
+                self.ends = torch.arange(1, self.nb + 1, device=self.device, dtype=torch.int64) * BLOCK
+                self.below = torch.zeros(self.nb, dtype=torch.int64, device=self.device)
             low = positions.view(torch.int16)[0::positions.element_size() // 2]
             torch.add(low, ((shift & 0xFFFF) ^ 0x8000) - 0x8000, out=self.low[self.done:self.done + m])
             # blocks b0:b1 may hold some of them; every one lies below the ends of the blocks after
@@ -369,11 +387,13 @@ class _IndexWriter:
         return at
 
     def kernel_counts(self) -> Any:
+        """ENC_IDX16: the section's block counts (int32), zeroed, for a kernel to add its entries' into."""
         import torch
 
-        if self.extra is None:
-            self.extra = torch.zeros(self.nb, dtype=torch.int32, device=self.below.device)
-        return self.extra
+        if self.counts is None:
+            self.counts = self.out[: 4 * self.nb].view(torch.int32)
+            self.counts.zero_()
+        return self.counts
 
     def _flush(self) -> None:
         import torch
@@ -390,11 +410,10 @@ class _IndexWriter:
 
         self._flush()
         if self.enc == ENC_IDX16:
-            counts = self.out[: 4 * self.nb].view(torch.int32)
-            counts[:1].copy_(self.below[:1])
-            counts[1:].copy_(self.below[1:] - self.below[:-1])
-            if self.extra is not None:
-                counts += self.extra
+            counts = self.kernel_counts()  # a kernel's counts, or zeros
+            if self.below is not None:  # and those of the positions given to add
+                counts[:1] += self.below[:1].to(torch.int32)
+                counts[1:] += (self.below[1:] - self.below[:-1]).to(torch.int32)
 
 
 def encode_into(out: Any, enc: int, local: Any, values: Any, n: int) -> None:
@@ -658,6 +677,7 @@ class DeltaSender:
         self._compared: set[int] = set()  # the parts this push compared with it
         self._launched: set[int] = set()  # the parts whose compare this push launched (CUDA kernels)
         self._compare_stream: Any = None  # the CUDA stream the launched compares run on
+        self._order_stream: Any = None  # the CUDA stream their ordering and searches run on (order_ahead)
         self._hits: dict[int, dict[int, np.ndarray]] = {}  # this push: rank -> space -> _HIT_DTYPE rows
         self._chunk_changed: dict[int, tuple[Any, Any] | None] = {}  # chunk -> (changed word indices,
         # values), None: not compared
@@ -892,6 +912,27 @@ class DeltaSender:
         self._spent("compare", t0)
         return launched
 
+    def order_ahead(self) -> None:
+        """After :meth:`start` launched the compares: queues each one's ordering and the searches of its
+        space's query (where each key's and each inbox write's changes start) on a stream of their own,
+        each waiting for its compare on the device, so that :meth:`compare` waits for the device once per
+        part and launches nothing. Apart from start: these launches cost host time that the compares do
+        not wait for (the announces go first)."""
+        import torch
+
+        if not self._launched:
+            return
+        t0 = time.perf_counter()
+        if self._order_stream is None:
+            # above the compares (priority 0): a part's ordering runs as soon as its compare is done
+            self._order_stream = torch.cuda.Stream(self.device, priority=-1)
+        for s, sp in self._spaces.items():
+            if sp.part in self._launched and sp.compactor is not None:
+                if sp.query is None:
+                    sp.query = _to_device(self._query(s, sp), self.device)
+                sp.compactor.order_ahead(sp.query, self._order_stream)
+        self._spent("compare", t0)
+
     def settle(self) -> None:
         """Makes the device's current stream wait for the last push's reference update (:meth:`finish`)
         before anything reads or writes the reference."""
@@ -918,7 +959,7 @@ class DeltaSender:
             return
         t0 = time.perf_counter()
         spaces = {s: sp for s, sp in self._spaces.items() if sp.part == part}
-        cuts = []
+        cuts: list[Any] = []  # per space its searches' answers: on the host (order_ahead), or a tensor
         for s, sp in spaces.items():
             sp.vals, sp.ref_done = None, False
             found = self._changed_words_kernels(sp) if self.use_kernels else None
@@ -928,9 +969,15 @@ class DeltaSender:
                 sp.idx = self._changed_words(sp)
             if sp.query is None:
                 sp.query = _to_device(self._query(s, sp), self.device)
-            cuts.append(torch.searchsorted(sp.idx, sp.query))
+            ahead = getattr(sp.compactor, "cuts", None) if found is not None else None
+            cuts.append(ahead if ahead is not None else torch.searchsorted(sp.idx, sp.query))
         mark("source %d: part %d changes ordered", self.rank, part)
-        host = torch.cat(cuts).cpu().numpy() if cuts else np.zeros(0, np.int64)
+        on_device = [c for c in cuts if not isinstance(c, np.ndarray)]
+        if on_device:  # one copy to the host for every space's
+            read = iter(np.split(torch.cat(on_device).cpu().numpy(),
+                                 np.cumsum([int(c.numel()) for c in on_device])[:-1]))
+            cuts = [c if isinstance(c, np.ndarray) else next(read) for c in cuts]
+        host = np.concatenate(cuts) if cuts else np.zeros(0, np.int64)
         mark("source %d: part %d cuts read", self.rank, part)
         at = 0
         for s, sp in spaces.items():
@@ -1176,6 +1223,7 @@ class DeltaSender:
                 mask[d["pos"][m]] = True
                 keep[int(ri)] = mask
         work.parts.append(_Part(rows, direct, keep, changed))
+        mark("source %d: part %d entries chosen", self.rank, part)
         self._spent("begin", t0)
         return keep
 
@@ -1369,17 +1417,21 @@ class DeltaSender:
             o = 0
             if len(f):
                 o = self._direct_changes(self._spaces[s], f, h, bases[:len(f)], index, values)
+                mark("encode: word %d direct changes queued", w)
             for p, b in zip(mine, bases[len(f):].tolist(), strict=True):
                 index.add(p.idx, p.shift + b, (b, b + p.n))
                 values[o:o + p.k].copy_(p.vals)
                 o += p.k
             index.close()
+            mark("encode: word %d index closed", w)
             streams[j] = (w, enc, n, k, at, (0, 0, 0))
             at += _align(size)
-        s0 = at0 + streams_at(cap)
-        ib.send[s0:s0 + streams.nbytes].copy_(_to_device(streams.view(np.uint8), self.device))
-        ib.send[at0:at0 + len(entries) * ENTRY_DTYPE.itemsize].copy_(
-            _to_device(entries.view(np.uint8), self.device))
+        # the entries and the stream table (the room between them unused) in one copy
+        head = np.zeros(data_at(cap), np.uint8)
+        head[:entries.nbytes] = entries.view(np.uint8)
+        head[streams_at(cap):] = streams.view(np.uint8)
+        ib.send[at0:at0 + len(head)].copy_(_to_device(head, self.device))
+        mark("encode: %d entries copied", len(entries))
         return at, len(entries)
 
     @staticmethod
@@ -1390,43 +1442,57 @@ class DeltaSender:
         ``values``. Writes that follow each other in the reference form one run whose positions are one
         slice of the reference's changed positions plus a constant: one add and one copy per run, or on
         CUDA one kernel for all runs (:func:`weightsync.runtime.delta_cuda.encode_runs`; the per-run ops
-        cost about 0.1 ms of host time each, on the push's critical path). Returns how many."""
+        cost about 0.1 ms of host time each, on the push's critical path). The runs are found by numpy
+        ops over all writes: a loop over them cost about 5 us a write, on the last part's path. Returns
+        how many."""
         mod = None
         if index.enc == ENC_IDX16 and sp.idx is not None and sp.idx.is_cuda and \
                 str(sp.idx.dtype) == "torch.int64":
             from weightsync.runtime import delta_cuda
 
             mod = delta_cuda.module(sp.idx.device)
-        runs: list[tuple[int, int, int, int]] = []  # for the kernel: lo, shift, first entry, count
-        o = 0
-        i, m = 0, len(f)
-        while i < m:
-            if f["strided"][i]:
-                a, k = int(h["at"][i]), int(h["k"][i])
-                index.add(sp.strided_local[a:a + k], int(bases[i]),
-                          (int(bases[i]), int(bases[i] + f["n"][i])))
+        # Groups in stream order: a strided write alone, or writes that follow each other in the reference
+        # (one slice of its changed positions); each group's changes, and where they start among the part's.
+        m = len(f)
+        strided = f["strided"]
+        brk = np.ones(m, bool)
+        brk[1:] = strided[1:] | strided[:-1] | (f["start"][1:] != f["start"][:-1] + f["n"][:-1])
+        first = np.flatnonzero(brk)
+        last = np.append(first[1:], m) - 1
+        alone = strided[first]
+        count = np.where(alone, h["k"][first], h["hi"][last] - h["lo"][first])
+        at = np.cumsum(count) - count
+        shift = bases[first] - f["start"][first]
+        if mod is not None and not alone.any():  # every group's index and values by one kernel
+            done = index.reserve(int(count.sum()))
+            go = count > 0
+            runs = np.stack([h["lo"][first], shift, at + done, count], 1)[go]
+            if len(runs):
+                from weightsync.runtime import delta_cuda
+
+                delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, index.low, values, index.kernel_counts())
+            return int(count.sum())
+        kernel_runs: list[tuple[int, int, int, int]] = []  # lo, shift, first entry, count
+        for g, (i, j) in enumerate(zip(first.tolist(), last.tolist(), strict=True)):
+            o, k = int(at[g]), int(count[g])
+            if alone[g]:
+                a = int(h["at"][i])
+                b = int(bases[i])
+                index.add(sp.strided_local[a:a + k], b, (b, b + int(f["n"][i])))
                 values[o:o + k].copy_(sp.strided_vals[a:a + k])
-                o += k
-                i += 1
-                continue
-            j = i + 1
-            while j < m and not f["strided"][j] and f["start"][j] == f["start"][j - 1] + f["n"][j - 1]:
-                j += 1
-            lo, hi = int(h["lo"][i]), int(h["hi"][j - 1])
-            if mod is not None:
-                if hi > lo:
-                    runs.append((lo, int(bases[i]) - int(f["start"][i]), index.reserve(hi - lo), hi - lo))
+            elif mod is not None:
+                if k:
+                    kernel_runs.append((int(h["lo"][i]), int(shift[g]), index.reserve(k), k))
             else:
-                index.add(sp.idx[lo:hi], int(bases[i]) - int(f["start"][i]),
-                          (int(bases[i]), int(bases[j - 1] + f["n"][j - 1])))
-                values[o:o + hi - lo].copy_(sp.vals[lo:hi])
-            o += hi - lo
-            i = j
-        if runs:
+                lo = int(h["lo"][i])
+                index.add(sp.idx[lo:lo + k], int(shift[g]), (int(bases[i]), int(bases[j] + f["n"][j])))
+                values[o:o + k].copy_(sp.vals[lo:lo + k])
+        if kernel_runs:
             from weightsync.runtime import delta_cuda
 
-            delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, index.low, values, index.kernel_counts())
-        return o
+            delta_cuda.encode_runs(mod, sp.idx, sp.vals, kernel_runs, index.low, values,
+                                   index.kernel_counts())
+        return int(count.sum())
 
     def share(self, work: DeltaWork, ranks: Sequence[int]) -> None:
         """A relay chain: the lead's work (:meth:`begin`) is also that of members ``ranks``."""
@@ -1515,6 +1581,7 @@ class DeltaReceiver:
         # CUDA: the entries are read on a stream of their own, so that reading a part's does not wait
         # for the scatter of the part before it (queued on the current stream)
         self._read_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pinned: Any = None  # CUDA: the host memory the entries are read into
         # this version's entries, streams and payload offset, per part read and source; those not yet
         # scattered
         self._entries: list[tuple[np.ndarray, np.ndarray, int]] = []
@@ -1523,6 +1590,7 @@ class DeltaReceiver:
         # payload has landed and read_entries takes the entries from it; the sources' ranks, in that order
         self._heads: list[tuple[int, int, int, int]] = []
         self._sources: list[int] = []
+        self._keys_at: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # _key_table, per shadow
 
     def descriptor(self) -> list[bytes]:
         return [self.header_region.descriptor, self.payload_region.descriptor,
@@ -1586,13 +1654,18 @@ class DeltaReceiver:
         if self._read_stream is None:
             host = torch.cat([self.payload[off:off + size] for _, off, _, _, size in heads]).numpy()
         else:
-            pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            # kept from part to part (the entries and streams are copied out of it before the next read)
+            if self._pinned is None or int(self._pinned.numel()) < total:
+                self._pinned = torch.empty(max(total, 1 << 16), dtype=torch.uint8, pin_memory=True)
+            pinned = self._pinned
             with torch.cuda.stream(self._read_stream):
                 at = 0
                 for _, off, _, _, size in heads:
                     pinned[at:at + size].copy_(self.payload[off:off + size], non_blocking=True)
                     at += size
+            mark("destination: entries' copies queued")
             self._read_stream.synchronize()
+            mark("destination: entries copied")
             host = pinned.numpy()
         at = 0
         for r, off, n, room, size in heads:
@@ -1650,6 +1723,7 @@ class DeltaReceiver:
                 k, w = int(st["k"]), int(st["word"])
                 if k == 0:
                     continue
+                mark("destination: stream of word %d", w)
                 ents = entries[(entries["enc"] == ENC_STREAM) & (entries["word"] == w)
                                & (entries["count"] > 0)]
                 ents = ents[np.argsort(ents["data"], kind="stable")]
@@ -1672,19 +1746,24 @@ class DeltaReceiver:
 
                     nwords = ents["rows"] * ents["row_bytes"] // w
                     # the kernel needs each key's address only (a word view per run costs tens of us of
-                    # host time, on the apply's critical path)
-                    todo = [(self._address(int(key[i]), shadow), int(shift[i]), int(starts[i]),
-                             int(ends[j - 1]), int(ents["data"][i]), int(ents["data"][j - 1] + nwords[j - 1]))
-                            for i, j in runs if not strided[i]]
+                    # host time, on the apply's critical path), the table made by numpy ops (a loop over
+                    # the runs cost as much)
+                    fi = np.asarray(first, np.int64)
+                    la = np.append(fi[1:], len(ents)) - 1
+                    cont = ~strided[fi]
+                    fi, la = fi[cont], la[cont]
+                    addresses, sizes = self._key_table(shadow)
+                    todo = np.stack([addresses[key[fi]], shift[fi], starts[fi], ends[la], ents["data"][fi],
+                                     ents["data"][la] + nwords[la]], 1)
                     mark("destination: %d runs of word %d found", len(todo), w)
-                    if not todo:
+                    if not len(todo):
                         done = ""
                     elif delta_host.wanted(self.device):  # CPU: C++, each store checked against its key
-                        done = delta_host.scatter_idx16(
-                            stream, n, k, w, _values_at(enc, n, k), todo,
-                            [self._nbytes(int(key[i]), shadow) for i, _ in runs if not strided[i]])
+                        done = delta_host.scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo,
+                                                        sizes[key[fi]])
                     else:
                         done = scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device)
+                    mark("destination: scatter of word %d launched", w)
                     if done:
                         self.scatter_backend = done
                         runs = [(i, j) for i, j in runs if strided[i]]
@@ -1710,13 +1789,16 @@ class DeltaReceiver:
                         seg += t[4][jid] + r * t[3][jid]
                     target[seg] = vals[a:b]
 
-    def _address(self, key: int, shadow: int) -> int:
-        """The address of key ``key``'s buffer ``shadow`` (contiguous: it was registered so)."""
-        return int(self.buffers[self.keys[key]][shadow].data_ptr())
-
-    def _nbytes(self, key: int, shadow: int) -> int:
-        t = self.buffers[self.keys[key]][shadow]
-        return int(t.numel()) * int(t.element_size())
+    def _key_table(self, shadow: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every key's buffer ``shadow`` as (address, bytes), by key index: the buffers were registered
+        (contiguous, and kept for the receiver's life), so they are read once."""
+        table = self._keys_at.get(shadow)
+        if table is None:
+            ts = [self.buffers[key][shadow] for key in self.keys]
+            table = (np.array([int(t.data_ptr()) for t in ts], np.int64),
+                     np.array([int(t.numel()) * int(t.element_size()) for t in ts], np.int64))
+            self._keys_at[shadow] = table
+        return table
 
     def completed(self, version: int, shadow: int) -> None:
         self.holds[shadow] = version

@@ -39,6 +39,7 @@ from typing import Any
 
 from weightsync.runtime import nvrtc
 from weightsync.runtime.delta import first_room
+from weightsync.runtime.trace import mark
 
 THREADS = 256
 ROUNDS = 8  # a block's tile: 8 rounds of 256 threads' 16-byte chunks (32 KB)
@@ -205,11 +206,13 @@ __device__ __forceinline__ void collect(const i64* key_at, const i64* key_start,
 }
 
 // ws_order: block t copies tile t's changes from the scratch to their place in word order (``first``:
-// the exclusive prefix of the tile counts), as positions in the space (int64).
+// the exclusive prefix of the tile counts), as positions in the space (int64). Nothing where more than
+// ``cap`` changed (the scratch holds only some of them: the host runs the collect again).
 template <typename W>
 __device__ __forceinline__ void order(const i64* tile_start, const i64* tile_count, const i64* tile_base,
                                       const i64* first, const unsigned short* tmp_off, const W* tmp_val,
-                                      i64* out_idx, W* out_val) {
+                                      i64* out_idx, W* out_val, const u64* used, i64 cap) {
+    if ((i64)*used > cap) return;
     const i64 t = blockIdx.x;
     const i64 n = tile_count[t], from = tile_base[t], to = first[t], start = tile_start[t];
     for (i64 j = threadIdx.x; j < n; j += THREADS) {
@@ -228,13 +231,24 @@ extern "C" __global__ void BOUNDS ws_collect_##SUFFIX(                          
 }                                                                                                         \
 extern "C" __global__ void __launch_bounds__(THREADS) ws_order_##SUFFIX(                                  \
         const i64* tile_start, const i64* tile_count, const i64* tile_base, const i64* first,             \
-        const unsigned short* tmp_off, const W* tmp_val, i64* out_idx, W* out_val) {                      \
-    order<W>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, out_idx, out_val);              \
+        const unsigned short* tmp_off, const W* tmp_val, i64* out_idx, W* out_val, const u64* used,       \
+        i64 cap) {                                                                                        \
+    order<W>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, out_idx, out_val, used, cap);   \
 }
 COMPARE(unsigned char, w1)
 COMPARE(unsigned short, w2)
 COMPARE(unsigned int, w4)
 COMPARE(u64, w8)
+
+// ws_fill_tail: positions ``*used`` .. ``cap`` of an ordered output (room for ``cap``) set past every
+// position, so that a search over all ``cap`` finds what one over the ``*used`` changes would, before
+// the host knows how many there are. Nothing where more than ``cap`` changed.
+extern "C" __global__ void __launch_bounds__(THREADS) ws_fill_tail(i64* out_idx, const u64* used, i64 cap) {
+    const i64 k = (i64)*used;
+    if (k > cap) return;
+    for (i64 j = k + (i64)blockIdx.x * THREADS + threadIdx.x; j < cap; j += (i64)gridDim.x * THREADS)
+        out_idx[j] = 0x7fffffffffffffffLL;
+}
 
 // An ENC_IDX16 stream's entries from runs of the compare's output: run r (table rows lo, shift, out,
 // count) takes changed words lo .. lo + count of the space (positions idx, values vals) to entries
@@ -314,6 +328,32 @@ __device__ __forceinline__ void scatter_runs(const i64* ends, const unsigned sho
     }
 }
 
+// ws_block_ends: an ENC_IDX16 stream's block counts (int32, ``nb``) as the int64 prefix from 0 (``ends``:
+// nb + 1), by one block: each thread sums its share of the counts in order, a block-wide scan of those
+// sums places each share. One launch in place of torch's (a fill and a scan of several launches): the
+// receiver's host queues it on the last part's path.
+extern "C" __global__ void __launch_bounds__(THREADS) ws_block_ends(const int* counts, i64 nb, i64* ends) {
+    __shared__ i64 sums[THREADS];
+    const i64 per = (nb + THREADS - 1) / THREADS;
+    const i64 a = threadIdx.x * per, b = min(a + per, nb);
+    i64 mine = 0;
+    for (i64 i = a; i < b; i++) mine += counts[i];
+    sums[threadIdx.x] = mine;
+    __syncthreads();
+    for (int d = 1; d < THREADS; d <<= 1) {  // inclusive scan of the shares (Hillis-Steele)
+        const i64 v = threadIdx.x >= d ? sums[threadIdx.x - d] : 0;
+        __syncthreads();
+        sums[threadIdx.x] += v;
+        __syncthreads();
+    }
+    i64 at = sums[threadIdx.x] - mine;
+    if (threadIdx.x == 0) ends[0] = 0;
+    for (i64 i = a; i < b; i++) {
+        at += counts[i];
+        ends[i + 1] = at;
+    }
+}
+
 #define SCATTER(NAME, W)                                                                                  \
 extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
         const i64* ends, const unsigned short* low, const W* vals, const i64* table, int nruns) {         \
@@ -327,7 +367,9 @@ SCATTER(ws_scatter_w8, u64)
 
 _P, _Q, _I = nvrtc.PTR, nvrtc.I64, nvrtc.I32
 SIGNATURES = {**{f"ws_collect_w{w}": _P * 11 + _Q + _I for w in (1, 2, 4, 8)},
-              **{f"ws_order_w{w}": _P * 8 for w in (1, 2, 4, 8)},
+              **{f"ws_order_w{w}": _P * 9 + _Q for w in (1, 2, 4, 8)},
+              "ws_fill_tail": _P * 2 + _Q,
+              "ws_block_ends": _P + _Q + _P,
               **{f"ws_encode_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)},
               **{f"ws_scatter_w{w}": _P * 4 + _I for w in (1, 2, 4, 8)}}
 ENV = "WEIGHTSYNC_DELTA_KERNELS"
@@ -384,7 +426,8 @@ class Collect:
     """A space's ``ws_collect`` launched on a stream, its count not yet read: the tiles' counts and places,
     the scratch of (16-bit word, value) per change, the count copied to pinned host memory and an event
     after that copy. The caller's host goes on (deciding and encoding another part) while the device
-    compares; :func:`finish` reads the count and orders the changes."""
+    compares; :func:`finish` reads the count and orders the changes. :meth:`order_ahead` queues the
+    ordering and the caller's searches too, so that the host waits once, for everything."""
 
     def __init__(self, mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
                  cap: int, poison: int | None, stream: Any, host_count: Any) -> None:
@@ -393,6 +436,9 @@ class Collect:
         self.mod, self.tables, self.ntiles, self.vec, self.word = mod, tables, ntiles, vec, word
         self.ref = ref
         self.poison, self.stream, self.host_count = poison, stream, host_count
+        # order_ahead: its outputs (room for ``cap``), the searches' answers on the host, an event after them
+        self.ahead: tuple[Any, Any, Any, Any] | None = None
+        self.cuts: Any = None  # finish: the searches' answers (numpy), where order_ahead was queued
         device = ref.device
         with torch.cuda.stream(stream):
             # per tile its count and its place in the scratch, then the scratch's used count
@@ -420,26 +466,18 @@ class Collect:
         self.host_count.copy_(used, non_blocking=True)
         self.event.record(torch.cuda.current_stream(device))
 
-    def finish(self) -> tuple[Any, Any]:
-        """The space's changed words as (sorted int64 positions, values), the order kernel queued on
-        torch's current stream of the device (which waits for the collect first). One host wait: for
-        the count (two where more than the room changed: the collect runs again with room for all; the
-        reference is unchanged, so it finds the same changes)."""
+    def _order(self, k: int) -> tuple[Any, Any]:
+        """``ws_order`` on torch's current stream into new outputs with room for ``k`` (it waits for the
+        collect first): the changes in word order, where at most ``cap`` changed (else nothing)."""
         import torch
 
         device = self.ref.device
-        self.event.synchronize()
-        k = int(self.host_count[0])
-        if k > self.cap:
-            with torch.cuda.stream(self.stream):
-                self._run(k)
-            self.event.synchronize()
         current = torch.cuda.current_stream(device)
         current.wait_event(self.event)
         nt = self.ntiles
         for t in (self.counts, self.tmp_off, self.tmp_val):  # made on the collect's stream, read on this one
             t.record_stream(current)
-        tile_count, tile_base = self.counts[:nt], self.counts[nt:2 * nt]
+        tile_count, tile_base, used = self.counts[:nt], self.counts[nt:2 * nt], self.counts[2 * nt:]
         out_idx = torch.empty(k, dtype=torch.int64, device=device)
         out_val = torch.empty(k, dtype=self.ref.dtype, device=device)
         if self.poison is not None:
@@ -447,9 +485,61 @@ class Collect:
             out_val.view(torch.uint8).fill_(self.poison)
         first = torch.cumsum(tile_count, 0) - tile_count
         _launch(self.mod, f"ws_order_w{self.word}", nt,
-                [self.tables[4], tile_count, tile_base, first, self.tmp_off, self.tmp_val, out_idx, out_val],
-                device)
+                [self.tables[4], tile_count, tile_base, first, self.tmp_off, self.tmp_val, out_idx, out_val,
+                 used, self.cap], device)
         return out_idx, out_val
+
+    def order_ahead(self, query: Any, stream: Any) -> None:
+        """Queues on ``stream`` (which waits for the collect) what :meth:`finish` would do once the count is
+        read: the changes ordered into outputs with room for ``cap``, the room past the count filled past
+        every position, and ``torch.searchsorted`` of ``query`` (int64 positions in the space) over them,
+        copied to the host with the count. The host then waits once, for all of it, and no kernel of it
+        waits for the host."""
+        import torch
+
+        device = self.ref.device
+        with torch.cuda.stream(stream):
+            out_idx, out_val = self._order(self.cap)
+            _launch(self.mod, "ws_fill_tail", max(1, min(-(-self.cap // THREADS), 1024)),
+                    [out_idx, self.counts[2 * self.ntiles:], self.cap], device)
+            host = torch.empty(1 + int(query.numel()), dtype=torch.int64, pin_memory=True)
+            host[:1].copy_(self.counts[2 * self.ntiles:], non_blocking=True)
+            if query.numel():
+                host[1:].copy_(torch.searchsorted(out_idx, query), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.ahead = (out_idx, out_val, host, done)
+
+    def finish(self) -> tuple[Any, Any]:
+        """The space's changed words as (sorted int64 positions, values), the order kernel queued on
+        torch's current stream of the device (which waits for the collect first), or (order_ahead) what
+        it queued, with :attr:`cuts`. One host wait: for the count, or for all order_ahead queued (two
+        where more than the room changed: the collect runs again with room for all; the reference is
+        unchanged, so it finds the same changes)."""
+        import torch
+
+        device = self.ref.device
+        if self.ahead is not None:
+            out_idx, out_val, host, done = self.ahead
+            self.ahead = None
+            done.synchronize()
+            mark("collect counted, ordered and searched")
+            k = int(host[0])
+            if k <= self.cap:
+                current = torch.cuda.current_stream(device)
+                current.wait_event(done)
+                for t in (out_idx, out_val):  # made on the order stream, read on this one
+                    t.record_stream(current)
+                self.cuts = host[1:].numpy().copy()
+                return out_idx[:k], out_val[:k]
+        self.event.synchronize()
+        mark("collect counted")
+        k = int(self.host_count[0])
+        if k > self.cap:
+            with torch.cuda.stream(self.stream):
+                self._run(k)
+            self.event.synchronize()
+        return self._order(k)
 
 
 def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
@@ -496,6 +586,17 @@ def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, low: Any, out
             [idx, vals, _table(runs, idx.device), len(runs), total, low, out_vals, counts], idx.device)
 
 
+def block_ends(mod: nvrtc.Module, counts: Any) -> Any:
+    """An ENC_IDX16 stream's block counts (``counts``: int32 on the device) as the int64 prefix from 0, on
+    the tensors' stream: block ``b``'s entries are ``ends[b]:ends[b + 1]``."""
+    import torch
+
+    nb = int(counts.numel())
+    ends = torch.empty(nb + 1, dtype=torch.int64, device=counts.device)
+    _launch(mod, "ws_block_ends", 1, [counts, nb, ends], counts.device)
+    return ends
+
+
 def scatter_runs(mod: nvrtc.Module, ends: Any, low: Any, vals: Any, runs: Any) -> None:
     """The receiver's scatter of an ENC_IDX16 stream's contiguous runs, on the tensors' stream: ``ends``
     (int64, the cumsum of the block counts from 0), ``low`` (int16) and ``vals`` its sections, ``runs``
@@ -503,5 +604,6 @@ def scatter_runs(mod: nvrtc.Module, ends: Any, low: Any, vals: Any, runs: Any) -
     nb = int(ends.numel()) - 1
     if not len(runs) or nb <= 0:
         return
+    mark("scatter: block ends queued")
     _launch(mod, f"ws_scatter_w{vals.element_size()}", nb,
             [ends, low, vals, _table(runs, vals.device), len(runs)], vals.device)

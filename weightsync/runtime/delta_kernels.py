@@ -186,7 +186,8 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
     nb = -(-n // BLOCK)
     vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
     low = payload[_align(4 * nb):_align(4 * nb) + 2 * k].view(torch.int16)
-    dist = np.array([int(r[0]) for r in runs], np.int64) - int(vals.data_ptr())
+    runs = np.asarray(runs, np.int64).reshape(-1, 6)
+    dist = runs[:, 0] - int(vals.data_ptr())
     if np.any(dist % w):
         return ""
     if device.type == "cuda":  # the CUDA C++ scatter first (weightsync.runtime.delta_cuda)
@@ -194,12 +195,12 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
 
         mod = delta_cuda.module(device)
         if mod is not None:
-            delta_cuda.scatter_runs(mod, _block_ends(payload, nb, device), low, vals,
-                                    [(r[2], r[3], r[1], r[0]) for r in runs])
+            ends = delta_cuda.block_ends(mod, payload[:4 * nb].view(torch.int32))
+            delta_cuda.scatter_runs(mod, ends, low, vals, runs[:, [2, 3, 1, 0]])
             return "cuda"
     if triton is None:
         return ""
-    table = np.array([r[1:] for r in runs], np.int64).reshape(-1, 5)
+    table = runs[:, 1:]
     at = dist // w + table[:, 0]
     first, last = table[:, 3] // BLOCK, (table[:, 4] - 1) // BLOCK
     per = last - first + 1
@@ -272,6 +273,8 @@ class Compactor:
         # a compare started by launch: the keys' and the reference's addresses it read, its collect
         self.pending: tuple[list[int], int, Any] | None = None
         self._host_count: Any = None  # pinned: the collect's count for the host
+        # the last compare's searches of the query given to order_ahead (numpy), else None
+        self.cuts: Any = None
 
     def _tables(self, views: Sequence[Any], ref: Any) -> None:
         import torch
@@ -349,6 +352,15 @@ class Compactor:
         self._note_cuda(nt, hint)
         return True
 
+    def order_ahead(self, query: Any, stream: Any) -> None:
+        """Queues on ``stream`` the ordering of the compare started by :meth:`launch` and the searches of
+        ``query`` (int64 positions in the space) over its changes, so that :meth:`compare` waits for the
+        device once and gives their answers in :attr:`cuts`. Nothing where no compare was launched."""
+        if self.pending is not None:
+            self.pending[2].order_ahead(query, stream)
+            # its outputs have room for as many as the scratch
+            self.scratch_bytes += self.pending[2].cap * (8 + self.word)
+
     def _note_cuda(self, nt: int, hint: int) -> None:
         from weightsync.runtime.delta import first_room
 
@@ -367,9 +379,12 @@ class Compactor:
         import torch
 
         pending, self.pending = self.pending, None
+        self.cuts = None
         self._tables(views, ref)
         if pending is not None and pending[0] == self.addrs and pending[1] == self.ref_addr:
-            return pending[2].finish()
+            found = pending[2].finish()
+            self.cuts = pending[2].cuts
+            return found
         if not self.usable:
             return None
         total = int(self.starts[-1])
