@@ -165,11 +165,12 @@ def test_choose_break_even() -> None:
 
 
 def test_parts_cut_in_order() -> None:
-    from weightsync.runtime.delta import part_of
+    from weightsync.runtime.delta import PART_SHARES, PARTS, part_of
 
     ten = np.full(10, 100)
     assert part_of(ten, 2, 1).tolist() == [0] * 5 + [1] * 5
-    assert part_of(ten, 4, 1).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert part_of(ten, 4, 1, (1, 1, 1, 1)).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert part_of(ten, PARTS, 1).tolist() == part_of(ten, PARTS, 1, PART_SHARES).tolist()
     assert part_of(ten, 1, 1).tolist() == [0] * 10
     # a tensor goes with the part its first byte falls in: a dominant one alone in its part
     assert part_of(np.array([1, 1000, 1, 1]), 2, 1).tolist() == [0, 0, 1, 1]

@@ -150,8 +150,13 @@ MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsyn
 # took 18.9 ms, 2 parts 21.8 and 6 parts (the last one half as large) 20.2.
 PARTS = 4
 assert PARTS <= DELTA_PARTS_MAX
-# The parts' relative sizes (part_of).
-PART_SHARES = (1, 1, 1, 1)
+# The parts' relative sizes (part_of): the last one half as large as the others, so that less follows
+# its compare (its copy, and the destination's scatter, which queues behind the part before's). That
+# paid only once each part's host work had shrunk to about a third of its compare's time (before, the
+# host still worked on the part before when the last compare ended, and 30/30/28/12% of the bytes were
+# no faster than equal parts): on 2 x H100 18.00 ms against 18.49 for equal parts, and 19.10 for five
+# parts of 2, 2, 2, 2 and 1 shares, in one call (docs/BENCHMARKS.md).
+PART_SHARES = (2, 2, 2, 1)
 assert len(PART_SHARES) == PARTS
 # The fewest bytes worth a part of their own. A part costs its own waits (headers, payload immediates, a
 # host synchronization on each side) whatever its size, while what it overlaps grows with its bytes: a
