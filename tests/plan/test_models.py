@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.models import models_dir
 from weightsync.plan import plan
 from weightsync.plan.layout import DTYPES
 from weightsync.plan.models import checkpoint, counts, inference_layouts, load_config, trainer_layouts
 
-MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
-if not MODELS.exists():
-    MODELS = Path("/work/shared/models")
+MODELS = models_dir()
 CONFIGS = sorted(MODELS.glob("*.json"))
 
 

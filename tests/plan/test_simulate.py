@@ -11,14 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.models import models_dir
 from weightsync.plan import plan
 from weightsync.plan.simulate import CostModel, run_model, simulate, simulate_relay
 from weightsync.runtime.describe import Sharded, describe_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = ROOT.parent / "shared" / "models"
-if not MODELS.exists():
-    MODELS = Path("/work/shared/models")
+MODELS = models_dir()
 
 TINY_MOE = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 512, "num_hidden_layers": 3,
             "first_k_dense_replace": 1, "intermediate_size": 1024, "moe_intermediate_size": 256,
