@@ -933,9 +933,7 @@ class DeltaSender:
             self._order_stream = torch.cuda.Stream(self.device, priority=-1)
         for s, sp in self._spaces.items():
             if sp.part in self._launched and sp.compactor is not None:
-                if sp.query is None:
-                    sp.query = _to_device(self._query(s, sp), self.device)
-                sp.compactor.order_ahead(sp.query, self._order_stream)
+                sp.compactor.order_ahead(self._query_on_device(s, sp), self._order_stream)
         self._spent("compare", t0)
 
     def settle(self) -> None:
@@ -972,10 +970,9 @@ class DeltaSender:
                 sp.idx, sp.vals = found
             else:
                 sp.idx = self._changed_words(sp)
-            if sp.query is None:
-                sp.query = _to_device(self._query(s, sp), self.device)
+            query = self._query_on_device(s, sp)
             ahead = getattr(sp.compactor, "cuts", None) if found is not None else None
-            cuts.append(ahead if ahead is not None else torch.searchsorted(sp.idx, sp.query))
+            cuts.append(ahead if ahead is not None else torch.searchsorted(sp.idx, query))
         mark("source %d: part %d changes ordered", self.rank, part)
         on_device = [c for c in cuts if not isinstance(c, np.ndarray)]
         if on_device:  # one copy to the host for every space's
@@ -1095,6 +1092,12 @@ class DeltaSender:
             if f is not None:
                 parts.append(np.stack([f["start"], f["start"] + f["span"]], 1).reshape(-1))
         return np.concatenate(parts).astype(np.int64)
+
+    def _query_on_device(self, space: int, sp: _Space) -> Any:
+        """:meth:`_query` on the device, made once per plan (``load`` forgets it)."""
+        if sp.query is None:
+            sp.query = _to_device(self._query(space, sp), self.device)
+        return sp.query
 
     def _select_strided(self, s: int, sp: _Space, strided: list[tuple[int, np.ndarray]]) -> None:
         """The changes of the strided direct writes (source rows with words between them that are not
