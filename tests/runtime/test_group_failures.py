@@ -25,19 +25,10 @@ def _check(rollouts: list, layouts: list[tuple[str, int]], version: int) -> None
             assert torch.equal(got[k], want[k]), f"{layout}{tp} {k} differs at version {version}"
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (one that has exited runs nothing more)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _kill_and_await_death(actors: list, within: float) -> None:
     """Kills ``actors`` and returns once their processes have exited. Ray reports an actor dead (a call
     to it raises) before its process is gone: a destination there can still take a version and confirm
-    it (seen on a 32-core host, where a push right after the report did)."""
+    it (likely what failed on a 32-core host, where a push right after the report returned)."""
     pids = [ray.get(a.__ray_call__.remote(lambda _self: os.getpid()), timeout=30) for a in actors]
     for a in actors:
         ray.kill(a)
@@ -50,7 +41,7 @@ def _kill_and_await_death(actors: list, within: float) -> None:
                 break
             assert time.monotonic() < deadline, "the actor still answers after ray.kill"
             time.sleep(0.05)
-    while any(_running(pid) for pid in pids):
+    while any(pid_alive(pid) for pid in pids):
         assert time.monotonic() < deadline, f"processes {pids} still run after ray.kill"
         time.sleep(0.05)
 
