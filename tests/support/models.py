@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests import ROOT
 
 
 def models_dir() -> Path:
     """The first of those folders that exists (the one beside the repository where none does, so that
     a missing config names the usual place)."""
-    candidates = [ROOT.parent / "shared" / "models", ROOT / "shared" / "models", Path("/work/shared/models")]
+    root = Path(ROOT)
+    candidates = [root.parent / "shared" / "models", root / "shared" / "models", Path("/work/shared/models")]
     return next((p for p in candidates if p.is_dir()), candidates[0])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,16 +19,15 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 from tests import ROOT
+from tests.support.models import models_dir
 from tests.vllm import models
 from tests.vllm.test_fp8_layouts import fp8_kernels  # noqa: F401 (a fixture)
 from weightsync.integrations.vllm.layouts import CheckpointTensor, derive_layout, fp8_checkpoint
 from weightsync.plan import models as plan_models
 
-SHARED = Path(ROOT).parent / "shared" / "models"  # beside the repository, as the planner's tests find it
+SHARED = models_dir()  # as the planner's tests find them
 if not SHARED.exists():
-    SHARED = Path("/work/shared/models")
-if not SHARED.exists():
-    pytest.skip("the five model configs (shared/models/*.json) are not beside the repository",
+    pytest.skip("the five model configs (shared/models/*.json) are neither beside the repository nor in it",
                 allow_module_level=True)
 NAMES = ["llama-3.1-70b", "llama-3.1-405b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"]
 # What vLLM needs beyond the shapes shared/models records (rope, norms, routing) comes from the tiny
