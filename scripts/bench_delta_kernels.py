@@ -586,9 +586,9 @@ def main() -> None:
                 tabs = (*comp.keys, torch.from_numpy(tile_key).to(device),
                         torch.from_numpy(tile_start).to(device))
 
-                def run(mod: Any = mod, tabs: Any = tabs, nt: int = len(tile_key), k: int = k,
+                def run(mod: Any = mod, tabs: Any = tabs, starts: Any = tile_start, k: int = k,
                         vec: bool = comp.vec > 1) -> Any:
-                    return delta_cuda.compare(mod, tabs, nt, vec, 2, b.ref, k + k // 8, N)
+                    return delta_cuda.compare(mod, tabs, starts, vec, 2, b.ref, k + k // 8, N)
 
                 b.record("compare", label, run, cmp_bytes, b.restore, b.check_found)
                 del comp, tabs

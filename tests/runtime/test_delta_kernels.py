@@ -21,6 +21,7 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -384,12 +385,14 @@ def test_the_cuda_compare_matches_the_torch_path(slice_tiles: int, aligned: bool
 @pytest.mark.parametrize("word", [1, 2, 4, 8])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
-    """Thousands of tiles (the look-back across windows of 32 predecessors and beyond), keys whose words
-    and addresses are 16-byte aligned (vector loads) or of odd sizes at odd addresses, output room far too
-    small (second run), against torch; each also launched ahead on a side stream and finished later, and
-    with its ordering and a search queued ahead on another (whose answers the host reads with the count,
-    or, past the room, does not)."""
+    """Thousands of tiles, keys whose words and addresses are 16-byte aligned (vector loads) or of odd
+    sizes at odd addresses (and an empty one), output room far too small (second run), against torch;
+    each also launched ahead on a side stream and finished later, and with a search queued ahead on
+    another. Searched within the room, the changes come as the collect left them: the search's answers
+    (read with the count), their order, the reference's update and a stream's encode read from there
+    must be what torch gives; past the room the host searches the ordered changes."""
     from weightsync.runtime import delta_cuda
+    from weightsync.runtime.delta import ENC_IDX16, _align, _IndexWriter, _values_at, sparse_sizes, word_dtype
     from weightsync.runtime.delta_kernels import Compactor
 
     dev = torch.device("cuda")
@@ -398,7 +401,7 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
     if aligned:
         sizes = [4096 * 700 + 16, 16, 4096 * 1300, 16, 4096 * 5 + 4080]
     else:
-        sizes = [4096 * 700 + 3, 17, 4096 * 1300, 1, 4096 * 5 + 4095]
+        sizes = [4096 * 700 + 3, 17, 0, 4096 * 1300, 1, 4096 * 5 + 4095]
     base = torch.randint(-(1 << 62), 1 << 62, (sum(sizes) + 64,), generator=g, device=dev).to(dt)
     views, a = [], 0
     for i, n in enumerate(sizes):
@@ -414,12 +417,24 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
     views[-1][-1] ^= 1
     cur = torch.cat(views)
     want = torch.nonzero(cur != ref).reshape(-1)
+    k = len(want)
     # where the keys start, every change, the words around them, none changed (the total, 0)
     query = torch.cat([torch.from_numpy(starts).to(dev), want[::7], want[::11] + 1, want[::13] - 1,
                        torch.randint(0, int(starts[-1]), (500,), generator=g, device=dev)])
-    room = len(want) + 10
-    for hint, ahead, ordered in [(room, False, False), (1024, False, False), (room, True, False),
-                                 (1024, True, False), (room, True, True), (1024, True, True)]:
+    # runs of changes for a stream (first change, shift to stream positions, first entry, count): the
+    # changes cut in five with one slice left out (another write's), shifted into a stream of n words
+    cuts = [0, k // 5, k // 5 + 7000, k // 2, k // 2 + 1, k]
+    n = int(starts[-1]) + 5000
+    runs, at = [], 0
+    for r, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+        if r != 1:
+            runs.append((lo, 1000 * r + 3, at, hi - lo))
+            at += hi - lo
+    runs_np = np.array(runs, np.int64)
+    size = sparse_sizes(n, at, word)[ENC_IDX16]
+    room = k + 10
+    for hint, ahead, searched in [(room, False, False), (1024, False, False), (room, True, False),
+                                  (1024, True, False), (room, True, True), (1024, True, True)]:
         r = ref.clone()
         c = Compactor(word, starts, dev)
         c.poison = 0x5A
@@ -428,21 +443,48 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
             side.wait_stream(torch.cuda.current_stream(dev))
             assert c.launch(views, r, hint, side)
             assert c.pending is not None
-            if ordered:
-                c.order_ahead(query, torch.cuda.Stream(dev, priority=-1))
-        idx, vals = c.compare(views, r, hint)
+            if searched:
+                c.search_ahead(query, torch.cuda.Stream(dev, priority=-1))
+        found = c.compare(views, r, hint)
         assert c.pending is None
-        if ordered and hint > len(want):
-            assert c.cuts is not None
-            assert c.cuts.tolist() == torch.searchsorted(want, query).tolist()
-        else:  # past the room the collect ran again, and the caller searches
-            assert c.cuts is None, hint
         assert c.backend == "cuda", delta_cuda.unavailable(dev)
         assert c.vec == (16 // word if aligned else 1)
+        assert not c.ref_updated and torch.equal(r, ref), hint  # the caller's to update
+        if searched and hint > k:
+            assert isinstance(found, delta_cuda.TileChanges), hint
+            assert found.count == k
+            assert c.cuts is not None
+            assert c.cuts.tolist() == torch.searchsorted(want, query).tolist()
+            # a stream's entries from the scratch, byte for byte what the ordered changes give
+            idx, vals = found.ordered()
+            outs = []
+            for tiled in (False, True):
+                out = torch.full((size,), 0xA5, dtype=torch.uint8, device=dev)
+                values = out[_values_at(ENC_IDX16, n, at):][:word * at].view(word_dtype(word))
+                index = _IndexWriter(out, ENC_IDX16, n, at, dev)
+                index.reserve(at)
+                if tiled:
+                    lo_pos, hi_pos = int(want[0]), int(want[-1]) + 1
+                    found.encode(runs_np, found.tile_range(lo_pos, hi_pos), index.low, values,
+                                 index.kernel_counts())
+                else:
+                    delta_cuda.encode_runs(delta_cuda.module(dev), idx, vals, runs_np, index.low, values,
+                                           index.kernel_counts())
+                index.close()
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), hint
+            sel = torch.cat([torch.arange(lo, lo + m, device=dev) for lo, _, _, m in runs])
+            shifts = torch.cat([torch.full((m,), sh, device=dev) for _, sh, _, m in runs])
+            low = outs[1][_align(4 * -(-n // 65536)):][:2 * at].view(torch.int16)
+            assert torch.equal(low, ((want[sel] + shifts) & 0xFFFF).to(torch.int32).to(torch.int16))
+            found.update_ref()
+        else:  # past the room the collect ran again, and the caller searches
+            assert isinstance(found, tuple), hint
+            assert c.cuts is None, hint
+            idx, vals = found
+            r[idx] = vals
         assert torch.equal(idx, want), (hint, idx.numel(), want.numel())
         assert torch.equal(vals, cur[want]), hint
-        assert not c.ref_updated and torch.equal(r, ref), hint  # the caller's to update
-        r[idx] = vals
         assert torch.equal(r, cur), hint
 
 

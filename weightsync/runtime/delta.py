@@ -82,13 +82,15 @@ one key and one placement with one indexed copy.
 On CUDA (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the sender's compare is device kernels instead: the
 changed words' positions and values found reading each tensor and the reference once. First choice, CUDA
 C++ compiled at run time with NVRTC (:mod:`weightsync.runtime.delta_cuda`: each tile's changes collected
-where an atomic counter puts them, then put in order; one host synchronization per space). Every
-part's collect is launched at the push's start; once the announces are out, each one's ordering and the
-search of its bounds are queued too, on a stream of their own that waits for it on the device
-(:meth:`DeltaSender.order_ahead`), so the host only waits for each part's answers and launches nothing
-between the last compare and the last part's decisions. It leaves the reference to ``finish``'s indexed
-copy, which runs while the destinations apply theirs. Where NVRTC
-cannot be had, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``, two Triton kernels per slice
+where an atomic counter puts them; one host synchronization per space). Every part's collect is
+launched at the push's start; once the announces are out, the search of each one's bounds (how many
+changes lie before each) is queued too, on a stream of their own that waits for it on the device
+(:meth:`DeltaSender.search_ahead`), so the host only waits for each part's answers and launches nothing
+between the last compare and the last part's decisions. The changes are never put in order on that path:
+the encode and the reference's update read them where the collect left them (``ws_order`` runs only for
+what wants them in order: strided writes, the bitmap encoding, a collect past its room). The reference is
+``finish``'s to update, while the destinations apply theirs. Where NVRTC cannot be had, or with
+``WEIGHTSYNC_DELTA_KERNELS=triton``, two Triton kernels per slice
 (:mod:`weightsync.runtime.delta_kernels`: one host synchronization per slice, a slot scratch of 256 MiB a
 slice at most), which update the reference in the same pass (``finish`` has nothing left to copy for
 those spaces: a push that fails leaves the reference's version at -1, and the next push copies the
@@ -526,6 +528,16 @@ class _Space:
     compactor: Any = None  # the GPU kernels' tile tables (weightsync.runtime.delta_kernels), where they run
     ref_done: bool = False  # this push's compare already put the changed values into the reference
     # (the Triton and CPU kernels do; the CUDA compare leaves it to finish)
+    # this push's changes as the CUDA collect left them (weightsync.runtime.delta_cuda.TileChanges), where
+    # its searches were queued ahead: ``idx`` and ``vals`` stay None until something needs them in order
+    tiles: Any = None
+
+    def ordered(self) -> None:
+        """``idx`` and ``vals`` made from ``tiles`` where they are not yet (the encode and the reference's
+        update read ``tiles``; the strided writes' selection, the bitmap encoding and the staged writes
+        want the changes in order)."""
+        if self.idx is None and self.tiles is not None:
+            self.idx, self.vals = self.tiles.ordered()
 
 
 @dataclass
@@ -682,7 +694,7 @@ class DeltaSender:
         self._compared: set[int] = set()  # the parts this push compared with it
         self._launched: set[int] = set()  # the parts whose compare this push launched (CUDA kernels)
         self._compare_stream: Any = None  # the CUDA stream the launched compares run on
-        self._order_stream: Any = None  # the CUDA stream their ordering and searches run on (order_ahead)
+        self._order_stream: Any = None  # the CUDA stream their searches run on (search_ahead)
         self._hits: dict[int, dict[int, np.ndarray]] = {}  # this push: rank -> space -> _HIT_DTYPE rows
         self._chunk_changed: dict[int, tuple[Any, Any] | None] = {}  # chunk -> (changed word indices,
         # values), None: not compared
@@ -917,23 +929,23 @@ class DeltaSender:
         self._spent("compare", t0)
         return launched
 
-    def order_ahead(self) -> None:
-        """After :meth:`start` launched the compares: queues each one's ordering and the searches of its
-        space's query (where each key's and each inbox write's changes start) on a stream of their own,
-        each waiting for its compare on the device, so that :meth:`compare` waits for the device once per
-        part and launches nothing. Apart from start: these launches cost host time that the compares do
-        not wait for (the announces go first)."""
+    def search_ahead(self) -> None:
+        """After :meth:`start` launched the compares: queues the searches of each one's space's query
+        (where each key's and each inbox write's changes start) on a stream of their own, each waiting for
+        its compare on the device, so that :meth:`compare` waits for the device once per part and launches
+        nothing. Apart from start: these launches cost host time that the compares do not wait for (the
+        announces go first)."""
         import torch
 
         if not self._launched:
             return
         t0 = time.perf_counter()
         if self._order_stream is None:
-            # above the compares (priority 0): a part's ordering runs as soon as its compare is done
+            # above the compares (priority 0): a part's searches run as soon as its compare is done
             self._order_stream = torch.cuda.Stream(self.device, priority=-1)
         for s, sp in self._spaces.items():
             if sp.part in self._launched and sp.compactor is not None:
-                sp.compactor.order_ahead(self._query_on_device(s, sp), self._order_stream)
+                sp.compactor.search_ahead(self._query_on_device(s, sp), self._order_stream)
         self._spent("compare", t0)
 
     def settle(self) -> None:
@@ -962,12 +974,15 @@ class DeltaSender:
             return
         t0 = time.perf_counter()
         spaces = {s: sp for s, sp in self._spaces.items() if sp.part == part}
-        cuts: list[Any] = []  # per space its searches' answers: on the host (order_ahead), or a tensor
+        cuts: list[Any] = []  # per space its searches' answers: on the host (search_ahead), or a tensor
         for s, sp in spaces.items():
-            sp.vals, sp.ref_done = None, False
+            sp.idx = sp.vals = sp.tiles = None
+            sp.ref_done = False
             found = self._changed_words_kernels(sp) if self.use_kernels else None
-            if found is not None:
+            if isinstance(found, tuple):
                 sp.idx, sp.vals = found
+            elif found is not None:
+                sp.tiles = found
             else:
                 sp.idx = self._changed_words(sp)
             query = self._query_on_device(s, sp)
@@ -988,7 +1003,7 @@ class DeltaSender:
             at += int(sp.query.numel())
             nk = len(sp.keys)
             sp.cut = q[:nk + 1]
-            if sp.vals is None:  # the torch path: the new values, one gather per key
+            if sp.vals is None and sp.tiles is None:  # the torch path: the new values, one gather per key
                 sp.vals = torch.empty(int(sp.cut[-1]), dtype=word_dtype(w), device=self.device)
                 for j, key in enumerate(sp.keys):
                     c0, c1, a = int(sp.cut[j]), int(sp.cut[j + 1]), int(sp.starts[j])
@@ -1013,15 +1028,17 @@ class DeltaSender:
         self._compared.add(part)
         self._spent("compare", t0)
 
-    def _changed_words_kernels(self, sp: _Space) -> tuple[Any, Any] | None:
+    def _changed_words_kernels(self, sp: _Space) -> tuple[Any, Any] | Any | None:
         """:meth:`_changed_words` and the values' gathers as kernels: on a GPU those of
         :mod:`weightsync.runtime.delta_kernels` (CUDA C++ or Triton), on CPU the C++ compare of
         :mod:`weightsync.runtime.delta_host`, its buffers kept in the space from push to push. Whether
-        they also put the new values into the reference goes to ``sp.ref_done``. None where they cannot
-        compare this space (the torch ops do)."""
+        they also put the new values into the reference goes to ``sp.ref_done``. The changes as the CUDA
+        collect left them (a TileChanges, for ``sp.tiles``) where its searches were queued ahead. None
+        where they cannot compare this space (the torch ops do)."""
         found = self._compactor(sp).compare([self._views[k] for k in sp.keys], sp.ref, sp.hint)
         if found is not None:
-            sp.hint = int(found[0].numel()) + int(found[0].numel()) // 8
+            k = int(found[0].numel()) if isinstance(found, tuple) else found.count
+            sp.hint = k + k // 8
             sp.ref_done = sp.compactor.ref_updated
         return found
 
@@ -1108,6 +1125,7 @@ class DeltaSender:
         sp.strided_local = sp.strided_vals = None
         if not strided:
             return
+        sp.ordered()
         tables = []
         for rank, rows in strided:
             f, h = self.inboxes[rank].flat[s][rows], self._hits[rank][s][rows]
@@ -1449,16 +1467,20 @@ class DeltaSender:
         (the write's base plus the word's index in it) to ``index``, their values at the head of
         ``values``. Writes that follow each other in the reference form one run whose positions are one
         slice of the reference's changed positions plus a constant: one add and one copy per run, or on
-        CUDA one kernel for all runs (:func:`weightsync.runtime.delta_cuda.encode_runs`; the per-run ops
-        cost about 0.1 ms of host time each, on the push's critical path). The runs are found by numpy
+        CUDA one kernel for all runs (:meth:`weightsync.runtime.delta_cuda.TileChanges.encode` from the
+        collect's scratch, else :func:`weightsync.runtime.delta_cuda.encode_runs`; the per-run ops cost
+        about 0.1 ms of host time each, on the push's critical path). The runs are found by numpy
         ops over all writes: a loop over them cost about 5 us a write, on the last part's path. Returns
         how many."""
+        tiles = sp.tiles if index.enc == ENC_IDX16 else None
+        if tiles is None:
+            sp.ordered()
         mod = None
-        if index.enc == ENC_IDX16 and sp.idx is not None and sp.idx.is_cuda and \
-                str(sp.idx.dtype) == "torch.int64":
+        if tiles is not None or (index.enc == ENC_IDX16 and sp.idx is not None and sp.idx.is_cuda and
+                                 str(sp.idx.dtype) == "torch.int64"):
             from weightsync.runtime import delta_cuda
 
-            mod = delta_cuda.module(sp.idx.device)
+            mod = delta_cuda.module(sp.ref.device)
         # Groups in stream order: a strided write alone, or writes that follow each other in the reference
         # (one slice of its changed positions); each group's changes, and where they start among the part's.
         m = len(f)
@@ -1471,16 +1493,28 @@ class DeltaSender:
         count = np.where(alone, h["k"][first], h["hi"][last] - h["lo"][first])
         at = np.cumsum(count) - count
         shift = bases[first] - f["start"][first]
+
+        def encode(runs: np.ndarray, groups: np.ndarray) -> None:
+            """Rows (first change, shift, first entry, count) of ``groups`` by one kernel: from the collect's
+            scratch where the changes were left there (the tiles that hold the groups' words), else from
+            the changes in order."""
+            from weightsync.runtime import delta_cuda
+
+            if tiles is not None:
+                span = tiles.tile_range(int(f["start"][first[groups]].min()),
+                                        int((f["start"][last[groups]] + f["span"][last[groups]]).max()))
+                tiles.encode(runs, span, index.low, values, index.kernel_counts())
+            else:
+                delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, index.low, values, index.kernel_counts())
+
         if mod is not None and not alone.any():  # every group's index and values by one kernel
             done = index.reserve(int(count.sum()))
-            go = count > 0
-            runs = np.stack([h["lo"][first], shift, at + done, count], 1)[go]
-            if len(runs):
-                from weightsync.runtime import delta_cuda
-
-                delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, index.low, values, index.kernel_counts())
+            go = np.flatnonzero(count > 0)
+            if len(go):
+                encode(np.stack([h["lo"][first], shift, at + done, count], 1)[go], go)
             return int(count.sum())
         kernel_runs: list[tuple[int, int, int, int]] = []  # lo, shift, first entry, count
+        kernel_groups: list[int] = []
         for g, (i, j) in enumerate(zip(first.tolist(), last.tolist(), strict=True)):
             o, k = int(at[g]), int(count[g])
             if alone[g]:
@@ -1491,15 +1525,13 @@ class DeltaSender:
             elif mod is not None:
                 if k:
                     kernel_runs.append((int(h["lo"][i]), int(shift[g]), index.reserve(k), k))
+                    kernel_groups.append(g)
             else:
                 lo = int(h["lo"][i])
                 index.add(sp.idx[lo:lo + k], int(shift[g]), (int(bases[i]), int(bases[j] + f["n"][j])))
                 values[o:o + k].copy_(sp.vals[lo:lo + k])
         if kernel_runs:
-            from weightsync.runtime import delta_cuda
-
-            delta_cuda.encode_runs(mod, sp.idx, sp.vals, kernel_runs, index.low, values,
-                                   index.kernel_counts())
+            encode(np.array(kernel_runs, np.int64), np.array(kernel_groups, np.int64))
         return int(count.sum())
 
     def share(self, work: DeltaWork, ranks: Sequence[int]) -> None:
@@ -1531,16 +1563,22 @@ class DeltaSender:
         import torch
 
         t0 = time.perf_counter()
+        # the changes as the collect left them (one kernel each), else in order (an indexed copy)
+        tiled = [sp.tiles for sp in self._spaces.values() if sp.tiles is not None and not sp.ref_done]
         todo = [(sp.ref, sp.idx, sp.vals) for sp in self._spaces.values()
-                if sp.idx is not None and not sp.ref_done]
-        if todo and self.device.type == "cuda":
+                if sp.tiles is None and sp.idx is not None and not sp.ref_done]
+        if (todo or tiled) and self.device.type == "cuda":
             if self._side is None:
                 self._side = torch.cuda.Stream(self.device)
             self._side.wait_stream(torch.cuda.current_stream(self.device))  # the values are gathered
             with torch.cuda.stream(self._side):
+                for tiles in tiled:
+                    tiles.update_ref()
                 for ref, idx, vals in todo:
                     ref[idx] = vals
-            for _, idx, vals in todo:  # their memory is not reused before the side stream is done with it
+            for tiles in tiled:  # their memory is not reused before the side stream is done with it
+                tiles.record_stream(self._side)
+            for _, idx, vals in todo:
                 idx.record_stream(self._side)
                 vals.record_stream(self._side)
             self._ref_ready = torch.cuda.Event()
@@ -1549,7 +1587,7 @@ class DeltaSender:
             for ref, idx, vals in todo:
                 ref[idx] = vals
         for sp in self._spaces.values():
-            sp.idx = sp.vals = sp.strided_local = sp.strided_vals = None
+            sp.idx = sp.vals = sp.tiles = sp.strided_local = sp.strided_vals = None
             sp.ref_done = False
         for c, changed in self._chunk_changed.items():
             if changed is not None:

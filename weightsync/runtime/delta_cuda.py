@@ -1,12 +1,11 @@
 """The delta push's device kernels in CUDA C++ (issue 18), compiled at run time
 (:mod:`weightsync.runtime.nvrtc`): the sender's compare, the encode of an ENC_IDX16 stream from the
-compare's runs, and the receiver's scatter of such a stream.
+compare's changes, and the receiver's scatter of such a stream.
 
-The compare finds what the Triton path of :meth:`weightsync.runtime.delta_kernels.Compactor.compare`
-finds (the sorted int64 positions of the space's changed words and their values) reading the current
-tensors and the reference once, with one host synchronization, but leaves the reference alone: the
-caller copies the changes into it later (:meth:`weightsync.runtime.delta.DeltaSender.finish`, while the
-destinations apply theirs), off the push's path. Two kernels:
+The compare reads the current tensors and the reference once, with one host synchronization, and leaves
+the reference alone: the caller copies the changes into it later
+(:meth:`weightsync.runtime.delta.DeltaSender.finish`, while the destinations apply theirs), off the push's
+path. Its kernels:
 
 * ``ws_collect``: each block of 256 threads takes one 32 KB tile (:func:`tile_words` words; the
   Compactor's tables of these tiles), loads it in 16-byte vectors where aligned, counts its changes with
@@ -14,14 +13,19 @@ destinations apply theirs), off the push's path. Two kernels:
   with one ``atomicAdd`` and writes there each change's word within the tile (16 bits) and its value, in
   order; the tile's count and its place in the scratch go into two tables. Tiles finish in any order and
   none waits for another.
-* ``ws_order``: after an exclusive ``cumsum`` of the tile counts, each block copies one tile's changes
-  from the scratch to their place in word order, as int64 positions in the space.
+* ``ws_tile_search``: how many changes lie before given positions (where each key's and each write's
+  changes start), from the exclusive ``cumsum`` of the tile counts and a search within one tile.
+* ``ws_encode_tiles`` and ``ws_ref_tiles``: a stream's entries and the reference's update, read straight
+  from the scratch, a warp per tile (:class:`TileChanges`).
+* ``ws_order``: the changes in word order as int64 positions and values, a block per tile, for what wants
+  them so (:meth:`TileChanges.ordered`; :func:`compare`).
 
-Why this shape (docs/BENCHMARKS.md, "The compare without a look-back, the reference left to finish"):
-the Triton kernels' in-tile compaction costs more than the reads themselves; a single pass that places
-each tile by a decoupled look-back over its predecessors' counts spent a fifth of its time waiting on
-them, and storing the changes into the reference inside the compare another sixth (its lines have left
-L2 by then).
+Why this shape (docs/BENCHMARKS.md, "The compare without a look-back, the reference left to finish", and
+"The changes read where the collect left them"): the Triton kernels' in-tile compaction costs more than
+the reads themselves; a single pass that places each tile by a decoupled look-back over its predecessors'
+counts spent a fifth of its time waiting on them, and storing the changes into the reference inside the
+compare another sixth (its lines have left L2 by then). Putting the changes in order and encoding from
+the ordered copy moved 28 bytes a change beside the next part's compare, whose kernels it held up.
 
 The scratch has room for ``cap`` changes (the caller's guess: the last push's count and a margin). A
 change past ``cap`` is not written; the count comes back (the host read), and if it exceeds ``cap`` the
@@ -240,15 +244,118 @@ COMPARE(unsigned short, w2)
 COMPARE(unsigned int, w4)
 COMPARE(u64, w8)
 
-// ws_fill_tail: positions ``*used`` .. ``cap`` of an ordered output (room for ``cap``) set past every
-// position, so that a search over all ``cap`` finds what one over the ``*used`` changes would, before
-// the host knows how many there are. Nothing where more than ``cap`` changed.
-extern "C" __global__ void __launch_bounds__(THREADS) ws_fill_tail(i64* out_idx, const u64* used, i64 cap) {
-    const i64 k = (i64)*used;
-    if (k > cap) return;
-    for (i64 j = k + (i64)blockIdx.x * THREADS + threadIdx.x; j < cap; j += (i64)gridDim.x * THREADS)
-        out_idx[j] = 0x7fffffffffffffffLL;
+// ws_tile_search: for each of ``nq`` space positions in ``query``, how many of the space's changes lie
+// before it (what torch.searchsorted over the changes in word order gives), from the collect's tables alone:
+// the changes of the tiles before the position's tile (``first``: the exclusive prefix of the tile counts)
+// and, by a binary search of the tile's 16-bit words (in word order within a tile), its own before it.
+// One thread per position. Nothing where more than ``cap`` changed (the host runs the collect again).
+extern "C" __global__ void __launch_bounds__(THREADS) ws_tile_search(
+        const i64* tile_start, const i64* tile_count, const i64* tile_base, const i64* first,
+        const unsigned short* tmp_off, i64 ntiles, const u64* used, i64 cap, const i64* query, i64 nq,
+        i64* cuts) {
+    const i64 qi = (i64)blockIdx.x * THREADS + threadIdx.x;
+    if (qi >= nq || (i64)*used > cap) return;
+    const i64 q = query[qi];
+    if (q <= tile_start[0]) {
+        cuts[qi] = 0;
+        return;
+    }
+    i64 a = 0, b = ntiles - 1;  // the last tile starting at or before q
+    while (a < b) {
+        const i64 m = (a + b + 1) >> 1;
+        if (tile_start[m] <= q) a = m; else b = m - 1;
+    }
+    const i64 rel = q - tile_start[a], n = tile_count[a], base = tile_base[a];
+    i64 lo = 0, hi = n;  // the tile's first change at or after q
+    if (rel > 65535) lo = n;
+    while (lo < hi) {
+        const i64 m = (lo + hi) >> 1;
+        if ((i64)tmp_off[base + m] < rel) lo = m + 1; else hi = m;
+    }
+    cuts[qi] = first[a] + lo;
 }
+
+// An ENC_IDX16 stream's entries from runs of a space's changes taken straight from the collect's scratch
+// (what encode_runs does from the ordered changes, without them): run r (table rows lo, shift, out, count)
+// takes the space's changes lo .. lo + count in word order to entries out .. out + count, at stream
+// position p = the change's position + shift. A warp per tile of tiles t_lo .. t_hi: the tile's changes
+// are those first[t] .. first[t] + tile_count[t] in word order (at tile_base[t] in the scratch). Each
+// entry's 65536-word block counted as encode_runs does.
+template <typename W>
+__device__ __forceinline__ void encode_tiles(const i64* tile_start, const i64* tile_count,
+                                             const i64* tile_base, const i64* first,
+                                             const unsigned short* tmp_off, const W* tmp_val, i64 t_lo,
+                                             i64 t_hi, const i64* table, int nruns, short* low, W* out_vals,
+                                             int* counts) {
+    const int lane = threadIdx.x & 31;
+    const i64 t = t_lo + (i64)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5);
+    if (t >= t_hi) return;  // the whole warp
+    const i64 n = tile_count[t];
+    if (!n) return;
+    const i64* lo = table;
+    const i64* shift = table + nruns;
+    const i64* out = table + 2 * (i64)nruns;
+    const i64* count = table + 3 * (i64)nruns;
+    const i64 base = tile_base[t], i0 = first[t], start = tile_start[t];
+    int r = 0, top = nruns - 1;  // the last run starting at or before the tile's first change
+    while (r < top) {
+        const int m = (r + top + 1) >> 1;
+        if (lo[m] <= i0) r = m; else top = m - 1;
+    }
+    if (lo[r] + count[r] <= i0 && (r + 1 >= nruns || lo[r + 1] >= i0 + n)) return;  // in no run
+    for (i64 jj = 0; jj < n; jj += 32) {
+        const i64 j = jj + lane;
+        bool live = false;
+        int block = 0;
+        if (j < n) {
+            const i64 i = i0 + j;
+            while (r + 1 < nruns && lo[r + 1] <= i) r++;
+            const i64 k = i - lo[r];
+            if (k >= 0 && k < count[r]) {
+                const i64 p = start + (i64)tmp_off[base + j] + shift[r];
+                const i64 e = out[r] + k;
+                low[e] = (short)(p & 0xffff);
+                out_vals[e] = tmp_val[base + j];
+                block = (int)(p >> 16);
+                live = true;
+            }
+        }
+        const u32 active = __ballot_sync(FULL, live);
+        if (live) {
+            const u32 same = __match_any_sync(active, block);
+            if (lane == __ffs(same) - 1) atomicAdd(&counts[block], __popc(same));
+        }
+    }
+}
+
+// ws_ref_tiles: the space's changes from the collect's scratch into its reference, a warp per tile.
+template <typename W>
+__device__ __forceinline__ void ref_tiles(const i64* tile_start, const i64* tile_count,
+                                          const i64* tile_base, const unsigned short* tmp_off,
+                                          const W* tmp_val, i64 ntiles, W* ref) {
+    const i64 t = (i64)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5);
+    if (t >= ntiles) return;
+    const i64 n = tile_count[t], base = tile_base[t], start = tile_start[t];
+    for (i64 j = threadIdx.x & 31; j < n; j += 32) ref[start + tmp_off[base + j]] = tmp_val[base + j];
+}
+
+#define TILES(W, SUFFIX)                                                                                  \
+extern "C" __global__ void __launch_bounds__(THREADS) ws_encode_tiles_##SUFFIX(                           \
+        const i64* tile_start, const i64* tile_count, const i64* tile_base, const i64* first,             \
+        const unsigned short* tmp_off, const W* tmp_val, i64 t_lo, i64 t_hi, const i64* table, int nruns, \
+        short* low, W* out_vals, int* counts) {                                                           \
+    encode_tiles<W>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, t_lo, t_hi, table, nruns, \
+                    low, out_vals, counts);                                                               \
+}                                                                                                         \
+extern "C" __global__ void __launch_bounds__(THREADS) ws_ref_tiles_##SUFFIX(                              \
+        const i64* tile_start, const i64* tile_count, const i64* tile_base, const unsigned short* tmp_off, \
+        const W* tmp_val, i64 ntiles, W* ref) {                                                           \
+    ref_tiles<W>(tile_start, tile_count, tile_base, tmp_off, tmp_val, ntiles, ref);                      \
+}
+TILES(unsigned char, w1)
+TILES(unsigned short, w2)
+TILES(unsigned int, w4)
+TILES(u64, w8)
 
 // An ENC_IDX16 stream's entries from runs of the compare's output: run r (table rows lo, shift, out,
 // count) takes changed words lo .. lo + count of the space (positions idx, values vals) to entries
@@ -368,7 +475,9 @@ SCATTER(ws_scatter_w8, u64)
 _P, _Q, _I = nvrtc.PTR, nvrtc.I64, nvrtc.I32
 SIGNATURES = {**{f"ws_collect_w{w}": _P * 11 + _Q + _I for w in (1, 2, 4, 8)},
               **{f"ws_order_w{w}": _P * 9 + _Q for w in (1, 2, 4, 8)},
-              "ws_fill_tail": _P * 2 + _Q,
+              "ws_tile_search": _P * 5 + _Q + _P + _Q + _P + _Q + _P,
+              **{f"ws_encode_tiles_w{w}": _P * 6 + _Q * 2 + _P + _I + _P * 3 for w in (1, 2, 4, 8)},
+              **{f"ws_ref_tiles_w{w}": _P * 5 + _Q + _P for w in (1, 2, 4, 8)},
               "ws_block_ends": _P + _Q + _P,
               **{f"ws_encode_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)},
               **{f"ws_scatter_w{w}": _P * 4 + _I for w in (1, 2, 4, 8)}}
@@ -426,19 +535,21 @@ class Collect:
     """A space's ``ws_collect`` launched on a stream, its count not yet read: the tiles' counts and places,
     the scratch of (16-bit word, value) per change, the count copied to pinned host memory and an event
     after that copy. The caller's host goes on (deciding and encoding another part) while the device
-    compares; :func:`finish` reads the count and orders the changes. :meth:`order_ahead` queues the
-    ordering and the caller's searches too, so that the host waits once, for everything."""
+    compares; :func:`finish` reads the count. :meth:`search_ahead` queues the caller's searches too, so
+    that the host waits once, for everything, and gets the changes as the collect left them
+    (:class:`TileChanges`), never put in order on the push's path."""
 
-    def __init__(self, mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
-                 cap: int, poison: int | None, stream: Any, host_count: Any) -> None:
+    def __init__(self, mod: nvrtc.Module, tables: Sequence[Any], tile_starts: Any, ntiles: int, vec: bool,
+                 word: int, ref: Any, cap: int, poison: int | None, stream: Any, host_count: Any) -> None:
         import torch
 
         self.mod, self.tables, self.ntiles, self.vec, self.word = mod, tables, ntiles, vec, word
+        self.tile_starts = tile_starts  # numpy: each tile's first word in the space (tables[4] on the host)
         self.ref = ref
         self.poison, self.stream, self.host_count = poison, stream, host_count
-        # order_ahead: its outputs (room for ``cap``), the searches' answers on the host, an event after them
-        self.ahead: tuple[Any, Any, Any, Any] | None = None
-        self.cuts: Any = None  # finish: the searches' answers (numpy), where order_ahead was queued
+        # search_ahead: the tiles' exclusive prefix, the searches' answers on the host, an event after them
+        self.ahead: tuple[Any, Any, Any] | None = None
+        self.cuts: Any = None  # finish: the searches' answers (numpy), where search_ahead was queued
         device = ref.device
         with torch.cuda.stream(stream):
             # per tile its count and its place in the scratch, then the scratch's used count
@@ -466,7 +577,15 @@ class Collect:
         self.host_count.copy_(used, non_blocking=True)
         self.event.record(torch.cuda.current_stream(device))
 
-    def _order(self, k: int) -> tuple[Any, Any]:
+    def _first(self) -> Any:
+        """The exclusive prefix of the tile counts on torch's current stream: where each tile's changes
+        start among the space's in word order."""
+        import torch
+
+        tile_count = self.counts[:self.ntiles]
+        return torch.cumsum(tile_count, 0) - tile_count
+
+    def _order(self, k: int, first: Any = None) -> tuple[Any, Any]:
         """``ws_order`` on torch's current stream into new outputs with room for ``k`` (it waits for the
         collect first): the changes in word order, where at most ``cap`` changed (else nothing)."""
         import torch
@@ -483,55 +602,61 @@ class Collect:
         if self.poison is not None:
             out_idx.view(torch.uint8).fill_(self.poison)
             out_val.view(torch.uint8).fill_(self.poison)
-        first = torch.cumsum(tile_count, 0) - tile_count
+        if first is None:
+            first = self._first()
         _launch(self.mod, f"ws_order_w{self.word}", nt,
                 [self.tables[4], tile_count, tile_base, first, self.tmp_off, self.tmp_val, out_idx, out_val,
                  used, self.cap], device)
         return out_idx, out_val
 
-    def order_ahead(self, query: Any, stream: Any) -> None:
-        """Queues on ``stream`` (which waits for the collect) what :meth:`finish` would do once the count is
-        read: the changes ordered into outputs with room for ``cap``, the room past the count filled past
-        every position, and ``torch.searchsorted`` of ``query`` (int64 positions in the space) over them,
-        copied to the host with the count. The host then waits once, for all of it, and no kernel of it
-        waits for the host."""
+    def search_ahead(self, query: Any, stream: Any) -> None:
+        """Queues on ``stream`` (which waits for the collect) the tiles' prefix and, for each position of
+        ``query`` (int64 positions in the space), how many changes lie before it (``ws_tile_search``: what
+        ``torch.searchsorted`` over the ordered changes gives), copied to the host with the count. The
+        host then waits once, for all of it, and no kernel of it waits for the host. Nothing is put in
+        order: the encode reads the scratch (:meth:`TileChanges.encode`)."""
         import torch
 
         device = self.ref.device
+        nt, nq = self.ntiles, int(query.numel())
         with torch.cuda.stream(stream):
-            out_idx, out_val = self._order(self.cap)
-            _launch(self.mod, "ws_fill_tail", max(1, min(-(-self.cap // THREADS), 1024)),
-                    [out_idx, self.counts[2 * self.ntiles:], self.cap], device)
-            host = torch.empty(1 + int(query.numel()), dtype=torch.int64, pin_memory=True)
-            host[:1].copy_(self.counts[2 * self.ntiles:], non_blocking=True)
-            if query.numel():
-                host[1:].copy_(torch.searchsorted(out_idx, query), non_blocking=True)
+            stream.wait_event(self.event)
+            first = self._first()
+            host = torch.empty(1 + nq, dtype=torch.int64, pin_memory=True)
+            host[:1].copy_(self.counts[2 * nt:], non_blocking=True)
+            if nq:
+                cuts = torch.empty(nq, dtype=torch.int64, device=device)
+                _launch(self.mod, "ws_tile_search", -(-nq // THREADS),
+                        [self.tables[4], self.counts[:nt], self.counts[nt:2 * nt], first, self.tmp_off, nt,
+                         self.counts[2 * nt:], self.cap, query, nq, cuts], device)
+                host[1:].copy_(cuts, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        self.ahead = (out_idx, out_val, host, done)
+        self.ahead = (first, host, done)
 
-    def finish(self) -> tuple[Any, Any]:
-        """The space's changed words as (sorted int64 positions, values), the order kernel queued on
-        torch's current stream of the device (which waits for the collect first), or (order_ahead) what
-        it queued, with :attr:`cuts`. One host wait: for the count, or for all order_ahead queued (two
+    def finish(self) -> tuple[Any, Any] | TileChanges:
+        """The space's changed words: with :meth:`search_ahead` queued and at most ``cap`` changed, as the
+        collect left them (:class:`TileChanges`, the searches' answers in :attr:`cuts`); else as (sorted
+        int64 positions, values), the order kernel queued on torch's current stream of the device (which
+        waits for the collect first). One host wait: for the count, or for all search_ahead queued (two
         where more than the room changed: the collect runs again with room for all; the reference is
         unchanged, so it finds the same changes)."""
         import torch
 
         device = self.ref.device
         if self.ahead is not None:
-            out_idx, out_val, host, done = self.ahead
+            first, host, done = self.ahead
             self.ahead = None
             done.synchronize()
-            mark("collect counted, ordered and searched")
+            mark("collect counted and searched")
             k = int(host[0])
             if k <= self.cap:
                 current = torch.cuda.current_stream(device)
                 current.wait_event(done)
-                for t in (out_idx, out_val):  # made on the order stream, read on this one
+                for t in (self.counts, self.tmp_off, self.tmp_val, first):  # made on other streams
                     t.record_stream(current)
                 self.cuts = host[1:].numpy().copy()
-                return out_idx[:k], out_val[:k]
+                return TileChanges(self, first, k)
         self.event.synchronize()
         mark("collect counted")
         k = int(self.host_count[0])
@@ -542,26 +667,87 @@ class Collect:
         return self._order(k)
 
 
-def compare(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
+class TileChanges:
+    """A space's changed words as its collect left them, on the device: per tile (32 KB of the space) how
+    many changed, where they start in the scratch and among the space's in word order (``first``); in
+    the scratch each change's word within its tile (16 bits, in word order within the tile) and value.
+    :meth:`encode` writes a stream's entries from it and :meth:`update_ref` the reference, each reading
+    4 bytes a change (BF16), against 10 for ordered int64 positions and values and another 14 for putting
+    them in order; :meth:`ordered` gives those where a caller needs them."""
+
+    def __init__(self, collect: Collect, first: Any, count: int) -> None:
+        self.collect, self.first, self.count = collect, first, count
+        self._ordered: tuple[Any, Any] | None = None
+
+    def ordered(self) -> tuple[Any, Any]:
+        """(sorted int64 positions, values), made once, on torch's current stream."""
+        if self._ordered is None:
+            self._ordered = self.collect._order(self.count, self.first)
+        return self._ordered
+
+    def _tiles(self) -> list[Any]:
+        c = self.collect
+        nt = c.ntiles
+        return [c.tables[4], c.counts[:nt], c.counts[nt:2 * nt]]
+
+    def tile_range(self, lo: int, hi: int) -> tuple[int, int]:
+        """The tiles holding space words ``lo:hi`` (``hi > lo``)."""
+        import numpy as np
+
+        starts = self.collect.tile_starts
+        return (max(int(np.searchsorted(starts, lo, side="right")) - 1, 0),
+                int(np.searchsorted(starts, hi - 1, side="right")))
+
+    def encode(self, runs: Any, tiles: tuple[int, int], low: Any, out_vals: Any, counts: Any) -> None:
+        """:func:`encode_runs` from the scratch, on the tensors' stream: ``runs`` rows (first change in word
+        order, shift from space to stream positions, first entry in the stream, count); ``tiles`` the range
+        of tiles that holds every run's changes (:meth:`tile_range`)."""
+        c = self.collect
+        t0, t1 = tiles
+        if not len(runs) or t1 <= t0:
+            return
+        per = THREADS // 32
+        _launch(c.mod, f"ws_encode_tiles_w{c.word}", -(-(t1 - t0) // per),
+                [*self._tiles(), self.first, c.tmp_off, c.tmp_val, t0, t1, _table(runs, c.ref.device),
+                 len(runs), low, out_vals, counts], c.ref.device)
+
+    def update_ref(self) -> None:
+        """The changes into the reference the collect compared with, on torch's current stream."""
+        c = self.collect
+        per = THREADS // 32
+        _launch(c.mod, f"ws_ref_tiles_w{c.word}", -(-c.ntiles // per),
+                [*self._tiles(), c.tmp_off, c.tmp_val, c.ntiles, c.ref], c.ref.device)
+
+    def record_stream(self, stream: Any) -> None:
+        """Its device memory is not reused before ``stream`` is done with it."""
+        c = self.collect
+        for t in (c.counts, c.tmp_off, c.tmp_val, self.first):
+            t.record_stream(stream)
+
+
+def compare(mod: nvrtc.Module, tables: Sequence[Any], tile_starts: Any, vec: bool, word: int, ref: Any,
             hint: int, total_words: int, poison: int | None = None, stream: Any = None,
             host_count: Any = None) -> tuple[Any, Any]:
     """The space's changed words as (sorted int64 positions, values); the reference is left as it was
     (the caller copies the values into it). :func:`launch` and its :meth:`Collect.finish` in one."""
     import torch
 
-    if not ntiles:
+    if not len(tile_starts):
         return torch.empty(0, dtype=torch.int64, device=ref.device), ref.new_empty(0)
-    return launch(mod, tables, ntiles, vec, word, ref, hint, total_words, poison, stream, host_count).finish()
+    found = launch(mod, tables, tile_starts, vec, word, ref, hint, total_words, poison, stream,
+                   host_count).finish()
+    assert isinstance(found, tuple)  # nothing was searched ahead
+    return found
 
 
-def launch(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, word: int, ref: Any,
+def launch(mod: nvrtc.Module, tables: Sequence[Any], tile_starts: Any, vec: bool, word: int, ref: Any,
            hint: int, total_words: int, poison: int | None = None, stream: Any = None,
            host_count: Any = None) -> Collect:
-    """The collect of a space (``ntiles`` > 0) launched on ``stream`` (None: torch's current stream of
+    """The collect of a space (at least one tile) launched on ``stream`` (None: torch's current stream of
     the device), with room for ``hint`` and a margin. ``tables``: the Compactor's (key_at, key_start,
-    key_end, tile_key, tile_start) on the device; ``host_count``: one int64 of pinned host memory for
-    the count (made here if None). The stream must already wait for whatever wrote ``ref`` and the
-    keys."""
+    key_end, tile_key, tile_start) on the device, ``tile_starts`` the last on the host (numpy);
+    ``host_count``: one int64 of pinned host memory for the count (made here if None). The stream must
+    already wait for whatever wrote ``ref`` and the keys."""
     import torch
 
     device = ref.device
@@ -569,8 +755,8 @@ def launch(mod: nvrtc.Module, tables: Sequence[Any], ntiles: int, vec: bool, wor
         stream = torch.cuda.current_stream(device)
     if host_count is None:
         host_count = torch.empty(1, dtype=torch.int64, pin_memory=True)
-    return Collect(mod, tables, ntiles, vec, word, ref, first_room(hint, total_words), poison, stream,
-                   host_count)
+    return Collect(mod, tables, tile_starts, len(tile_starts), vec, word, ref, first_room(hint, total_words),
+                   poison, stream, host_count)
 
 
 def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, low: Any, out_vals: Any,

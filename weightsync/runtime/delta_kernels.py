@@ -263,6 +263,7 @@ class Compactor:
         self.scratch_bytes = 0
         self.keys: tuple[Any, ...] = ()
         self.cuda_tables: tuple[Any, ...] | None = None
+        self.cuda_tile_starts: np.ndarray = np.zeros(0, np.int64)  # cuda_tables' tile starts on the host
         # the kernels of the last compare: "cuda" (weightsync.runtime.delta_cuda), "triton" (these)
         self.backend = ""
         # whether the last compare put the changed values into the reference (the Triton kernels do; the
@@ -327,6 +328,7 @@ class Compactor:
             tile_key, tile_start = self._tiles(delta_cuda.tile_words(self.word))
             self.cuda_tables = (*self.keys, torch.from_numpy(tile_key).to(self.device),
                                 torch.from_numpy(tile_start).to(self.device))
+            self.cuda_tile_starts = tile_start
         return mod
 
     def launch(self, views: Sequence[Any], ref: Any, hint: int, stream: Any) -> bool:
@@ -347,19 +349,19 @@ class Compactor:
         if self._host_count is None:
             self._host_count = torch.empty(1, dtype=torch.int64, pin_memory=True)
         self.pending = (self.addrs, self.ref_addr, delta_cuda.launch(
-            mod, self.cuda_tables, nt, self.vec > 1, self.word, ref, hint, int(self.starts[-1]), self.poison,
-            stream, self._host_count))
+            mod, self.cuda_tables, self.cuda_tile_starts, self.vec > 1, self.word, ref, hint,
+            int(self.starts[-1]), self.poison, stream, self._host_count))
         self._note_cuda(nt, hint)
         return True
 
-    def order_ahead(self, query: Any, stream: Any) -> None:
-        """Queues on ``stream`` the ordering of the compare started by :meth:`launch` and the searches of
-        ``query`` (int64 positions in the space) over its changes, so that :meth:`compare` waits for the
-        device once and gives their answers in :attr:`cuts`. Nothing where no compare was launched."""
+    def search_ahead(self, query: Any, stream: Any) -> None:
+        """Queues on ``stream`` the searches of ``query`` (int64 positions in the space) over the changes
+        of the compare started by :meth:`launch`, so that :meth:`compare` waits for the device once, gives
+        their answers in :attr:`cuts` and the changes as the collect left them
+        (:class:`weightsync.runtime.delta_cuda.TileChanges`). Nothing where no compare was launched."""
         if self.pending is not None:
-            self.pending[2].order_ahead(query, stream)
-            # its outputs have room for as many as the scratch
-            self.scratch_bytes += self.pending[2].cap * (8 + self.word)
+            self.pending[2].search_ahead(query, stream)
+            self.scratch_bytes += 8 * self.pending[2].ntiles  # the tiles' prefix
 
     def _note_cuda(self, nt: int, hint: int) -> None:
         from weightsync.runtime.delta import first_room
@@ -369,9 +371,11 @@ class Compactor:
         # the tiles' counts and places, the scratch of (16-bit word, value) per change
         self.scratch_bytes = (2 * nt + 1) * 8 + first_room(hint, int(self.starts[-1])) * (2 + self.word)
 
-    def compare(self, views: Sequence[Any], ref: Any, hint: int) -> tuple[Any, Any] | None:
+    def compare(self, views: Sequence[Any], ref: Any, hint: int) -> tuple[Any, Any] | Any | None:
         """The changed words of the space (``views``: its keys' word views in order, ``ref``: its
-        reference) as (sorted int64 positions, values); the reference takes the values here where
+        reference) as (sorted int64 positions, values), or as the CUDA collect left them where
+        :meth:`search_ahead` was queued (:class:`weightsync.runtime.delta_cuda.TileChanges`, its
+        searches' answers in :attr:`cuts`); the reference takes the values here where
         :attr:`ref_updated` says so after the call (the Triton kernels), else the caller copies them in
         (the CUDA kernels). ``hint``: how many changed words to make room for first. A compare started
         by :meth:`launch` on these tensors is finished here. None (nothing done) where a key's address
@@ -394,8 +398,8 @@ class Compactor:
 
             nt = int(self.cuda_tables[3].numel())
             self._note_cuda(nt, hint)
-            return delta_cuda.compare(mod, self.cuda_tables, nt, self.vec > 1, self.word, ref, hint, total,
-                                      self.poison)
+            return delta_cuda.compare(mod, self.cuda_tables, self.cuda_tile_starts, self.vec > 1, self.word,
+                                      ref, hint, total, self.poison)
         if triton is None:
             return None
         self.backend = "triton"

@@ -714,7 +714,7 @@ class Source(Participant):
         failed: dict[int, str] = {}
         announces = self._announce(version, failed)
         mark("source %d: announced", self.rank)
-        self._delta.order_ahead()  # while the grants travel
+        self._delta.search_ahead()  # while the grants travel
         transfers: list[tuple[int, Any]] = []
         imm = data_imm(self.epoch, version)
         relay_bits = relay_version_bits(version)
