@@ -874,8 +874,9 @@ class DeltaSender:
         """At the push's start: takes the first reference, or starts comparing the tensors with it. Where
         the CUDA kernels run, every part's compare is only launched (back to back on a stream of their
         own, :meth:`prefetch`) and the host goes on: the device compares without a gap while the host
-        decides, encodes and posts each part in turn (their scratch is alive at once). Elsewhere the
-        first part is compared here (the others as their part is decided, :meth:`decide`)."""
+        decides, encodes and posts each part in turn (their scratch is alive at once). Elsewhere nothing
+        is compared yet: :meth:`overlap_grants` compares the first part once the announces are out (the
+        others as their part is decided, :meth:`decide`)."""
         import torch
 
         t0 = time.perf_counter()
@@ -901,8 +902,9 @@ class DeltaSender:
                 for key, a, b in zip(sp.keys, sp.starts[:-1].tolist(), sp.starts[1:].tolist(), strict=True):
                     sp.ref[a:b].copy_(self._views[key])
             self._spent("compare", t0)
-        elif not any([self.prefetch(part) for part in range(PARTS)]):
-            self.compare(0)
+        else:
+            for part in range(PARTS):
+                self.prefetch(part)
 
     def prefetch(self, part: int) -> bool:
         """Launches the CUDA compare of ``part``'s spaces on the compare stream and returns without
@@ -925,9 +927,20 @@ class DeltaSender:
             if sp.part == part:
                 launched |= self._compactor(sp).launch([self._views[k] for k in sp.keys], sp.ref, sp.hint,
                                                        self._compare_stream)
-        self._launched.add(part)
+        if launched:
+            self._launched.add(part)
         self._spent("compare", t0)
         return launched
+
+    def overlap_grants(self) -> None:
+        """What the push does while its grants travel, once the announces are out: on a GPU, queues the
+        launched compares' searches (:meth:`search_ahead`); where nothing was launched (CPU tensors, the
+        torch path), compares the first part, which the first grant's decisions need (on CPU that
+        compare is most of the push: the grants' round trip now overlaps it instead of following it)."""
+        if self._launched:
+            self.search_ahead()
+        else:
+            self.compare(0)
 
     def search_ahead(self) -> None:
         """After :meth:`start` launched the compares: queues the searches of each one's space's query

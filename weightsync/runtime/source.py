@@ -706,7 +706,8 @@ class Source(Participant):
         t = time.perf_counter()
         # The delta compare first: on a GPU it is only launched, and the device reads the tensors while
         # the host snapshots the tails and announces; the grants travel meanwhile (nothing in a grant
-        # depends on the compare; its outcome is used only once a grant is in).
+        # depends on the compare; its outcome is used only once a grant is in). On CPU it runs once the
+        # announces are out (overlap_grants).
         mark("source %d push %d: start", self.rank, version)
         self._delta.start()
         self._snapshot_direct_tails()
@@ -714,7 +715,7 @@ class Source(Participant):
         failed: dict[int, str] = {}
         announces = self._announce(version, failed)
         mark("source %d: announced", self.rank)
-        self._delta.search_ahead()  # while the grants travel
+        self._delta.overlap_grants()
         transfers: list[tuple[int, Any]] = []
         imm = data_imm(self.epoch, version)
         relay_bits = relay_version_bits(version)
