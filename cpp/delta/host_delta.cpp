@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -529,6 +530,50 @@ void scatter_w(const std::vector<int64_t>& ends, const uint16_t* low, const u8* 
   }
 }
 
+// Byte range [a, b) of a bitmap of `nbytes` bytes as 64-bit words, the last one short: its bits below
+// `n` (words past it are 0), each handed to f(word index, bits).
+template <typename F>
+void bitmap_words(const u8* bits, int64_t n, int64_t a, int64_t b, F&& f) {
+  const int64_t nbytes = (n + 7) / 8;
+  for (int64_t byte = a; byte < b; byte += 8) {
+    uint64_t x = 0;
+    if (byte + 8 <= nbytes) {
+      x = load64(bits + byte);
+    } else {
+      for (int64_t j = byte; j < nbytes; ++j) x |= uint64_t(bits[j]) << (8 * (j - byte));
+    }
+    const int64_t first = byte * 8;  // the word of bit 0
+    if (first + 64 > n) x &= n - first >= 64 ? ~uint64_t(0) : (uint64_t(1) << (n - first)) - 1;
+    f(byte / 8, x);
+  }
+}
+
+// Runs work(t) for t in 0 .. T-1, T - 1 of them on threads of their own (where a thread cannot be had,
+// the share runs here); rethrows the first failure.
+template <typename Work>
+void on_threads(int T, Work&& work) {
+  std::vector<std::exception_ptr> errors(T);
+  auto guarded = [&](int t) {
+    try {
+      work(t);
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> pool;
+  int started = 1;
+  try {
+    for (; started < T; ++started) pool.emplace_back(guarded, started);
+  } catch (...) {  // no thread to be had: the shares not started are done here
+  }
+  for (int t = started; t < T; ++t) guarded(t);
+  guarded(0);
+  for (auto& th : pool) th.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
 }  // namespace
 
 int64_t compare(int word, void* ref, int64_t ref_words, const Segment* keys, size_t nkeys, int64_t* out_idx,
@@ -585,6 +630,68 @@ int64_t compare(int word, void* ref, int64_t ref_words, const Segment* keys, siz
     case 2: return compare_w<uint16_t>(r, keys, starts, ref_words, out_idx, static_cast<uint16_t*>(out_val), cap, threads, sc, scratch_bytes);
     case 4: return compare_w<uint32_t>(r, keys, starts, ref_words, out_idx, static_cast<uint32_t*>(out_val), cap, threads, sc, scratch_bytes);
     default: return compare_w<uint64_t>(r, keys, starts, ref_words, out_idx, static_cast<uint64_t*>(out_val), cap, threads, sc, scratch_bytes);
+  }
+}
+
+void bitmap_to_idx16(const uint8_t* bits, int64_t n, int64_t k, int32_t* counts, uint16_t* low, int threads) {
+  const char* fn = "delta_bitmap_to_idx16";
+  check_threads(fn, threads);
+  if (n < 0 || k < 0 || k > n) {
+    bad(std::string(fn) + ": a bitmap of " + std::to_string(k) + " changed words out of " + std::to_string(n));
+  }
+  const int64_t nb = (n + kBlockWords - 1) / kBlockWords;
+  if (nb > 0 && (bits == nullptr || counts == nullptr)) bad(std::string(fn) + ": the bits or the counts are null");
+  if (k > 0 && low == nullptr) bad(std::string(fn) + ": the indices are null");
+  if (!aligned(counts, 4)) bad(std::string(fn) + ": the block counts at " + hex(counts) + " are not 4-byte aligned");
+  if (!aligned(low, 2)) bad(std::string(fn) + ": the indices at " + hex(low) + " are not 2-byte aligned");
+  constexpr int64_t kBlockBytes = kBlockWords / 8;
+  const int64_t nbytes = (n + 7) / 8;
+  // blocks per thread: a thread's share is whole blocks (its counts and its entries are its own)
+  const int T = int(std::min<int64_t>({int64_t(threads), std::max<int64_t>(1, nb / 16), int64_t(kMaxThreads)}));
+  auto share = [&](int t) { return std::pair<int64_t, int64_t>(nb / T * t, t == T - 1 ? nb : nb / T * (t + 1)); };
+  on_threads(T, [&](int t) {  // the counts first: nothing is written to `low` unless they sum to k
+    const auto [b0, b1] = share(t);
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t c = 0;
+      bitmap_words(bits, n, b * kBlockBytes, std::min(nbytes, (b + 1) * kBlockBytes),
+                   [&](int64_t, uint64_t x) { c += __builtin_popcountll(x); });
+      counts[b] = int32_t(c);
+    }
+  });
+  std::vector<int64_t> at(size_t(nb) + 1, 0);
+  for (int64_t b = 0; b < nb; ++b) at[b + 1] = at[b] + counts[b];
+  if (at[nb] != k) {
+    bad(std::string(fn) + ": the bitmap of " + std::to_string(n) + " words sets " + std::to_string(at[nb]) +
+        " bits below " + std::to_string(n) + ", its header says " + std::to_string(k) + " changed");
+  }
+  on_threads(T, [&](int t) {
+    const auto [b0, b1] = share(t);
+    if (b0 >= b1) return;
+    uint16_t* out = low + at[b0];
+    bitmap_words(bits, n, b0 * kBlockBytes, std::min(nbytes, b1 * kBlockBytes), [&](int64_t word, uint64_t x) {
+      const uint16_t base = uint16_t((word * 64) & 0xffff);  // a 64-bit word never straddles a block
+      while (x) {
+        *out++ = uint16_t(base + __builtin_ctzll(x));
+        x &= x - 1;
+      }
+    });
+  });
+}
+
+void bitmap_set(uint8_t* bits, int64_t n, const int64_t* positions, int64_t m, int64_t shift) {
+  const char* fn = "delta_bitmap_set";
+  if (n < 0 || m < 0) bad(std::string(fn) + ": " + std::to_string(m) + " positions in a bitmap of " + std::to_string(n));
+  if (m > 0 && (bits == nullptr || positions == nullptr)) bad(std::string(fn) + ": the bits or the positions are null");
+  for (int64_t j = 0; j < m; ++j) {  // checked first: a bad position sets nothing
+    const int64_t q = positions[j] + shift;
+    if (q < 0 || q >= n) {
+      bad(std::string(fn) + ": position " + std::to_string(j) + " (" + std::to_string(positions[j]) + " + " +
+          std::to_string(shift) + ") lies outside the bitmap's " + std::to_string(n) + " words");
+    }
+  }
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t q = positions[j] + shift;
+    bits[q >> 3] |= uint8_t(1u << (q & 7));
   }
 }
 

@@ -47,4 +47,17 @@ struct ScatterRun {
 void scatter_idx16(int word, int64_t n, int64_t k, const int32_t* counts, const uint16_t* low, const void* vals,
                    const ScatterRun* runs, size_t nruns, int threads);
 
+// An ENC_BITMAP stream's bits (bit i % 8 of byte i / 8 set for each changed word i < n) as what an
+// ENC_IDX16 stream holds: each set bit's position's low 16 bits to `low` (in order), and the int32 count
+// per 65536-word block to `counts` (ceil(n / 65536) of them), so that scatter_idx16 applies it. Bits past
+// word n (the last byte's spare ones) are not words of the stream and are ignored. Throws
+// std::invalid_argument where the bits below n are not exactly `k` (nothing written to `low` then). Up to
+// `threads` threads (whole blocks each).
+void bitmap_to_idx16(const uint8_t* bits, int64_t n, int64_t k, int32_t* counts, uint16_t* low, int threads);
+
+// The sender's side of it: bit `position + shift` set for each of `m` positions (int64), in a bitmap of
+// `n` words (bits past them untouched). Throws std::invalid_argument where one falls outside 0 .. n
+// (nothing is set then).
+void bitmap_set(uint8_t* bits, int64_t n, const int64_t* positions, int64_t m, int64_t shift);
+
 }  // namespace weightsync::host_delta

@@ -19,6 +19,7 @@ from weightsync._ext import _core
 from weightsync.runtime import delta_host
 from weightsync.runtime.delta import (
     BLOCK,
+    ENC_BITMAP,
     ENC_IDX16,
     _align,
     _values_at,
@@ -273,24 +274,27 @@ def test_compare_refuses_bad_arguments() -> None:
 
 
 # -- the scatter -----------------------------------------------------------------------------------------
-def _stream(n: int, idx: torch.Tensor, vals: torch.Tensor, w: int) -> tuple[torch.Tensor, int]:
-    """An ENC_IDX16 stream of changed words ``idx`` of ``n`` (uint8, poisoned past its end) and where
-    its values start."""
+def _stream(n: int, idx: torch.Tensor, vals: torch.Tensor, w: int,
+            enc: int = ENC_IDX16) -> tuple[torch.Tensor, int]:
+    """A stream (ENC_IDX16 or ENC_BITMAP) of changed words ``idx`` of ``n`` (uint8, poisoned past its end)
+    and where its values start."""
     k = int(idx.numel())
-    size = sparse_sizes(n, k, w)[ENC_IDX16]
+    size = sparse_sizes(n, k, w)[enc]
     buf = torch.full((size + 64,), POISON, dtype=torch.uint8)
-    encode_into(buf[:size], ENC_IDX16, idx, vals, n)
-    return buf, _values_at(ENC_IDX16, n, k)
+    encode_into(buf[:size], enc, idx, vals, n)
+    return buf, _values_at(enc, n, k)
 
 
 @pytest.mark.parametrize("w", [1, 2, 4, 8])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_scatter_matches_torchs_indexed_copy(w: int, threads: int) -> None:
+@pytest.mark.parametrize("enc", [ENC_IDX16, ENC_BITMAP])
+def test_scatter_matches_torchs_indexed_copy(w: int, threads: int, enc: int) -> None:
     """A stream over three keys' words laid end to end (the middle key's words placed at an offset in
     its buffer, so its shift is not the stream's), several blocks of 65536 words, some empty: each
     key's buffer after the scatter equals torch's indexed copy of the same changes. The changes are the
-    stream's only when the blocks' counts, the low bits and the values all land right."""
-    g = torch.Generator().manual_seed(w + 10 * threads)
+    stream's only when the blocks' counts (a bitmap's: its bits), the low bits and the values all land
+    right."""
+    g = torch.Generator().manual_seed(w + 10 * threads + enc)
     sizes, offsets = [BLOCK + 7, 3 * BLOCK + 1, 999], [0, 5, 0]
     n = sum(sizes)
     # several threads take 65536 entries each at least: so many changes where two are to run
@@ -299,7 +303,7 @@ def test_scatter_matches_torchs_indexed_copy(w: int, threads: int) -> None:
     changed[0] = changed[-1] = True
     idx = torch.nonzero(changed).reshape(-1)
     vals = _random_words(int(idx.numel()), w, g)
-    stream, vals_at = _stream(n, idx, vals, w)
+    stream, vals_at = _stream(n, idx, vals, w, enc)
     bufs = [_random_words(s + o + 3, w, g) for s, o in zip(sizes, offsets, strict=True)]
     want = [b.clone() for b in bufs]
     starts = np.concatenate([[0], np.cumsum(sizes)])
@@ -311,10 +315,107 @@ def test_scatter_matches_torchs_indexed_copy(w: int, threads: int) -> None:
         want[j][sel - a0 + o] = vals[cut[j]:cut[j + 1]]
         runs.append((int(b.data_ptr()), o - a0, cut[j], cut[j + 1], a0, a1))
         key_bytes.append(int(b.numel()) * w)
-    done = delta_host.scatter_idx16(stream, n, int(idx.numel()), w, vals_at, runs, key_bytes, threads)
+    scatter = delta_host.scatter_idx16 if enc == ENC_IDX16 else delta_host.scatter_bitmap
+    done = scatter(stream, n, int(idx.numel()), w, vals_at, runs, key_bytes, threads)
     assert done == "host"
     for j in range(len(bufs)):
         assert torch.equal(bufs[j], want[j]), j
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_bitmap_read_as_16_bit_indices_equals_the_idx16_encoding(threads: int) -> None:
+    """``delta_bitmap_to_idx16`` of a bitmap stream gives the block counts and low bits the ENC_IDX16
+    encoding of the same changes holds, on one thread or split into whole blocks on several: 40 blocks
+    and a short one (n not a multiple of 8), an empty block, a full one, the first and last word."""
+    g = torch.Generator().manual_seed(threads)
+    n = 40 * BLOCK + 13
+    changed = torch.rand(n, generator=g) < 0.1
+    changed[3 * BLOCK:4 * BLOCK] = False
+    changed[7 * BLOCK:8 * BLOCK] = True
+    changed[0] = changed[-1] = True
+    idx = torch.nonzero(changed).reshape(-1)
+    k = int(idx.numel())
+    vals = _random_words(k, 2, g)
+    bitmap, _ = _stream(n, idx, vals, 2, ENC_BITMAP)
+    want, _ = _stream(n, idx, vals, 2, ENC_IDX16)
+    nb = -(-n // BLOCK)
+    counts = np.full(nb, -1, np.int32)
+    low = np.full(k, 0xA5A5, np.uint16)
+    at = (int(bitmap.data_ptr()), n, k, int(counts.ctypes.data), int(low.ctypes.data))
+    _core.delta_bitmap_to_idx16(*at, threads)
+    o = _align(4 * nb)
+    assert np.array_equal(counts, want[:4 * nb].view(torch.int32).numpy())
+    assert np.array_equal(low, want[o:o + 2 * k].view(torch.int16).numpy().view(np.uint16))
+    with pytest.raises(ValueError, match="threads must be"):
+        _core.delta_bitmap_to_idx16(*at, 0)
+
+
+def test_the_bitmap_encode_on_cpu_equals_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's ENC_BITMAP index section set by C++ (``delta_bitmap_set``, the CPU path of the index
+    writer) equals the one the torch ops write, byte for byte, from pieces of int64 and int32 positions
+    with shifts, the buffers poisoned first; a position outside the stream is refused and sets nothing."""
+    from weightsync.runtime.delta import _IndexWriter
+
+    g = torch.Generator().manual_seed(9)
+    n = 5 * BLOCK + 3
+    idx = torch.nonzero(torch.rand(n, generator=g) < 0.2).reshape(-1)
+    k = int(idx.numel())
+    size = sparse_sizes(n, k, 2)[ENC_BITMAP]
+    outs = []
+    for kernels in ("1", "0"):
+        monkeypatch.setenv(delta_host.ENV, kernels)
+        out = torch.full((size,), POISON, dtype=torch.uint8)
+        index = _IndexWriter(out, ENC_BITMAP, n, k, torch.device("cpu"))
+        assert index.host == (kernels == "1")
+        a, b = k // 3, 2 * k // 3
+        index.add(idx[:a], 0)
+        index.add((idx[a:b] - 100).to(torch.int32), 100)
+        index.add(idx[b:] + 7, -7)
+        index.close()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    monkeypatch.setenv(delta_host.ENV, "1")
+    bits = torch.zeros(-(-n // 8), dtype=torch.uint8)
+    pos = torch.tensor([0, 5, n], dtype=torch.int64)
+    with pytest.raises(ValueError, match="outside the bitmap's"):
+        _core.delta_bitmap_set(int(bits.data_ptr()), n, int(pos.data_ptr()), 3, 0)
+    with pytest.raises(ValueError, match="outside the bitmap's"):
+        _core.delta_bitmap_set(int(bits.data_ptr()), n, int(pos.data_ptr()), 2, -1)
+    assert not bits.any()
+
+
+def test_a_bitmap_that_sets_other_bits_than_its_count_is_refused() -> None:
+    """A bitmap stream is scattered only where its bits below ``n`` are exactly the ``k`` its header
+    counts: one bit more, one less, or one set past the stream's last word (in the last byte's spare
+    bits) is refused before any key is touched; its runs are checked as an ENC_IDX16 stream's are."""
+    w, n = 2, 2 * BLOCK + 5  # the last byte has 3 spare bits
+    g = torch.Generator().manual_seed(4)
+    idx = torch.tensor([0, 7, BLOCK + 3, n - 1])
+    vals = _random_words(4, w, g)
+    key = torch.zeros(n, dtype=torch.int16)
+    addr = int(key.data_ptr())
+    stream, vals_at = _stream(n, idx, vals, w, ENC_BITMAP)
+
+    def scatter(s: torch.Tensor, k: int = 4, run: tuple[int, ...] = (addr, 0, 0, 4, 0, n)) -> None:
+        delta_host.scatter_bitmap(s, n, k, w, vals_at, [run], [n * w])
+
+    for bad, k, why in [(1 << 2, 4, "sets 5 bits"), (1 << 0, 4, "sets 3 bits")]:
+        s = stream.clone()
+        s[0] ^= bad  # word 2 set, or word 0 cleared
+        with pytest.raises(ValueError, match=why):
+            scatter(s, k)
+    s = stream.clone()
+    s[(n - 1) // 8] |= 1 << 7  # a spare bit past word n - 1: not a word of the stream
+    with pytest.raises(ValueError, match="sets 4 bits below"):
+        scatter(s, 5)
+    with pytest.raises(ValueError, match="does not fit"):
+        delta_host.scatter_bitmap(stream[:20], n, 4, w, vals_at, [], [])
+    assert not key.any()
+    with pytest.raises(ValueError, match="outside the run"):
+        scatter(stream, run=(addr, 0, 0, 4, 0, n - 1))
+    key.zero_()
+    scatter(stream)
+    assert torch.equal(key[idx], vals)
 
 
 def test_scatter_refuses_a_corrupt_stream_and_bad_runs() -> None:

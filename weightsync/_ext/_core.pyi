@@ -77,6 +77,20 @@ def delta_scatter_idx16(
     Up to `threads` threads, without the GIL.
     """
 
+def delta_bitmap_to_idx16(bits: int, n: int, k: int, counts: int, low: int, threads: int = 1) -> None:
+    """
+    An ENC_BITMAP stream's bits (`n` words) as an ENC_IDX16 stream's int32 block counts and 16-bit
+    indices, written at these addresses (ceil(n / 65536) counts, `k` indices) for delta_scatter_idx16.
+    Bits past word `n` are ignored. ValueError where the bits below `n` are not exactly `k`. Up to
+    `threads` threads, without the GIL.
+    """
+
+def delta_bitmap_set(bits: int, n: int, positions: int, m: int, shift: int = 0) -> None:
+    """
+    Sets bit `position + shift` of a bitmap of `n` words for each of `m` int64 positions at `positions`.
+    ValueError (nothing set) where one falls outside the `n` words. Without the GIL.
+    """
+
 def discover(provider: str = "") -> list[tuple[str, str, str]]: ...
 
 class ImmRing:

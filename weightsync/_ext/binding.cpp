@@ -175,6 +175,29 @@ NB_MODULE(_core, m) {
       "key words, shift, first and last+1 entry, first and last+1 stream position); entry j of a run goes\n"
       "to word `position + shift` of its key. Every entry is checked against its run and key (ValueError).\n"
       "Up to `threads` threads, without the GIL.");
+  m.def(
+      "delta_bitmap_to_idx16",
+      [](uintptr_t bits, int64_t n, int64_t k, uintptr_t counts, uintptr_t low, int threads) {
+        nb::gil_scoped_release release;
+        ws::host_delta::bitmap_to_idx16(reinterpret_cast<const uint8_t*>(bits), n, k,
+                                        reinterpret_cast<int32_t*>(counts), reinterpret_cast<uint16_t*>(low),
+                                        threads);
+      },
+      "bits"_a, "n"_a, "k"_a, "counts"_a, "low"_a, "threads"_a = 1,
+      "An ENC_BITMAP stream's bits (`n` words) as an ENC_IDX16 stream's int32 block counts and 16-bit\n"
+      "indices, written at these addresses (ceil(n / 65536) counts, `k` indices) for delta_scatter_idx16.\n"
+      "Bits past word `n` are ignored. ValueError where the bits below `n` are not exactly `k`. Up to\n"
+      "`threads` threads, without the GIL.");
+  m.def(
+      "delta_bitmap_set",
+      [](uintptr_t bits, int64_t n, uintptr_t positions, int64_t m, int64_t shift) {
+        nb::gil_scoped_release release;
+        ws::host_delta::bitmap_set(reinterpret_cast<uint8_t*>(bits), n, reinterpret_cast<const int64_t*>(positions),
+                                   m, shift);
+      },
+      "bits"_a, "n"_a, "positions"_a, "m"_a, "shift"_a = 0,
+      "Sets bit `position + shift` of a bitmap of `n` words for each of `m` int64 positions at `positions`.\n"
+      "ValueError (nothing set) where one falls outside the `n` words. Without the GIL.");
   m.def("discover", [](const std::string& provider) {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& nic : ws::FabricLane::discover(provider)) out.emplace_back(nic.provider, nic.domain, nic.fabric);

@@ -316,10 +316,10 @@ class _IndexWriter:
     host synchronization. ENC_IDX16, two device ops per piece: the low 16 bits of each position plus the
     piece's shift, as the low 16 bits of the position (the first int16 of a little-endian integer) plus
     the shift's in int16 (sums wrap modulo 2**16 alike); the per-block counts from how many positions
-    lie below each block's end less the shift (``searchsorted``). ENC_BITMAP, a few device ops per
-    :data:`SCRATCH` positions shifted into a scratch: bits added into int32 words (the bits of one word
-    are distinct powers of two, so adding them is or-ing them; bit 31 as the int32 -2**31, two's
-    complement sums wrap alike)."""
+    lie below each block's end less the shift (``searchsorted``). ENC_BITMAP on CPU, one C++ call per
+    piece (:mod:`weightsync.runtime.delta_host`); elsewhere a few device ops per :data:`SCRATCH` positions
+    shifted into a scratch: bits added into int32 words (the bits of one word are distinct powers of two,
+    so adding them is or-ing them; bit 31 as the int32 -2**31, two's complement sums wrap alike)."""
 
     def __init__(self, out: Any, enc: int, n: int, k: int, device: Any) -> None:
         import torch
@@ -333,16 +333,22 @@ class _IndexWriter:
         self.counts: Any = None
         self.ends: Any = None
         self.below: Any = None
+        self.host = False  # ENC_BITMAP on CPU: bits set by C++, no scratch
         if enc == ENC_IDX16:
             self.nb = -(-n // BLOCK)
             o = _align(4 * self.nb)
             self.low = out[o:o + 2 * k].view(torch.int16)
         elif enc == ENC_BITMAP:
-            self.scratch = torch.empty(max(min(k, SCRATCH), 1), dtype=torch.int64, device=device)
             section = out[: _align(-(-n // 8))]
             section.zero_()
-            self.bits = section.view(torch.int32)
-            self.one = torch.ones((), dtype=torch.int32, device=device)
+            from weightsync.runtime import delta_host
+
+            # on CPU the bits are set by C++ (delta_host), else by device ops through a scratch
+            self.host = delta_host.wanted(device) and out.is_contiguous()
+            if not self.host:
+                self.scratch = torch.empty(max(min(k, SCRATCH), 1), dtype=torch.int64, device=device)
+                self.bits = section.view(torch.int32)
+                self.one = torch.ones((), dtype=torch.int32, device=device)
         else:
             raise WeightSyncError(f"internal: no sparse encoding {enc}")
 
@@ -369,6 +375,14 @@ class _IndexWriter:
             self.below[b0:b1] += torch.searchsorted(positions, ends)
             if b1 < self.nb:
                 self.below[b1:] += m
+            self.done += m
+            return
+        if self.host:  # CPU: C++ sets the bits (index_add_ of each bit took 0.2 s for 15M positions)
+            from weightsync._ext import _core
+
+            m = int(positions.numel())
+            held = positions.contiguous().to(torch.int64)
+            _core.delta_bitmap_set(int(self.out.data_ptr()), self.n, int(held.data_ptr()), m, shift)
             self.done += m
             return
         a, m = 0, int(positions.numel())
@@ -405,7 +419,7 @@ class _IndexWriter:
     def _flush(self) -> None:
         import torch
 
-        if not self.fill:
+        if self.host or not self.fill:
             return
         pos = self.scratch[:self.fill]
         self.bits.index_add_(0, pos >> 5, torch.bitwise_left_shift(self.one, (pos & 31).to(torch.int32)))
@@ -1774,8 +1788,13 @@ class DeltaReceiver:
         """Per source and word size: decodes its stream once, then scatters each run of its entries that
         go into one key with one placement (contiguous ones whose stream and destination offsets differ
         by the same amount, or strided ones) with one indexed copy. With the kernels, an ENC_IDX16
-        stream's contiguous runs go by one kernel launch instead, and only its strided runs are decoded."""
+        stream's contiguous runs go by one kernel launch instead, and only its strided runs are decoded; on
+        CPU an ENC_BITMAP stream's too (its bits read into 16-bit indices first)."""
         import torch
+
+        from weightsync.runtime import delta_host
+
+        host = delta_host.wanted(self.device)
 
         for entries, streams, off in parts:
             for st in streams:
@@ -1799,8 +1818,8 @@ class DeltaReceiver:
                 runs = list(zip(first, [*first[1:], len(ents)], strict=True))
                 enc, n = int(st["enc"]), int(st["n"])
                 stream = self.payload[off + int(st["data"]):]
-                if self.use_kernels and enc == ENC_IDX16:  # the contiguous runs by one kernel
-                    from weightsync.runtime import delta_host
+                # the contiguous runs by one kernel: an ENC_IDX16 stream's, and on CPU a bitmap's too
+                if self.use_kernels and (enc == ENC_IDX16 or (enc == ENC_BITMAP and host)):
                     from weightsync.runtime.delta_kernels import scatter_idx16
 
                     nwords = ents["rows"] * ents["row_bytes"] // w
@@ -1817,7 +1836,10 @@ class DeltaReceiver:
                     mark("destination: %d runs of word %d found", len(todo), w)
                     if not len(todo):
                         done = ""
-                    elif delta_host.wanted(self.device):  # CPU: C++, each store checked against its key
+                    elif enc == ENC_BITMAP:  # CPU: its bits read into 16-bit indices, then as below
+                        done = delta_host.scatter_bitmap(stream, n, k, w, _values_at(enc, n, k), todo,
+                                                         sizes[key[fi]])
+                    elif host:  # CPU: C++, each store checked against its key
                         done = delta_host.scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo,
                                                         sizes[key[fi]])
                     else:

@@ -173,6 +173,20 @@ def compare(views: Sequence[Any], ref: Any, hint: int, poison: int | None = None
     return held.compare(views, ref, hint, nthreads)
 
 
+def _scatter_table(runs: Sequence[Sequence[int]], key_bytes: Sequence[int], w: int) -> np.ndarray:
+    """The C++ scatter's run table: the rows of ``runs`` with each key's size in words beside its
+    address."""
+    if len(key_bytes) != len(runs):
+        raise ValueError(f"{len(runs)} runs but {len(key_bytes)} key sizes")
+    table = np.zeros((len(runs), 7), np.int64)
+    if len(runs):
+        r = np.asarray(runs, np.int64).reshape(-1, 6)
+        table[:, 0] = r[:, 0]
+        table[:, 1] = np.asarray(key_bytes, np.int64) // w
+        table[:, 2:] = r[:, 1:]
+    return table
+
+
 def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Sequence[Sequence[int]],
                   key_bytes: Sequence[int], nthreads: int | None = None) -> str:
     """Scatters the contiguous runs of an ENC_IDX16 stream (``payload``: uint8 on the CPU from the
@@ -191,15 +205,36 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Sequ
     if int(payload.numel()) < vals_at + w * k or vals_at < _align(4 * nb) + 2 * k:
         raise ValueError(f"an ENC_IDX16 stream of {k} changed {w}-byte words out of {n} does not fit "
                          f"{int(payload.numel())} bytes with its values at {vals_at}")
-    if len(key_bytes) != len(runs):
-        raise ValueError(f"{len(runs)} runs but {len(key_bytes)} key sizes")
-    table = np.zeros((len(runs), 7), np.int64)
-    if len(runs):
-        r = np.asarray(runs, np.int64).reshape(-1, 6)
-        table[:, 0] = r[:, 0]
-        table[:, 1] = np.asarray(key_bytes, np.int64) // w
-        table[:, 2:] = r[:, 1:]
+    table = _scatter_table(runs, key_bytes, w)
     base = int(payload.data_ptr())
     _core.delta_scatter_idx16(w, n, k, base, base + _align(4 * nb), base + vals_at, table,
                               nthreads or threads())
+    return "host"
+
+
+def scatter_bitmap(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Sequence[Sequence[int]],
+                   key_bytes: Sequence[int], nthreads: int | None = None) -> str:
+    """:func:`scatter_idx16` for an ENC_BITMAP stream (bit ``i % 8`` of byte ``i // 8`` set for each
+    changed word ``i``, then the values at byte ``vals_at``): its set bits read into what an ENC_IDX16
+    stream holds (each position's low 16 bits, the count per 65536-word block) by C++, then the same
+    C++ scatter, which checks every store. The torch ops before (every bit unpacked, ``nonzero``, an
+    indexed copy per run) took 0.54 s for 15M changes into 0.225 GB on two cores. Raises ValueError
+    where the bitmap does not set exactly ``k`` bits below ``n`` (no key is touched then)."""
+    import torch
+
+    from weightsync._ext import _core
+    from weightsync.runtime.delta import BLOCK
+
+    _check_words(payload, "the payload", torch.uint8)
+    if int(payload.numel()) < vals_at + w * k or vals_at < -(-n // 8):
+        raise ValueError(f"an ENC_BITMAP stream of {k} changed {w}-byte words out of {n} does not fit "
+                         f"{int(payload.numel())} bytes with its values at {vals_at}")
+    table = _scatter_table(runs, key_bytes, w)
+    counts = np.empty(-(-n // BLOCK), np.int32)
+    low = np.empty(k, np.uint16)
+    base = int(payload.data_ptr())
+    n_threads = nthreads or threads()
+    _core.delta_bitmap_to_idx16(base, n, k, int(counts.ctypes.data), int(low.ctypes.data), n_threads)
+    _core.delta_scatter_idx16(w, n, k, int(counts.ctypes.data), int(low.ctypes.data), base + vals_at, table,
+                              n_threads)
     return "host"
