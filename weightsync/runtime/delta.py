@@ -548,8 +548,8 @@ class _Space:
 
     def ordered(self) -> None:
         """``idx`` and ``vals`` made from ``tiles`` where they are not yet (the encode and the reference's
-        update read ``tiles``; the strided writes' selection, the bitmap encoding and the staged writes
-        want the changes in order)."""
+        update read ``tiles``; the strided writes' selection and the bitmap encoding want the changes in
+        order)."""
         if self.idx is None and self.tiles is not None:
             self.idx, self.vals = self.tiles.ordered()
 
