@@ -274,7 +274,7 @@ class Compactor:
         # a compare started by launch: the keys' and the reference's addresses it read, its collect
         self.pending: tuple[list[int], int, Any] | None = None
         self._host_count: Any = None  # pinned: the collect's count for the host
-        # the last compare's searches of the query given to order_ahead (numpy), else None
+        # the last compare's searches of the query given to search_ahead (numpy), else None
         self.cuts: Any = None
 
     def _tables(self, views: Sequence[Any], ref: Any) -> None:
