@@ -466,6 +466,32 @@ void check_threads(const char* fn, int threads) {
   if (threads < 1) bad(std::string(fn) + ": threads must be at least 1, not " + std::to_string(threads));
 }
 
+// Runs work(t) for t in 0 .. T-1, T - 1 of them on threads of their own (where a thread cannot be had,
+// the share runs here); rethrows the first failure.
+template <typename Work>
+void on_threads(int T, Work&& work) {
+  std::vector<std::exception_ptr> errors(T);
+  auto guarded = [&](int t) {
+    try {
+      work(t);
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> pool;
+  int started = 1;
+  try {
+    for (; started < T; ++started) pool.emplace_back(guarded, started);
+  } catch (...) {  // no thread to be had: the shares not started are done here
+  }
+  for (int t = started; t < T; ++t) guarded(t);
+  guarded(0);
+  for (auto& th : pool) th.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
 template <typename W>
 void scatter_w(const std::vector<int64_t>& ends, const uint16_t* low, const u8* vals, const ScatterRun* runs,
                size_t nruns, int threads) {
@@ -476,8 +502,7 @@ void scatter_w(const std::vector<int64_t>& ends, const uint16_t* low, const u8* 
   const int64_t total = at[nruns];
   const int T = int(std::min<int64_t>({int64_t(threads), std::max<int64_t>(1, total / (kMinWordsPerThread / 4)),
                                        int64_t(kMaxThreads)}));
-  std::vector<std::string> errors(T);
-  auto work = [&](int t) {
+  on_threads(T, [&](int t) {
     const int64_t g0 = total / T * t, g1 = t == T - 1 ? total : total / T * (t + 1);
     size_t r = size_t(std::upper_bound(at.begin(), at.end(), g0) - at.begin()) - 1;
     for (int64_t g = g0; g < g1 && r < nruns; ++r) {
@@ -505,29 +530,16 @@ void scatter_w(const std::vector<int64_t>& ends, const uint16_t* low, const u8* 
           const int64_t p = first + low[j];
           const int64_t dst = p + run.shift;
           if (p < run.pos_lo || p >= run.pos_hi || dst < 0 || dst >= run.words) {
-            errors[t] = "delta_scatter_idx16: entry " + std::to_string(j) + " (stream position " +
-                        std::to_string(p) + ") of run " + std::to_string(r) + " lies outside the run's positions [" +
-                        std::to_string(run.pos_lo) + ", " + std::to_string(run.pos_hi) + ") or its key's " +
-                        std::to_string(run.words) + " words (word " + std::to_string(dst) + ")";
-            return;
+            bad("delta_scatter_idx16: entry " + std::to_string(j) + " (stream position " + std::to_string(p) +
+                ") of run " + std::to_string(r) + " lies outside the run's positions [" +
+                std::to_string(run.pos_lo) + ", " + std::to_string(run.pos_hi) + ") or its key's " +
+                std::to_string(run.words) + " words (word " + std::to_string(dst) + ")");
           }
           store_w<W>(key + dst * WB, load_w<W>(vals + j * WB));
         }
       }
     }
-  };
-  std::vector<std::thread> pool;
-  int started = 1;
-  try {
-    for (; started < T; ++started) pool.emplace_back(work, started);
-  } catch (...) {  // no thread to be had: the shares not started are done here
-  }
-  for (int t = started; t < T; ++t) work(t);
-  work(0);
-  for (auto& th : pool) th.join();
-  for (const auto& e : errors) {
-    if (!e.empty()) bad(e);
-  }
+  });
 }
 
 // Byte range [a, b) of a bitmap of `nbytes` bytes as 64-bit words, the last one short: its bits below
@@ -545,32 +557,6 @@ void bitmap_words(const u8* bits, int64_t n, int64_t a, int64_t b, F&& f) {
     const int64_t first = byte * 8;  // the word of bit 0
     if (first + 64 > n) x &= n - first >= 64 ? ~uint64_t(0) : (uint64_t(1) << (n - first)) - 1;
     f(byte / 8, x);
-  }
-}
-
-// Runs work(t) for t in 0 .. T-1, T - 1 of them on threads of their own (where a thread cannot be had,
-// the share runs here); rethrows the first failure.
-template <typename Work>
-void on_threads(int T, Work&& work) {
-  std::vector<std::exception_ptr> errors(T);
-  auto guarded = [&](int t) {
-    try {
-      work(t);
-    } catch (...) {
-      errors[t] = std::current_exception();
-    }
-  };
-  std::vector<std::thread> pool;
-  int started = 1;
-  try {
-    for (; started < T; ++started) pool.emplace_back(guarded, started);
-  } catch (...) {  // no thread to be had: the shares not started are done here
-  }
-  for (int t = started; t < T; ++t) guarded(t);
-  guarded(0);
-  for (auto& th : pool) th.join();
-  for (const auto& e : errors) {
-    if (e) std::rethrow_exception(e);
   }
 }
 
