@@ -539,12 +539,13 @@ class Collect:
     that the host waits once, for everything, and gets the changes as the collect left them
     (:class:`TileChanges`), never put in order on the push's path."""
 
-    def __init__(self, mod: nvrtc.Module, tables: Sequence[Any], tile_starts: Any, ntiles: int, vec: bool,
-                 word: int, ref: Any, cap: int, poison: int | None, stream: Any, host_count: Any) -> None:
+    def __init__(self, mod: nvrtc.Module, tables: Sequence[Any], tile_starts: Any, vec: bool, word: int,
+                 ref: Any, cap: int, poison: int | None, stream: Any, host_count: Any) -> None:
         import torch
 
-        self.mod, self.tables, self.ntiles, self.vec, self.word = mod, tables, ntiles, vec, word
+        self.mod, self.tables, self.vec, self.word = mod, tables, vec, word
         self.tile_starts = tile_starts  # numpy: each tile's first word in the space (tables[4] on the host)
+        self.ntiles = len(tile_starts)
         self.ref = ref
         self.poison, self.stream, self.host_count = poison, stream, host_count
         # search_ahead: the tiles' exclusive prefix, the searches' answers on the host, an event after them
@@ -553,7 +554,7 @@ class Collect:
         device = ref.device
         with torch.cuda.stream(stream):
             # per tile its count and its place in the scratch, then the scratch's used count
-            self.counts = torch.empty(2 * ntiles + 1, dtype=torch.int64, device=device)
+            self.counts = torch.empty(2 * self.ntiles + 1, dtype=torch.int64, device=device)
             self.event = torch.cuda.Event()
             self._run(cap)
 
@@ -755,8 +756,8 @@ def launch(mod: nvrtc.Module, tables: Sequence[Any], tile_starts: Any, vec: bool
         stream = torch.cuda.current_stream(device)
     if host_count is None:
         host_count = torch.empty(1, dtype=torch.int64, pin_memory=True)
-    return Collect(mod, tables, tile_starts, len(tile_starts), vec, word, ref, first_room(hint, total_words),
-                   poison, stream, host_count)
+    return Collect(mod, tables, tile_starts, vec, word, ref, first_room(hint, total_words), poison, stream,
+                   host_count)
 
 
 def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, low: Any, out_vals: Any,
