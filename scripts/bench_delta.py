@@ -773,9 +773,11 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
     against the torch path from the same reference each step: a fraction ``--changed`` of the BF16 words
     flipped in their lowest bit (uniformly at random), then per path the compare (``start``: changed
     words found, values gathered; on the kernel path the reference updated too) and ``finish`` (the torch
-    path's reference update) timed, the positions, values and reference after it checked equal; then
-    the receiver's scatter of those changes (one idx16 stream, one entry per tensor) into the previous
-    version, by the kernel and the torch ops on alternate steps, timed and checked."""
+    path's reference update) timed, the positions, values and reference after it checked equal; then per
+    encoding of ``--encodings`` those changes written as one stream per word size (``encode_into`` from
+    the ordered changes: the index writer, a kernel for a bitmap's bits on CUDA) and the receiver's
+    scatter of it (one entry per tensor) into the previous version, by the kernels and the torch ops on
+    alternate steps, timed and checked."""
     from scripts.bench_worker import DTYPE, checkpoint_tensors
     from weightsync.runtime.delta import DeltaSender
 
@@ -792,7 +794,10 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.changed:.2%} of words changed per step", flush=True)
     sender.start()  # the first reference: a copy
     sender.finish(1, True)
-    times: dict[str, dict[str, list[float]]] = {p: {"compare": [], "finish": [], "apply": []} for p in paths}
+    encodings = list(args.encodings)
+    times: dict[str, dict[str, list[float]]] = {
+        p: {"compare": [], "finish": [], **{f"{x}_{e}": [] for e in encodings for x in ("encode", "apply")}}
+        for p in paths}
     scratch = 0
     version = 1
     try:
@@ -839,12 +844,16 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
                     if not (torch.equal(ga[w][0], gb[w][0]) and torch.equal(ga[w][1], gb[w][1])):
                         raise SystemExit(f"step {n}: the kernel and torch paths found different changes "
                                          f"(word size {w})")
-            # the receiver's side: the changes as one idx16 stream per word size, scattered into the
-            # previous version (``before``) by the kernel or the torch ops (alternately), checked
+            # the receiver's side: the changes as one stream per word size in each encoding, scattered
+            # into the previous version (``before``) by the kernels or the torch ops (alternately), checked
             apply_path = paths[n % len(paths)]
-            dt = _apply_once(engine, sender, before, found[paths[0]], dev, apply_path == "kernel")
-            if n >= args.warmup:
-                times[apply_path]["apply"].append(dt)
+            for enc in encodings:
+                copy = {w: b.clone() for w, b in before.items()} if enc != encodings[-1] else before
+                de, da = _apply_once(engine, sender, copy, found[paths[0]], dev, apply_path == "kernel", enc)
+                if n >= args.warmup:
+                    times[apply_path][f"encode_{enc}"].append(de)
+                    times[apply_path][f"apply_{enc}"].append(da)
+                del copy
             del before, found
     finally:
         engine.close()
@@ -852,13 +861,19 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
                            "model_bytes": nbytes, "changed": args.changed, "steps": args.steps,
                            "scratch_bytes": scratch, "ref_bytes": sender.ref_bytes, "results": {}}
     for path in paths:
-        c, f, a = _med(times[path]["compare"]), _med(times[path]["finish"]), _med(times[path]["apply"])
-        out["results"][path] = {"compare_ms": c * 1e3, "finish_ms": f * 1e3, "apply_ms": a * 1e3,
+        c, f = _med(times[path]["compare"]), _med(times[path]["finish"])
+        out["results"][path] = {"compare_ms": c * 1e3, "finish_ms": f * 1e3,
                                 "compare_all_ms": [round(x * 1e3, 2) for x in times[path]["compare"]],
                                 "read_gbs": 2 * nbytes / c / 1e9}
+        streams = []
+        for enc in encodings:
+            e, a = _med(times[path][f"encode_{enc}"]), _med(times[path][f"apply_{enc}"])
+            out["results"][path][f"encode_{enc}_ms"] = e * 1e3
+            out["results"][path][f"apply_{enc}_ms"] = a * 1e3
+            streams.append(f"{enc}: encode {e * 1e3:.2f} ms, apply {a * 1e3:.2f} ms")
         print(f"  {path}: compare {c * 1e3:.2f} ms (tensors and reference read at {2 * nbytes / c / 1e9:.0f} "
-              f"GB/s), finish {f * 1e3:.2f} ms, apply (receiver's scatter of an idx16 stream) {a * 1e3:.2f} "
-              f"ms; all compares {out['results'][path]['compare_all_ms']}",
+              f"GB/s), finish {f * 1e3:.2f} ms; streams (encode from the ordered changes, the receiver's "
+              f"scatter) {'; '.join(streams)}; all compares {out['results'][path]['compare_all_ms']}",
               flush=True)
     print(f"  kernel scratch {scratch / 2**20:.0f} MiB; reference {sender.ref_bytes / 1e9:.2f} GB"
           + ("; positions, values and reference equal on both paths every step" if len(paths) > 1 else ""),
@@ -868,12 +883,14 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
 
 def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
                 found: dict[int, tuple[torch.Tensor, torch.Tensor]], dev: torch.device,
-                kernel: bool) -> float:
-    """Seconds of one receiver scatter (``DeltaReceiver._scatter_all``) of ``found`` (per space of the
-    sender the changed positions and values) encoded as one ENC_IDX16 stream per space (one entry per
-    key; each space as a part of its own, as a push sends its parts) into ``before`` (the previous
-    version's words, one tensor per space), which must equal the sender's tensors after it."""
+                kernel: bool, encoding: str) -> tuple[float, float]:
+    """Seconds of writing ``found`` (per space of the sender the changed positions and values) as one
+    stream per space in ``encoding`` (``encode_into``; one entry per key; each space as a part of its
+    own, as a push sends its parts), and of one receiver scatter (``DeltaReceiver._scatter_all``) of
+    them into ``before`` (the previous version's words, one tensor per space), which must equal the
+    sender's tensors after it."""
     from weightsync.runtime.delta import (
+        ENC_BITMAP,
         ENC_IDX16,
         ENC_STREAM,
         ENTRY_DTYPE,
@@ -886,6 +903,7 @@ def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
         sparse_sizes,
     )
 
+    enc = {"idx16": ENC_IDX16, "bitmap": ENC_BITMAP}[encoding]
     spaces = sender._spaces
     keys = [k for sp in spaces.values() for k in sp.keys]
     places = {}
@@ -894,7 +912,7 @@ def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
         n, k = int(sp.starts[-1]), int(found[s][0].numel())
         start = at
         at += data_at(len(sp.keys))
-        size = sparse_sizes(n, k, sp.word)[ENC_IDX16]
+        size = sparse_sizes(n, k, sp.word)[enc]
         places[s] = (start, at - start, size)
         at += _align(size)
     buffers = {key: [before[s][a:b]] for s, sp in spaces.items()
@@ -903,15 +921,21 @@ def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
     try:
         order = {key: i for i, key in enumerate(recv.keys)}
         parts = []
+        _sync(dev)
+        t0 = time.perf_counter()
+        for s, sp in spaces.items():
+            start, data, size = places[s]
+            idx, vals = found[s]
+            encode_into(recv.payload[start + data:start + data + size], enc, idx, vals, int(sp.starts[-1]))
+        _sync(dev)
+        de = time.perf_counter() - t0
         for s, sp in spaces.items():
             w = sp.word
             start, data, size = places[s]
             idx, vals = found[s]
-            encode_into(recv.payload[start + data:start + data + size], ENC_IDX16, idx, vals,
-                        int(sp.starts[-1]))
             streams = np.zeros(len(WORDS), STREAM_DTYPE)
             streams["word"] = WORDS
-            streams[WORDS.index(w)] = (w, ENC_IDX16, int(sp.starts[-1]), int(idx.numel()), data, (0, 0, 0))
+            streams[WORDS.index(w)] = (w, enc, int(sp.starts[-1]), int(idx.numel()), data, (0, 0, 0))
             cut = torch.searchsorted(idx, torch.from_numpy(sp.starts).to(dev)).cpu().numpy()
             entries = np.zeros(len(sp.keys), ENTRY_DTYPE)
             for i, key in enumerate(sp.keys):
@@ -924,14 +948,16 @@ def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
         t0 = time.perf_counter()
         recv._scatter_all(0, parts)
         _sync(dev)
+        recv._check_refused()
         dt = time.perf_counter() - t0
         for key in keys:
             if not torch.equal(buffers[key][0], sender._views[key]):
-                raise SystemExit(f"apply ({'kernel' if kernel else 'torch'}): {key} differs from the source")
+                raise SystemExit(f"apply ({'kernel' if kernel else 'torch'}, {encoding}): {key} differs from "
+                                 "the source")
     finally:
         engine.deregister(recv.payload_region)
         engine.deregister(recv.header_region)
-    return dt
+    return de, dt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -955,6 +981,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compare", action="store_true", help="the sender's compare alone on one device, kernel "
                     "and torch paths from the same reference, checked equal (one GPU)")
     ap.add_argument("--changed", type=float, default=0.0423, help="--compare: fraction of words changed")
+    ap.add_argument("--encodings", nargs="+", choices=["idx16", "bitmap"], default=["idx16", "bitmap"],
+                    help="--compare: the stream encodings written and scattered")
     ap.add_argument("--ab", action="store_true", help="also a delta group whose sender compares with torch "
                     "ops (delta-torch), pushed alternately with the kernel one")
     ap.add_argument("--micro", action="store_true",

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.support.delta_paths import push_both_ways
+from weightsync.runtime.delta import ENC_BITMAP, ENC_IDX16
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = ("odd", "none", "all", "one", "last", "special", "dense_tile")
@@ -161,17 +162,16 @@ def check_overflow_leaves_reference(device: str) -> None:
     assert torch.equal(old, cur)
 
 
-def check_scatter(device: str, backend: str = "triton") -> int:
-    """The receiver's scatter of an ENC_IDX16 stream with the kernel (contiguous runs) against the torch
-    ops: entries of three keys, runs of two entries with one shift, a run of another shift in the same
-    key, a strided entry (torch ops either way), changes at block edges and the stream's last word.
-    Returns the changed words scattered."""
+def check_scatter(device: str, backend: str = "triton", enc: int = ENC_IDX16) -> int:
+    """The receiver's scatter of an ENC_IDX16 or ENC_BITMAP stream with the kernel (contiguous runs)
+    against the torch ops: entries of three keys, runs of two entries with one shift, a run of
+    another shift in the same key, a strided entry (torch ops either way), changes at block edges and the
+    stream's last word. Returns the changed words scattered."""
     import numpy as np
 
     import weightsync as ws
     from weightsync.runtime.delta import (
         BLOCK,
-        ENC_IDX16,
         ENC_STREAM,
         ENTRY_DTYPE,
         STREAM_DTYPE,
@@ -200,9 +200,10 @@ def check_scatter(device: str, backend: str = "triton") -> int:
     vals = torch.randint(1, 1 << 15, (k,), generator=g).to(torch.int16)
     bounds = np.searchsorted(local.numpy(), np.append(entries["data"], n))
     entries["count"] = np.diff(bounds)
-    size = sparse_sizes(n, k, 2)[ENC_IDX16]
+    assert enc in (ENC_IDX16, ENC_BITMAP)
+    size = sparse_sizes(n, k, 2)[enc]
     streams = np.zeros(1, STREAM_DTYPE)
-    streams[0] = (2, ENC_IDX16, n, k, 256, (0, 0, 0))
+    streams[0] = (2, enc, n, k, 256, (0, 0, 0))
     engine = ws.TransferEngine()
     try:
         start = {key: torch.randint(-(1 << 15), 1 << 15, (m,), generator=g).to(torch.int16)
@@ -212,7 +213,7 @@ def check_scatter(device: str, backend: str = "triton") -> int:
             bufs = {key: [t.clone().to(dev)] for key, t in start.items()}
             recv = DeltaReceiver(engine, bufs, "inplace", dev, 256 + size + 64, 0)
             recv.payload.fill_(0xA5)
-            encode_into(recv.payload[256:256 + size], ENC_IDX16, local.to(dev), vals.to(dev), n)
+            encode_into(recv.payload[256:256 + size], enc, local.to(dev), vals.to(dev), n)
             recv.use_kernels = use
             recv._scatter_all(0, [(entries, streams, 0)])
             if use:
@@ -226,6 +227,17 @@ def check_scatter(device: str, backend: str = "triton") -> int:
     finally:
         engine.close()
     return k
+
+
+@pytest.mark.parametrize("enc", [ENC_IDX16, ENC_BITMAP])
+def test_the_receivers_host_scatter_matches_the_torch_ops(enc: int) -> None:
+    """On CPU the receiver's C++ scatter (an ENC_BITMAP stream's bits read into 16-bit indices first)
+    against its torch ops, through DeltaReceiver."""
+    from weightsync.runtime import delta_host
+
+    if not delta_host.available():
+        pytest.skip("the compiled engine has no host delta kernels")
+    assert check_scatter("cpu", backend="host", enc=enc) > 0
 
 
 _SCRIPT = """
@@ -347,7 +359,7 @@ def _nvrtc() -> bool:
 
 
 @pytest.mark.skipif(not _nvrtc(), reason="needs the NVRTC library (the test extra's nvidia-cuda-nvrtc)")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])  # sm_75: no __reduce_or_sync
 def test_the_cuda_compare_compiles(arch: str) -> None:
     """The CUDA C++ compare compiles (NVRTC needs no GPU): a source error shows on every CI run, not only
     on a GPU host."""
@@ -376,6 +388,7 @@ def test_the_cuda_compare_matches_the_torch_path(slice_tiles: int, aligned: bool
     monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "cuda")
     assert delta_cuda.module(torch.device("cuda")) is not None, delta_cuda.unavailable(torch.device("cuda"))
     assert check_scatter("cuda", backend="cuda") > 0
+    assert check_scatter("cuda", backend="cuda", enc=ENC_BITMAP) > 0  # straight from its bits
     lines: Any = check_cases("cuda", slice_tiles, aligned, backend="cuda")
     assert len(lines) == len(CASES)
 
@@ -392,7 +405,7 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
     (read with the count), their order, the reference's update and a stream's encode read from there
     must be what torch gives; past the room the host searches the ordered changes."""
     from weightsync.runtime import delta_cuda
-    from weightsync.runtime.delta import ENC_IDX16, _align, _IndexWriter, _values_at, sparse_sizes, word_dtype
+    from weightsync.runtime.delta import _align, _IndexWriter, _values_at, decode, sparse_sizes, word_dtype
     from weightsync.runtime.delta_kernels import Compactor
 
     dev = torch.device("cuda")
@@ -477,6 +490,33 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
             shifts = torch.cat([torch.full((m,), sh, device=dev) for _, sh, _, m in runs])
             low = outs[1][_align(4 * -(-n // 65536)):][:2 * at].view(torch.int16)
             assert torch.equal(low, ((want[sel] + shifts) & 0xFFFF).to(torch.int32).to(torch.int16))
+            # the same runs as an ENC_BITMAP stream: by the index writer's torch ops, from the ordered
+            # changes and from the scratch, byte for byte; read back, the runs' positions and values
+            bsize = sparse_sizes(n, at, word)[ENC_BITMAP]
+            bouts = []
+            for how in ("torch", "ordered", "tiles"):
+                out = torch.full((bsize,), 0xA5, dtype=torch.uint8, device=dev)
+                values = out[_values_at(ENC_BITMAP, n, at):][:word * at].view(word_dtype(word))
+                index = _IndexWriter(out, ENC_BITMAP, n, at, dev)
+                if how == "torch":
+                    index.mod = None
+                    for lo, sh, o, m in runs:
+                        index.add(idx[lo:lo + m], sh)
+                        values[o:o + m].copy_(vals[lo:lo + m])
+                elif how == "ordered":
+                    index.reserve(at)
+                    delta_cuda.encode_runs(delta_cuda.module(dev), idx, vals, runs_np, index.bits, values,
+                                           None, bitmap=True)
+                else:
+                    index.reserve(at)
+                    found.encode(runs_np, found.tile_range(int(want[0]), int(want[-1]) + 1), index.bits,
+                                 values, None, bitmap=True)
+                index.close()
+                bouts.append(out)
+            assert torch.equal(bouts[0], bouts[1]) and torch.equal(bouts[0], bouts[2]), hint
+            got_local, got_vals = decode(bouts[2], ENC_BITMAP, n, at, word)
+            assert torch.equal(got_local, want[sel] + shifts), hint
+            assert torch.equal(got_vals, cur[want[sel]]), hint
             found.update_ref()
         else:  # past the room the collect ran again, and the caller searches
             assert isinstance(found, tuple), hint
@@ -491,12 +531,14 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not _nvrtc(), reason="needs CUDA and NVRTC")
 @pytest.mark.parametrize("word", [1, 2, 4, 8])
-def test_the_cuda_encode_matches_the_index_writer(word: int) -> None:
-    """An ENC_IDX16 stream written by the CUDA encode (runs of the compare's output, a strided write's
-    entries between them by the index writer) equals the one the index writer's torch ops write, byte for
-    byte, both buffers poisoned first: its block counts, low bits and values."""
+@pytest.mark.parametrize("enc", [ENC_IDX16, ENC_BITMAP])
+def test_the_cuda_encode_matches_the_index_writer(word: int, enc: int) -> None:
+    """A stream written by the CUDA encode (runs of the compare's output, a strided write's entries
+    between them by the index writer: an ENC_BITMAP's bits by a kernel too) equals the one the index
+    writer's torch ops write, byte for byte, both buffers poisoned first: its block counts and low bits
+    or its bits, and its values."""
     from weightsync.runtime import delta_cuda
-    from weightsync.runtime.delta import ENC_IDX16, _IndexWriter, _values_at, sparse_sizes, word_dtype
+    from weightsync.runtime.delta import _IndexWriter, _values_at, decode, sparse_sizes, word_dtype
 
     dev = torch.device("cuda")
     mod = delta_cuda.module(dev)
@@ -519,12 +561,16 @@ def test_the_cuda_encode_matches_the_index_writer(word: int) -> None:
     idx = torch.cat(space_idx)
     vals = torch.cat(space_vals).to(word_dtype(word))
     piece_vals = torch.randint(-(1 << 62), 1 << 62, (k,), generator=g, device=dev).to(word_dtype(word))
-    size = sparse_sizes(n, k, word)[ENC_IDX16]
+    size = sparse_sizes(n, k, word)[enc]
     outs = []
     for use_kernel in (False, True):
         out = torch.full((size,), 0xA5, dtype=torch.uint8, device=dev)
-        values = out[_values_at(ENC_IDX16, n, k):][:word * k].view(word_dtype(word))
-        index = _IndexWriter(out, ENC_IDX16, n, k, dev)
+        values = out[_values_at(enc, n, k):][:word * k].view(word_dtype(word))
+        index = _IndexWriter(out, enc, n, k, dev)
+        if enc == ENC_BITMAP:
+            assert index.mod is not None  # its bits by a kernel, unless taken away here
+            if not use_kernel:
+                index.mod = None
         table = []
         for r, (a, b) in enumerate(itertools.pairwise(cuts)):
             if kinds[r] == "piece":
@@ -537,12 +583,92 @@ def test_the_cuda_encode_matches_the_index_writer(word: int) -> None:
             else:
                 index.add(idx[lo:lo + b - a], shift)
                 values[a:b].copy_(vals[lo:lo + b - a])
-        if table:
+        if table and enc == ENC_BITMAP:
+            delta_cuda.encode_runs(mod, idx, vals, table, index.bits, values, None, bitmap=True)
+        elif table:
             delta_cuda.encode_runs(mod, idx, vals, table, index.low, values, index.kernel_counts())
         index.close()
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-    assert int(outs[1][:4 * (-(-n // 65536))].view(torch.int32).sum()) == k
+    local, _ = decode(outs[1], enc, n, k, word)
+    assert torch.equal(local, stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not _nvrtc(), reason="needs CUDA and NVRTC")
+@pytest.mark.parametrize("fault", ["extra_bit", "moved_bit"])
+def test_a_cuda_bitmap_that_does_not_match_its_entries_is_refused(fault: str) -> None:
+    """An ENC_BITMAP stream whose bits do not match its entries fails the apply with a WeightSyncError
+    naming it: one bit too many (none is stored: a value past the stream's would be read), or one bit
+    moved from the first entry's words to the second's (the counts hold; that change would land outside
+    its write, in another key, and is not stored). Then a good stream applies."""
+    import numpy as np
+
+    import weightsync as ws
+    from weightsync.errors import WeightSyncError
+    from weightsync.runtime.delta import (
+        ENC_STREAM,
+        ENTRY_DTYPE,
+        STREAM_DTYPE,
+        DeltaReceiver,
+        encode_into,
+        sparse_sizes,
+    )
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    n, half = 200_000, 100_000  # two entries of `half` words: key "a" then key "b"
+    entries = np.zeros(2, ENTRY_DTYPE)
+    for i, e in enumerate(entries):
+        e["key"], e["enc"], e["word"], e["dst_off"] = i, ENC_STREAM, 2, 0
+        e["rows"], e["row_bytes"], e["pitch"], e["data"] = 1, 2 * half, 2 * half, i * half
+    local = torch.unique(torch.randint(0, n, (20_000,), generator=g))
+    k = int(local.numel())
+    entries["count"] = [int((local < half).sum()), int((local >= half).sum())]
+    vals = torch.randint(1, 1 << 15, (k,), generator=g).to(torch.int16)
+    size = sparse_sizes(n, k, 2)[ENC_BITMAP]
+    streams = np.zeros(1, STREAM_DTYPE)
+    streams[0] = (2, ENC_BITMAP, n, k, 256, (0, 0, 0))
+    engine = ws.TransferEngine()
+    try:
+        start = {key: torch.randint(-(1 << 15), 1 << 15, (half,), generator=g).to(torch.int16).to(dev)
+                 for key in ("a", "b")}
+        bufs = {key: [t.clone()] for key, t in start.items()}
+        recv = DeltaReceiver(engine, bufs, "inplace", dev, 256 + size + 64, 0)
+        assert recv.use_kernels
+        stream = recv.payload[256:256 + size]
+        recv.payload.fill_(0xA5)
+        encode_into(stream, ENC_BITMAP, local.to(dev), vals.to(dev), n)
+
+        def flip(i: int) -> None:
+            stream[i // 8] ^= 1 << (i % 8)
+
+        # a word of key "b" no change names: its bit set; "moved": the first entry's last bit cleared,
+        # so that change is now the second entry's first, at an entry index of the first's
+        free = int(torch.nonzero(torch.isin(torch.arange(half, n), local, invert=True))[0]) + half
+        flip(free)
+        if fault == "moved_bit":
+            flip(int(local[int(entries["count"][0]) - 1]))
+        moved = min(free, int(local[int(entries["count"][0])]))  # key "b"'s first change now
+        recv._pending = [(entries, streams, 0)]
+        with pytest.raises(WeightSyncError, match=r"2-byte ENC_BITMAP stream .* does not match its entries"):
+            recv.apply(0)
+        assert recv.scatter_backend == "cuda"
+        if fault == "extra_bit":  # nothing stored
+            assert all(torch.equal(bufs[key][0], start[key]) for key in start)
+        else:  # that change is not stored (in key "a" it would lie past the end)
+            assert int(bufs["b"][0][moved - half]) == int(start["b"][moved - half])
+        encode_into(stream, ENC_BITMAP, local.to(dev), vals.to(dev), n)  # the good stream applies
+        recv._pending = [(entries, streams, 0)]
+        recv.apply(0)
+        got = torch.cat([bufs["a"][0], bufs["b"][0]]).cpu()
+        want = torch.cat([start["a"], start["b"]]).cpu()
+        want[local] = vals
+        assert torch.equal(got, want)
+        engine.deregister(recv.payload_region)
+        engine.deregister(recv.header_region)
+    finally:
+        engine.close()
 
 
 @pytest.mark.gpu

@@ -87,8 +87,9 @@ launched at the push's start; once the announces are out, the search of each one
 changes lie before each) is queued too, on a stream of their own that waits for it on the device
 (:meth:`DeltaSender.search_ahead`), so the host only waits for each part's answers and launches nothing
 between the last compare and the last part's decisions. The changes are never put in order on that path:
-the encode and the reference's update read them where the collect left them (``ws_order`` runs only for
-what wants them in order: strided writes, the bitmap encoding, a collect past its room). The reference is
+the encode (either encoding's index: an ENC_BITMAP's bits or-ed in, one atomic per 32-bit word a warp's
+changes fall in) and the reference's update read them where the collect left them (``ws_order`` runs only
+for what wants them in order: strided writes, a collect past its room). The reference is
 ``finish``'s to update, while the destinations apply theirs. Where NVRTC cannot be had, or with
 ``WEIGHTSYNC_DELTA_KERNELS=triton``, two Triton kernels per slice
 (:mod:`weightsync.runtime.delta_kernels`: one host synchronization per slice, a slot scratch of 256 MiB a
@@ -96,20 +97,25 @@ slice at most), which update the reference in the same pass (``finish`` has noth
 those spaces: a push that fails leaves the reference's version at -1, and the next push copies the
 tensors whole into it). Their scratch (``DeltaSender.scratch_bytes``) comes from torch's caching
 allocator and is reported as ``PushStats.delta_scratch_bytes``, beside the reference's
-``delta_ref_bytes``. Where triton imports, the receiver scatters an
-ENC_IDX16 stream's contiguous runs with one kernel per stream, without decoding
-(:func:`weightsync.runtime.delta_kernels.scatter_idx16`).
+``delta_ref_bytes``. The receiver scatters an ENC_IDX16 stream's contiguous runs with one kernel per
+stream, without decoding (:func:`weightsync.runtime.delta_kernels.scatter_idx16`: CUDA C++, else Triton),
+and with the CUDA C++ kernels an ENC_BITMAP stream's straight from its bits (a count per 65536-word block,
+their prefix, one scatter: :func:`weightsync.runtime.delta_kernels.scatter_bitmap`), each change checked
+against its write; a stream whose bits do not match its entries fails the apply (:class:`DeltaReceiver`).
 
 On CPU (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the same two steps are C++ (:mod:`weightsync.runtime.
 delta_host`, cpp/delta/): the compare in one pass on up to 16 of the process's cores, the reference
-updated in it, and the receiver's scatter of an ENC_IDX16 stream's contiguous runs.
+updated in it, the sender's bitmap bits, and the receiver's scatter of an ENC_IDX16 stream's contiguous
+runs (of an ENC_BITMAP stream's too, its bits read into 16-bit indices first).
 
 Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` (or the kernels' count) per
 :data:`COMPARE_SLICE` words of each space, per part one copy of the counts, two more when direct writes
 read strided source rows, and one wait before the engine reads each destination's part payload; one after
 the reference's update; per staged chunk one ``nonzero`` and one copy of counts per inbox destination.
-The receiver's, per part: one copy of the headers' entries, one wait after the scatters, and, for a
-bitmap stream, one ``nonzero`` per :data:`BITMAP_SLICE` words.
+The receiver's, per part: one copy of the headers' entries, one wait after the scatters (and, where an
+ENC_BITMAP stream was scattered by the CUDA kernels, a read of their refusal flags), and, for a bitmap
+stream the torch ops decode (without the CUDA kernels, or a strided write's), one ``nonzero`` per
+:data:`BITMAP_SLICE` words.
 """
 
 from __future__ import annotations
@@ -317,14 +323,17 @@ class _IndexWriter:
     piece's shift, as the low 16 bits of the position (the first int16 of a little-endian integer) plus
     the shift's in int16 (sums wrap modulo 2**16 alike); the per-block counts from how many positions
     lie below each block's end less the shift (``searchsorted``). ENC_BITMAP on CPU, one C++ call per
-    piece (:mod:`weightsync.runtime.delta_host`); elsewhere a few device ops per :data:`SCRATCH` positions
-    shifted into a scratch: bits added into int32 words (the bits of one word are distinct powers of two,
-    so adding them is or-ing them; bit 31 as the int32 -2**31, two's complement sums wrap alike)."""
+    piece (:mod:`weightsync.runtime.delta_host`); on CUDA one kernel per piece
+    (:func:`weightsync.runtime.delta_cuda.bitmap_set`); else (no NVRTC, or ``WEIGHTSYNC_DELTA_KERNELS``
+    naming another path) a few device ops per :data:`SCRATCH` positions shifted into a scratch: bits added
+    into int32 words (the bits of one word are distinct powers of two, so adding them is or-ing them; bit
+    31 as the int32 -2**31, two's complement sums wrap alike). A kernel may also write the section
+    (:meth:`reserve`, then ``low`` and :meth:`kernel_counts`, or ``bits``)."""
 
     def __init__(self, out: Any, enc: int, n: int, k: int, device: Any) -> None:
         import torch
 
-        self.out, self.enc, self.n, self.device = out, enc, n, device
+        self.out, self.enc, self.n, self.k, self.device = out, enc, n, k, device
         self.done = 0  # positions written (or reserved: :meth:`reserve`)
         self.fill = 0  # positions in the scratch
         # ENC_IDX16: the section's block counts, where a kernel adds into them (:meth:`kernel_counts`);
@@ -334,6 +343,8 @@ class _IndexWriter:
         self.ends: Any = None
         self.below: Any = None
         self.host = False  # ENC_BITMAP on CPU: bits set by C++, no scratch
+        self.mod: Any = None  # ENC_BITMAP on CUDA: the kernels that set bits (delta_cuda), where they load
+        self.scratch: Any = None  # ENC_BITMAP by device ops: positions gathered for one index_add_
         if enc == ENC_IDX16:
             self.nb = -(-n // BLOCK)
             o = _align(4 * self.nb)
@@ -343,12 +354,15 @@ class _IndexWriter:
             section.zero_()
             from weightsync.runtime import delta_host
 
-            # on CPU the bits are set by C++ (delta_host), else by device ops through a scratch
+            # on CPU the bits are set by C++ (delta_host), on CUDA by delta_cuda's kernels, else by device
+            # ops through a scratch
             self.host = delta_host.wanted(device) and out.is_contiguous()
             if not self.host:
-                self.scratch = torch.empty(max(min(k, SCRATCH), 1), dtype=torch.int64, device=device)
                 self.bits = section.view(torch.int32)
-                self.one = torch.ones((), dtype=torch.int32, device=device)
+                if device.type == "cuda":  # None where WEIGHTSYNC_DELTA_KERNELS chooses another path
+                    from weightsync.runtime import delta_cuda
+
+                    self.mod = delta_cuda.module(device)
         else:
             raise WeightSyncError(f"internal: no sparse encoding {enc}")
 
@@ -385,6 +399,15 @@ class _IndexWriter:
             _core.delta_bitmap_set(int(self.out.data_ptr()), self.n, int(held.data_ptr()), m, shift)
             self.done += m
             return
+        if self.mod is not None:  # CUDA: one kernel, no scratch
+            from weightsync.runtime import delta_cuda
+
+            delta_cuda.bitmap_set(self.mod, positions, shift, self.bits)
+            self.done += int(positions.numel())
+            return
+        if self.scratch is None:
+            self.scratch = torch.empty(max(min(self.k, SCRATCH), 1), dtype=torch.int64, device=self.device)
+            self.one = torch.ones((), dtype=torch.int32, device=self.device)
         a, m = 0, int(positions.numel())
         while a < m:
             c = min(m - a, int(self.scratch.numel()) - self.fill)
@@ -419,7 +442,7 @@ class _IndexWriter:
     def _flush(self) -> None:
         import torch
 
-        if self.host or not self.fill:
+        if self.host or self.scratch is None or not self.fill:
             return
         pos = self.scratch[:self.fill]
         self.bits.index_add_(0, pos >> 5, torch.bitwise_left_shift(self.one, (pos & 31).to(torch.int32)))
@@ -547,8 +570,8 @@ class _Space:
     tiles: Any = None
 
     def ordered(self) -> None:
-        """``idx`` and ``vals`` made from ``tiles`` where they are not yet (the encode and the reference's
-        update read ``tiles``; the strided writes' selection and the bitmap encoding want the changes in
+        """``idx`` and ``vals`` made from ``tiles`` where they are not yet (the encode, of either encoding,
+        and the reference's update read ``tiles``; the strided writes' selection wants the changes in
         order)."""
         if self.idx is None and self.tiles is not None:
             self.idx, self.vals = self.tiles.ordered()
@@ -1499,11 +1522,13 @@ class DeltaSender:
         about 0.1 ms of host time each, on the push's critical path). The runs are found by numpy
         ops over all writes: a loop over them cost about 5 us a write, on the last part's path. Returns
         how many."""
-        tiles = sp.tiles if index.enc == ENC_IDX16 else None
+        bitmap = index.enc == ENC_BITMAP
+        # the CUDA kernels write either encoding's index (ENC_BITMAP on CPU: C++ through index.add)
+        tiles = sp.tiles if not index.host else None
         if tiles is None:
             sp.ordered()
         mod = None
-        if tiles is not None or (index.enc == ENC_IDX16 and sp.idx is not None and sp.idx.is_cuda and
+        if tiles is not None or (not index.host and sp.idx is not None and sp.idx.is_cuda and
                                  str(sp.idx.dtype) == "torch.int64"):
             from weightsync.runtime import delta_cuda
 
@@ -1527,12 +1552,14 @@ class DeltaSender:
             the changes in order."""
             from weightsync.runtime import delta_cuda
 
+            # ENC_BITMAP: bits or-ed into its section, nothing counted
+            target, counts = (index.bits, None) if bitmap else (index.low, index.kernel_counts())
             if tiles is not None:
                 span = tiles.tile_range(int(f["start"][first[groups]].min()),
                                         int((f["start"][last[groups]] + f["span"][last[groups]]).max()))
-                tiles.encode(runs, span, index.low, values, index.kernel_counts())
+                tiles.encode(runs, span, target, values, counts, bitmap)
             else:
-                delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, index.low, values, index.kernel_counts())
+                delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, target, values, counts, bitmap)
 
         if mod is not None and not alone.any():  # every group's index and values by one kernel
             done = index.reserve(int(count.sum()))
@@ -1641,6 +1668,7 @@ class DeltaReceiver:
         self.buffers = buffers
         self.mode = mode
         self.device = device
+        self.rank = rank
         self.keys = sorted(buffers)
         self.headers = np.full(MAX_HEADERS * (1 + PARTS), -1, HEADER_RECORD)  # header_slot(source, part)
         self.header_region = engine.register(self.headers, name=f"destination {rank} delta headers")
@@ -1664,6 +1692,11 @@ class DeltaReceiver:
         self._heads: list[tuple[int, int, int, int]] = []
         self._sources: list[int] = []
         self._keys_at: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # _key_table, per shadow
+        # CUDA: a flag per ENC_BITMAP stream scattered since the last check, set by the kernel where the
+        # stream does not match its entries (it then stores none, or none outside its writes), and what
+        # each names; read once the device is synchronized (:meth:`_check_refused`)
+        self._refused: Any = None
+        self._refused_what: list[str] = []
 
     def descriptor(self) -> list[bytes]:
         return [self.header_region.descriptor, self.payload_region.descriptor,
@@ -1685,6 +1718,7 @@ class DeltaReceiver:
         self._pending = []
         self._heads = []
         self._sources = []
+        self._refused_what = []
         self.apply_seconds = 0.0
 
     def read_headers(self, sources: Sequence[int], epoch: int, version: int, part: int | None = None) -> int:
@@ -1782,14 +1816,50 @@ class DeltaReceiver:
         self._scatter_all(shadow, pending)
         if wait:
             self._sync_device()
+            self._check_refused()
         self.apply_seconds += time.perf_counter() - t0
+
+    def _refusal_flag(self, off: int, word: int) -> Any:
+        """A zeroed device flag (int32) for the kernel that scatters the ``word``-byte stream of the part
+        at payload byte ``off`` to set where the stream does not match its entries."""
+        import torch
+
+        i = len(self._refused_what)
+        if self._refused is None or int(self._refused.numel()) <= i:
+            grown = torch.zeros(max(64, 2 * (i + 1)), dtype=torch.int32, device=self.device)
+            if self._refused is not None:
+                grown[:i].copy_(self._refused[:i])
+            self._refused = grown
+        heads = [o for _, _, o in self._entries]
+        if off in heads and len(self._sources) == len(heads):
+            self._refused_what.append(f"source {self._sources[heads.index(off)]}'s {word}-byte ENC_BITMAP "
+                                      "stream")
+        else:
+            self._refused_what.append(f"the {word}-byte ENC_BITMAP stream of the part at payload byte {off}")
+        return self._refused[i:i + 1]
+
+    def _check_refused(self) -> None:
+        """After the device is synchronized: raises WeightSyncError, naming the sources, where a CUDA
+        scatter refused its stream (its bits below its word count do not number its changed words, or put
+        one outside the write its entry names): the version is then not complete here."""
+        n = len(self._refused_what)
+        if not n:
+            return
+        flags = self._refused[:n].cpu().numpy()
+        what, self._refused_what = self._refused_what, []
+        self._refused[:n].zero_()
+        bad = [what[i] for i in np.flatnonzero(flags)]
+        if bad:
+            raise WeightSyncError(f"destination {self.rank}: {', '.join(bad)} does not match its entries "
+                                  "(its set bits are not its changed words, or fall outside their writes)")
 
     def _scatter_all(self, shadow: int, parts: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> None:
         """Per source and word size: decodes its stream once, then scatters each run of its entries that
         go into one key with one placement (contiguous ones whose stream and destination offsets differ
         by the same amount, or strided ones) with one indexed copy. With the kernels, an ENC_IDX16
-        stream's contiguous runs go by one kernel launch instead, and only its strided runs are decoded; on
-        CPU an ENC_BITMAP stream's too (its bits read into 16-bit indices first)."""
+        stream's contiguous runs go by one kernel launch instead, and only its strided runs are decoded; an
+        ENC_BITMAP stream's too (on CPU its bits read into 16-bit indices first, on CUDA scattered straight
+        from them)."""
         import torch
 
         from weightsync.runtime import delta_host
@@ -1818,9 +1888,9 @@ class DeltaReceiver:
                 runs = list(zip(first, [*first[1:], len(ents)], strict=True))
                 enc, n = int(st["enc"]), int(st["n"])
                 stream = self.payload[off + int(st["data"]):]
-                # the contiguous runs by one kernel: an ENC_IDX16 stream's, and on CPU a bitmap's too
-                if self.use_kernels and (enc == ENC_IDX16 or (enc == ENC_BITMAP and host)):
-                    from weightsync.runtime.delta_kernels import scatter_idx16
+                # the contiguous runs by one kernel, of either sparse encoding
+                if self.use_kernels:
+                    from weightsync.runtime.delta_kernels import scatter_bitmap, scatter_idx16
 
                     nwords = ents["rows"] * ents["row_bytes"] // w
                     # the kernel needs each key's address only (a word view per run costs tens of us of
@@ -1836,9 +1906,12 @@ class DeltaReceiver:
                     mark("destination: %d runs of word %d found", len(todo), w)
                     if not len(todo):
                         done = ""
-                    elif enc == ENC_BITMAP:  # CPU: its bits read into 16-bit indices, then as below
+                    elif enc == ENC_BITMAP and host:  # CPU: its bits read into 16-bit indices, as below
                         done = delta_host.scatter_bitmap(stream, n, k, w, _values_at(enc, n, k), todo,
                                                          sizes[key[fi]])
+                    elif enc == ENC_BITMAP:  # CUDA: straight from its bits ("" elsewhere: torch ops)
+                        done = scatter_bitmap(stream, n, k, w, _values_at(enc, n, k), todo, self.device,
+                                              lambda off=off, w=w: self._refusal_flag(off, w))
                     elif host:  # CPU: C++, each store checked against its key
                         done = delta_host.scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo,
                                                         sizes[key[fi]])
@@ -1896,6 +1969,7 @@ class DeltaReceiver:
                 self._copy_region(e, shadow, other)
         self._scatter_all(other, self._entries)
         self._sync_device()
+        self._check_refused()
         self.holds[other] = version
 
     def _copy_region(self, e: np.void, src: int, dst: int) -> None:

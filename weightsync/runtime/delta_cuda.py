@@ -1,6 +1,6 @@
 """The delta push's device kernels in CUDA C++ (issue 18), compiled at run time
-(:mod:`weightsync.runtime.nvrtc`): the sender's compare, the encode of an ENC_IDX16 stream from the
-compare's changes, and the receiver's scatter of such a stream.
+(:mod:`weightsync.runtime.nvrtc`): the sender's compare, the encode of a sparse stream (ENC_IDX16 or
+ENC_BITMAP) from the compare's changes, and the receiver's scatter of such a stream.
 
 The compare reads the current tensors and the reference once, with one host synchronization, and leaves
 the reference alone: the caller copies the changes into it later
@@ -15,8 +15,12 @@ path. Its kernels:
   none waits for another.
 * ``ws_tile_search``: how many changes lie before given positions (where each key's and each write's
   changes start), from the exclusive ``cumsum`` of the tile counts and a search within one tile.
-* ``ws_encode_tiles`` and ``ws_ref_tiles``: a stream's entries and the reference's update, read straight
-  from the scratch, a warp per tile (:class:`TileChanges`).
+* ``ws_encode_tiles`` / ``ws_bitmap_tiles`` and ``ws_ref_tiles``: a stream's entries (16-bit indices and
+  block counts, or bits) and the reference's update, read straight from the scratch, a warp per tile
+  (:class:`TileChanges`).
+* ``ws_bitmap_counts`` and ``ws_bitmap_scatter``: the receiver's scatter of an ENC_BITMAP stream straight
+  from its bits (no 16-bit indices made: a stream of a billion changes would want 2 GB for them), each
+  change checked against its write, a refusal flag set where the bits do not match the entries.
 * ``ws_order``: the changes in word order as int64 positions and values, a block per tile, for what wants
   them so (:meth:`TileChanges.ordered`; :func:`compare`).
 
@@ -275,17 +279,50 @@ extern "C" __global__ void __launch_bounds__(THREADS) ws_tile_search(
     cuts[qi] = first[a] + lo;
 }
 
-// An ENC_IDX16 stream's entries from runs of a space's changes taken straight from the collect's scratch
+// Entry e at stream position p into the stream's index section, for every lane of the warp (``live``:
+// whether this lane has one). ENC_IDX16 (BITS false): the low 16 bits of p at low[e], and p's 65536-word
+// block counted, one atomic per block a warp's entries fall in. ENC_BITMAP (BITS true): bit p % 32 of
+// 32-bit word p / 32 (bit p % 8 of byte p / 8 on a little-endian device) set, the section zeroed
+// beforehand: the bits of lanes after this one that name the same word are or-ed into this lane's by a
+// segmented reduction over shuffles (a lane's changes are in word order, so those lanes follow each
+// other), and the first lane of each such run stores them with one atomicOr.
+template <bool BITS>
+__device__ __forceinline__ void put_index(bool live, i64 p, i64 e, void* index, int* counts) {
+    const int lane = threadIdx.x & 31;
+    if (BITS) {
+        u32* bits = reinterpret_cast<u32*>(index);
+        // a dead lane gets a word no live one has (positions are at least 0), so it joins no run
+        const i64 word = live ? (p >> 5) : -1 - lane;
+        u32 v = live ? 1u << (p & 31) : 0u;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const u32 o = __shfl_down_sync(FULL, v, d);
+            const i64 ow = __shfl_down_sync(FULL, word, d);
+            if (lane + d < 32 && ow == word) v |= o;
+        }
+        const i64 before = __shfl_up_sync(FULL, word, 1);
+        if (live && (lane == 0 || before != word)) atomicOr(&bits[word], v);
+        return;
+    }
+    const u32 active = __ballot_sync(FULL, live);
+    if (!live) return;
+    reinterpret_cast<short*>(index)[e] = (short)(p & 0xffff);
+    const int block = (int)(p >> 16);
+    const u32 same = __match_any_sync(active, block);
+    if (lane == __ffs(same) - 1) atomicAdd(&counts[block], __popc(same));
+}
+
+// A sparse stream's entries from runs of a space's changes taken straight from the collect's scratch
 // (what encode_runs does from the ordered changes, without them): run r (table rows lo, shift, out, count)
 // takes the space's changes lo .. lo + count in word order to entries out .. out + count, at stream
 // position p = the change's position + shift. A warp per tile of tiles t_lo .. t_hi: the tile's changes
 // are those first[t] .. first[t] + tile_count[t] in word order (at tile_base[t] in the scratch). Each
-// entry's 65536-word block counted as encode_runs does.
-template <typename W>
+// entry's index written by put_index (ENC_IDX16 or, BITS, ENC_BITMAP).
+template <typename W, bool BITS>
 __device__ __forceinline__ void encode_tiles(const i64* tile_start, const i64* tile_count,
                                              const i64* tile_base, const i64* first,
                                              const unsigned short* tmp_off, const W* tmp_val, i64 t_lo,
-                                             i64 t_hi, const i64* table, int nruns, short* low, W* out_vals,
+                                             i64 t_hi, const i64* table, int nruns, void* index, W* out_vals,
                                              int* counts) {
     const int lane = threadIdx.x & 31;
     const i64 t = t_lo + (i64)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5);
@@ -306,25 +343,19 @@ __device__ __forceinline__ void encode_tiles(const i64* tile_start, const i64* t
     for (i64 jj = 0; jj < n; jj += 32) {
         const i64 j = jj + lane;
         bool live = false;
-        int block = 0;
+        i64 p = 0, e = 0;
         if (j < n) {
             const i64 i = i0 + j;
             while (r + 1 < nruns && lo[r + 1] <= i) r++;
             const i64 k = i - lo[r];
             if (k >= 0 && k < count[r]) {
-                const i64 p = start + (i64)tmp_off[base + j] + shift[r];
-                const i64 e = out[r] + k;
-                low[e] = (short)(p & 0xffff);
+                p = start + (i64)tmp_off[base + j] + shift[r];
+                e = out[r] + k;
                 out_vals[e] = tmp_val[base + j];
-                block = (int)(p >> 16);
                 live = true;
             }
         }
-        const u32 active = __ballot_sync(FULL, live);
-        if (live) {
-            const u32 same = __match_any_sync(active, block);
-            if (lane == __ffs(same) - 1) atomicAdd(&counts[block], __popc(same));
-        }
+        put_index<BITS>(live, p, e, index, counts);
     }
 }
 
@@ -344,8 +375,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) ws_encode_tiles_##SUFFIX( 
         const i64* tile_start, const i64* tile_count, const i64* tile_base, const i64* first,             \
         const unsigned short* tmp_off, const W* tmp_val, i64 t_lo, i64 t_hi, const i64* table, int nruns, \
         short* low, W* out_vals, int* counts) {                                                           \
-    encode_tiles<W>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, t_lo, t_hi, table, nruns, \
-                    low, out_vals, counts);                                                               \
+    encode_tiles<W, false>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, t_lo, t_hi, table, \
+                           nruns, low, out_vals, counts);                                                 \
+}                                                                                                         \
+extern "C" __global__ void __launch_bounds__(THREADS) ws_bitmap_tiles_##SUFFIX(                           \
+        const i64* tile_start, const i64* tile_count, const i64* tile_base, const i64* first,             \
+        const unsigned short* tmp_off, const W* tmp_val, i64 t_lo, i64 t_hi, const i64* table, int nruns, \
+        u32* bits, W* out_vals, int* unused) {                                                            \
+    encode_tiles<W, true>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, t_lo, t_hi, table,  \
+                          nruns, bits, out_vals, unused);                                                 \
 }                                                                                                         \
 extern "C" __global__ void __launch_bounds__(THREADS) ws_ref_tiles_##SUFFIX(                              \
         const i64* tile_start, const i64* tile_count, const i64* tile_base, const unsigned short* tmp_off, \
@@ -357,21 +395,21 @@ TILES(unsigned short, w2)
 TILES(unsigned int, w4)
 TILES(u64, w8)
 
-// An ENC_IDX16 stream's entries from runs of the compare's output: run r (table rows lo, shift, out,
-// count) takes changed words lo .. lo + count of the space (positions idx, values vals) to entries
-// out .. out + count of the stream: stream position p = idx + shift, its low 16 bits and its value there,
-// and p's 65536-word block counted (one atomic per block a warp's entries fall in). Entries between runs
-// are other writes' (not touched). One thread per entry j < total.
-template <typename W>
+// A sparse stream's entries from runs of the compare's output: run r (table rows lo, shift, out, count)
+// takes changed words lo .. lo + count of the space (positions idx, values vals) to entries
+// out .. out + count of the stream: stream position p = idx + shift, its index by put_index (ENC_IDX16
+// or, BITS, ENC_BITMAP) and its value there. Entries between runs are other writes' (not touched). One
+// thread per entry j < total.
+template <typename W, bool BITS>
 __device__ __forceinline__ void encode_runs(const i64* idx, const W* vals, const i64* table, int nruns,
-                                            i64 total, short* low, W* out_vals, int* counts) {
+                                            i64 total, void* index, W* out_vals, int* counts) {
     const i64 j = (i64)blockIdx.x * THREADS + threadIdx.x;
     const i64* lo = table;
     const i64* shift = table + nruns;
     const i64* out = table + 2 * (i64)nruns;
     const i64* count = table + 3 * (i64)nruns;
     bool live = false;
-    int block = 0;
+    i64 p = 0;
     if (j < total) {
         int a = 0, b = nruns - 1;  // the last run whose first entry is at or before j
         while (a < b) {
@@ -381,30 +419,42 @@ __device__ __forceinline__ void encode_runs(const i64* idx, const W* vals, const
         const i64 k = j - out[a];
         if (k >= 0 && k < count[a]) {
             const i64 i = lo[a] + k;
-            const i64 p = idx[i] + shift[a];
-            low[j] = (short)(p & 0xffff);
+            p = idx[i] + shift[a];
             out_vals[j] = vals[i];
-            block = (int)(p >> 16);
             live = true;
         }
     }
-    const u32 active = __ballot_sync(FULL, live);
-    if (live) {
-        const u32 same = __match_any_sync(active, block);
-        if ((int)(threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&counts[block], __popc(same));
-    }
+    put_index<BITS>(live, p, j, index, counts);
 }
 
-#define ENCODE(NAME, W)                                                                                   \
-extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
+#define ENCODE(W, SUFFIX)                                                                                 \
+extern "C" __global__ void __launch_bounds__(THREADS) ws_encode_##SUFFIX(                                 \
         const i64* idx, const W* vals, const i64* table, int nruns, i64 total, short* low, W* out_vals,   \
         int* counts) {                                                                                    \
-    encode_runs<W>(idx, vals, table, nruns, total, low, out_vals, counts);                               \
+    encode_runs<W, false>(idx, vals, table, nruns, total, low, out_vals, counts);                        \
+}                                                                                                         \
+extern "C" __global__ void __launch_bounds__(THREADS) ws_bitmap_##SUFFIX(                                 \
+        const i64* idx, const W* vals, const i64* table, int nruns, i64 total, u32* bits, W* out_vals,    \
+        int* unused) {                                                                                    \
+    encode_runs<W, true>(idx, vals, table, nruns, total, bits, out_vals, unused);                        \
 }
-ENCODE(ws_encode_w1, unsigned char)
-ENCODE(ws_encode_w2, unsigned short)
-ENCODE(ws_encode_w4, unsigned int)
-ENCODE(ws_encode_w8, u64)
+ENCODE(unsigned char, w1)
+ENCODE(unsigned short, w2)
+ENCODE(unsigned int, w4)
+ENCODE(u64, w8)
+
+// ws_bitmap_set_i32 / _i64: the bits of stream positions pos[i] + shift (i < m) set in an ENC_BITMAP
+// stream's section (zeroed beforehand), a thread per position: the index writer's positions given in
+// pieces (a strided write's, the changes where they were put in order).
+#define BITMAP_SET(T, SUFFIX)                                                                             \
+extern "C" __global__ void __launch_bounds__(THREADS) ws_bitmap_set_##SUFFIX(                             \
+        const T* pos, i64 m, i64 shift, u32* bits) {                                                      \
+    const i64 i = (i64)blockIdx.x * THREADS + threadIdx.x;                                                \
+    const bool live = i < m;                                                                              \
+    put_index<true>(live, live ? (i64)pos[i] + shift : 0, 0, bits, nullptr);                             \
+}
+BITMAP_SET(int, i32)
+BITMAP_SET(i64, i64)
 
 // The receiver: an ENC_IDX16 stream's entries scattered into their keys, one block per 65536-word block
 // of the stream (its entries ends[b] .. ends[b + 1]). Run r (table rows lo, hi, shift, address: entries
@@ -470,6 +520,132 @@ SCATTER(ws_scatter_w1, unsigned char)
 SCATTER(ws_scatter_w2, unsigned short)
 SCATTER(ws_scatter_w4, unsigned int)
 SCATTER(ws_scatter_w8, u64)
+
+// 32-bit word wi of an ENC_BITMAP section of n words: its bits at or past n cleared (a stream's own
+// section is zeroed there; one from the wire is not trusted to be), 0 past the section.
+__device__ __forceinline__ u32 bitmap_word(const u32* bits, i64 n, i64 wi) {
+    const i64 lo = wi * 32;
+    if (lo >= n) return 0;
+    const u32 m = bits[wi];
+    return n - lo < 32 ? m & ((1u << (n - lo)) - 1u) : m;
+}
+
+// ws_bitmap_counts: an ENC_BITMAP stream's changed words per 65536-word block (what an ENC_IDX16
+// stream's block counts hold; ws_block_ends makes them the entries' ends), a block per block, thread j
+// reading 32-bit words j, j + THREADS, ... of it (coalesced).
+extern "C" __global__ void __launch_bounds__(THREADS) ws_bitmap_counts(const u32* bits, i64 n, int* counts) {
+    __shared__ int sums[THREADS / 32];
+    const i64 w0 = (i64)blockIdx.x * 2048;
+    int c = 0;
+    #pragma unroll
+    for (int i = 0; i < 2048 / THREADS; i++)
+        c += __popc(bitmap_word(bits, n, w0 + i * THREADS + threadIdx.x));
+    #pragma unroll
+    for (int d = 16; d; d >>= 1) c += __shfl_down_sync(FULL, c, d);
+    if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = c;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int t = 0;
+        for (int i = 0; i < THREADS / 32; i++) t += sums[i];
+        counts[blockIdx.x] = t;
+    }
+}
+
+// The receiver: an ENC_BITMAP stream's changed words scattered into their keys straight from its bits
+// (no 16-bit indices made in device memory), a block per 65536-word block of the stream, whose entries
+// start at ends[b] (ws_bitmap_counts, ws_block_ends). The block takes its words in R rounds of 8192: in
+// round i thread j reads 32-bit word i * THREADS + j of the block, so (round, thread, bit) is the words'
+// order; where a thread's changes start comes from a scan of the rounds' counts, as ws_collect places
+// its changes. Each round's changes go through shared memory (their words within the round, 16 bits),
+// then a thread per change stores it: consecutive threads store consecutive changes, as the ENC_IDX16
+// scatter does (a thread storing its own bits' changes spread a warp's stores over 32 lines, and took
+// 2.6 times as long). Run r (table rows lo, hi, shift, address, first and last+1 stream position):
+// entries lo .. hi go to key words stream position + shift of the key at that address, and only those at
+// positions inside the run (a stream from the wire is not trusted to put them there). Nothing at all
+// where the bits below n are not exactly k (the caller's count): a value past the stream's would be read.
+// Either sets *refused.
+template <typename W>
+__device__ __forceinline__ void bitmap_scatter(const u32* bits, i64 n, const i64* ends, i64 nb, i64 k,
+                                               const W* vals, const i64* table, int nruns, int* refused) {
+    if (ends[nb] != k) {  // the same for every thread: none reaches the scan below
+        if (blockIdx.x == 0 && threadIdx.x == 0) *refused = 1;
+        return;
+    }
+    constexpr int R = 2048 / THREADS;  // rounds
+    constexpr int G = (R + 3) / 4;
+    constexpr int ROUND_WORDS = THREADS * 32;  // 8192: a word's place in its round fits 16 bits
+    __shared__ u64 s_warps[G][THREADS / 32];
+    __shared__ unsigned short s_pos[ROUND_WORDS];
+    const i64* lo = table;
+    const i64* hi = table + nruns;
+    const i64* shift = table + 2 * (i64)nruns;
+    const i64* addr = table + 3 * (i64)nruns;
+    const i64* pos_lo = table + 4 * (i64)nruns;
+    const i64* pos_hi = table + 5 * (i64)nruns;
+    const i64 b = blockIdx.x, w0 = b * 2048;
+    u32 m[R];
+    u64 packed[G];
+    #pragma unroll
+    for (int g = 0; g < G; g++) packed[g] = 0;
+    #pragma unroll
+    for (int i = 0; i < R; i++) {
+        m[i] = bitmap_word(bits, n, w0 + i * THREADS + threadIdx.x);
+        packed[i / 4] |= (u64)__popc(m[i]) << (16 * (i % 4));
+    }
+    int at[R], round_count[R];  // this thread's first change in round i, within the round; the round's
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+        u64 tot;
+        const u64 pre = block_scan(packed[g], s_warps[g], &tot);
+        #pragma unroll
+        for (int q = 0; q < 4 && 4 * g + q < R; q++) {
+            at[4 * g + q] = (int)((pre >> (16 * q)) & 0xffff);
+            round_count[4 * g + q] = (int)((tot >> (16 * q)) & 0xffff);
+        }
+    }
+    i64 first = ends[b];  // the round's first entry
+    int r = -1;
+    #pragma unroll
+    for (int i = 0; i < R; i++) {
+        u32 mm = m[i];
+        int o = at[i];
+        while (mm) {
+            s_pos[o++] = (unsigned short)(threadIdx.x * 32 + __ffs(mm) - 1);
+            mm &= mm - 1;
+        }
+        __syncthreads();
+        const i64 p0 = (w0 + (i64)i * THREADS) * 32;  // the round's first stream position
+        for (int c = threadIdx.x; c < round_count[i]; c += THREADS) {
+            const i64 j = first + c, p = p0 + s_pos[c];
+            if (r < 0) {  // the last run starting at or before this thread's first entry
+                int a = 0, top = nruns - 1;
+                while (a < top) {
+                    const int x = (a + top + 1) >> 1;
+                    if (lo[x] <= j) a = x; else top = x - 1;
+                }
+                r = a;
+            }
+            while (r + 1 < nruns && lo[r + 1] <= j) r++;
+            if (j >= lo[r] && j < hi[r]) {  // else a strided write's entry: the caller's torch ops
+                if (p >= pos_lo[r] && p < pos_hi[r]) reinterpret_cast<W*>(addr[r])[p + shift[r]] = vals[j];
+                else *refused = 1;
+            }
+        }
+        first += round_count[i];
+        __syncthreads();  // s_pos is the next round's
+    }
+}
+
+#define BITMAP_SCATTER(W, SUFFIX)                                                                         \
+extern "C" __global__ void __launch_bounds__(THREADS) ws_bitmap_scatter_##SUFFIX(                         \
+        const u32* bits, i64 n, const i64* ends, i64 nb, i64 k, const W* vals, const i64* table,          \
+        int nruns, int* refused) {                                                                        \
+    bitmap_scatter<W>(bits, n, ends, nb, k, vals, table, nruns, refused);                                 \
+}
+BITMAP_SCATTER(unsigned char, w1)
+BITMAP_SCATTER(unsigned short, w2)
+BITMAP_SCATTER(unsigned int, w4)
+BITMAP_SCATTER(u64, w8)
 """
 
 _P, _Q, _I = nvrtc.PTR, nvrtc.I64, nvrtc.I32
@@ -479,8 +655,13 @@ SIGNATURES = {**{f"ws_collect_w{w}": _P * 11 + _Q + _I for w in (1, 2, 4, 8)},
               **{f"ws_encode_tiles_w{w}": _P * 6 + _Q * 2 + _P + _I + _P * 3 for w in (1, 2, 4, 8)},
               **{f"ws_ref_tiles_w{w}": _P * 5 + _Q + _P for w in (1, 2, 4, 8)},
               "ws_block_ends": _P + _Q + _P,
+              **{f"ws_bitmap_tiles_w{w}": _P * 6 + _Q * 2 + _P + _I + _P * 3 for w in (1, 2, 4, 8)},
               **{f"ws_encode_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)},
-              **{f"ws_scatter_w{w}": _P * 4 + _I for w in (1, 2, 4, 8)}}
+              **{f"ws_bitmap_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)},
+              **{f"ws_bitmap_set_i{b}": _P + _Q * 2 + _P for b in (32, 64)},
+              **{f"ws_scatter_w{w}": _P * 4 + _I for w in (1, 2, 4, 8)},
+              "ws_bitmap_counts": _P + _Q + _P,
+              **{f"ws_bitmap_scatter_w{w}": _P + _Q + _P + _Q * 2 + _P * 2 + _I + _P for w in (1, 2, 4, 8)}}
 ENV = "WEIGHTSYNC_DELTA_KERNELS"
 
 
@@ -699,18 +880,21 @@ class TileChanges:
         return (max(int(np.searchsorted(starts, lo, side="right")) - 1, 0),
                 int(np.searchsorted(starts, hi - 1, side="right")))
 
-    def encode(self, runs: Any, tiles: tuple[int, int], low: Any, out_vals: Any, counts: Any) -> None:
+    def encode(self, runs: Any, tiles: tuple[int, int], index: Any, out_vals: Any, counts: Any,
+               bitmap: bool = False) -> None:
         """:func:`encode_runs` from the scratch, on the tensors' stream: ``runs`` rows (first change in word
         order, shift from space to stream positions, first entry in the stream, count); ``tiles`` the range
-        of tiles that holds every run's changes (:meth:`tile_range`)."""
+        of tiles that holds every run's changes (:meth:`tile_range`); ``index``, ``counts`` and ``bitmap``
+        as :func:`encode_runs` takes them."""
         c = self.collect
         t0, t1 = tiles
         if not len(runs) or t1 <= t0:
             return
         per = THREADS // 32
-        _launch(c.mod, f"ws_encode_tiles_w{c.word}", -(-(t1 - t0) // per),
+        kind = "bitmap" if bitmap else "encode"
+        _launch(c.mod, f"ws_{kind}_tiles_w{c.word}", -(-(t1 - t0) // per),
                 [*self._tiles(), self.first, c.tmp_off, c.tmp_val, t0, t1, _table(runs, c.ref.device),
-                 len(runs), low, out_vals, counts], c.ref.device)
+                 len(runs), index, out_vals, 0 if bitmap else counts], c.ref.device)
 
     def update_ref(self) -> None:
         """The changes into the reference the collect compared with, on torch's current stream."""
@@ -760,17 +944,36 @@ def launch(mod: nvrtc.Module, tables: Sequence[Any], tile_starts: Any, vec: bool
                    host_count)
 
 
-def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, low: Any, out_vals: Any,
-                counts: Any) -> None:
-    """ENC_IDX16 entries of a stream from runs of the compare's output, on the tensors' stream (no host
+def encode_runs(mod: nvrtc.Module, idx: Any, vals: Any, runs: Any, index: Any, out_vals: Any,
+                counts: Any, bitmap: bool = False) -> None:
+    """Entries of a sparse stream from runs of the compare's output, on the tensors' stream (no host
     synchronization): ``runs`` rows (first changed word in ``idx``/``vals``, shift from space to stream
-    positions, first entry in the stream, count); ``low`` (int16) and ``out_vals`` the stream's index and
-    value sections, ``counts`` (int32, zeroed or holding other entries' counts) its block counts, added to."""
+    positions, first entry in the stream, count); ``out_vals`` the stream's value section. ENC_IDX16:
+    ``index`` its 16-bit indices (int16), ``counts`` (int32, zeroed or holding other entries' counts) its
+    block counts, added to; ``bitmap`` (ENC_BITMAP): ``index`` its bits (int32 words, zeroed or holding
+    other entries' bits), or-ed into, ``counts`` unused."""
     if not len(runs):
         return
     total = int(runs[-1][2] + runs[-1][3])  # the last run's last entry, plus one
-    _launch(mod, f"ws_encode_w{vals.element_size()}", -(-total // THREADS),
-            [idx, vals, _table(runs, idx.device), len(runs), total, low, out_vals, counts], idx.device)
+    _launch(mod, f"ws_{'bitmap' if bitmap else 'encode'}_w{vals.element_size()}", -(-total // THREADS),
+            [idx, vals, _table(runs, idx.device), len(runs), total, index, out_vals,
+             0 if bitmap else counts], idx.device)
+
+
+def bitmap_set(mod: nvrtc.Module, positions: Any, shift: int, bits: Any) -> None:
+    """The bits of stream positions ``positions + shift`` (int32 or int64, on the device) set in an
+    ENC_BITMAP section ``bits`` (int32 words), on the tensors' stream."""
+    import torch
+
+    m = int(positions.numel())
+    if not m:
+        return
+    wide = positions.dtype == torch.int64
+    if not wide and positions.dtype != torch.int32:
+        positions = positions.to(torch.int64)
+        wide = True
+    _launch(mod, f"ws_bitmap_set_i{64 if wide else 32}", -(-m // THREADS),
+            [positions.contiguous(), m, shift, bits], bits.device)
 
 
 def block_ends(mod: nvrtc.Module, counts: Any) -> Any:
@@ -794,3 +997,25 @@ def scatter_runs(mod: nvrtc.Module, ends: Any, low: Any, vals: Any, runs: Any) -
     mark("scatter: block ends queued")
     _launch(mod, f"ws_scatter_w{vals.element_size()}", nb,
             [ends, low, vals, _table(runs, vals.device), len(runs)], vals.device)
+
+
+def scatter_bitmap(mod: nvrtc.Module, bits: Any, n: int, k: int, vals: Any, runs: Any, refused: Any) -> None:
+    """The receiver's scatter of an ENC_BITMAP stream's contiguous runs straight from its bits, on the
+    tensors' stream: ``bits`` its section (int32 words), ``n`` its words, ``k`` its changed words (none is
+    scattered unless its bits below ``n`` are exactly that many), ``vals`` its values, ``runs`` rows (first
+    and last+1 entry, shift from stream positions to the key's words, the key's address, first and last+1
+    stream position; a change outside its run is not stored). Either sets ``refused`` (int32 on the
+    device). Its device memory: the block counts and their prefix, 12 bytes per 65536 words."""
+    import torch
+
+    from weightsync.runtime.delta import BLOCK
+
+    nb = -(-n // BLOCK)
+    if not len(runs) or nb <= 0:
+        return
+    counts = torch.empty(nb, dtype=torch.int32, device=bits.device)
+    _launch(mod, "ws_bitmap_counts", nb, [bits, n, counts], bits.device)
+    ends = block_ends(mod, counts)
+    mark("scatter: bitmap counted")
+    _launch(mod, f"ws_bitmap_scatter_w{vals.element_size()}", nb,
+            [bits, n, ends, nb, k, vals, _table(runs, vals.device), len(runs), refused], vals.device)

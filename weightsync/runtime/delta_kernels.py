@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -169,6 +169,34 @@ if triton is not None:
             m = j < hi
             low = tl.load(low_ptr + j, mask=m, other=0).to(tl.int64) & 0xFFFF
             tl.store(vals_ptr + base + low, tl.load(vals_ptr + j, mask=m, other=0), mask=m)
+
+
+def scatter_bitmap(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any,
+                   refusal_flag: Callable[[], Any]) -> str:
+    """:func:`scatter_idx16` for an ENC_BITMAP stream (bit ``i % 8`` of byte ``i // 8`` set for each
+    changed word ``i``): on CUDA by weightsync.runtime.delta_cuda's kernels straight from the bits
+    (``cuda``); where the bits below ``n`` are not exactly ``k`` nothing is scattered, and a change outside
+    its run is not stored; either sets the flag (a zeroed int32 on the device) ``refusal_flag()`` gives.
+    "" (the caller's torch ops) elsewhere, or where a target is not a whole number of words from the
+    values."""
+    import torch
+
+    from weightsync.runtime.delta import word_dtype
+
+    if device.type != "cuda":
+        return ""
+    from weightsync.runtime import delta_cuda
+
+    mod = delta_cuda.module(device)
+    if mod is None:
+        return ""
+    vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
+    runs = np.asarray(runs, np.int64).reshape(-1, 6)
+    if np.any((runs[:, 0] - int(vals.data_ptr())) % w):
+        return ""
+    bits = payload[:4 * -(-n // 32)].view(torch.int32)
+    delta_cuda.scatter_bitmap(mod, bits, n, k, vals, runs[:, [2, 3, 1, 0, 4, 5]], refusal_flag())
+    return "cuda"
 
 
 def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any) -> str:
