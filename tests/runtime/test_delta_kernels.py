@@ -596,21 +596,25 @@ def test_the_cuda_encode_matches_the_index_writer(word: int, enc: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not _nvrtc(), reason="needs CUDA and NVRTC")
-@pytest.mark.parametrize("fault", ["extra_bit", "moved_bit"])
-def test_a_cuda_bitmap_that_does_not_match_its_entries_is_refused(fault: str) -> None:
-    """An ENC_BITMAP stream whose bits do not match its entries fails the apply with a WeightSyncError
-    naming it: one bit too many (none is stored: a value past the stream's would be read), or one bit
-    moved from the first entry's words to the second's (the counts hold; that change would land outside
-    its write, in another key, and is not stored). Then a good stream applies."""
+@pytest.mark.parametrize("enc", [ENC_IDX16, ENC_BITMAP])
+@pytest.mark.parametrize("fault", ["one_too_many", "moved"])
+def test_a_cuda_stream_that_does_not_match_its_entries_is_refused(enc: int, fault: str) -> None:
+    """A stream whose index does not match its entries fails the apply with a WeightSyncError naming it:
+    one change too many (an ENC_IDX16 block count one higher, an ENC_BITMAP bit more), where none is
+    stored (a value past the stream's would be read); or the first entry's last change moved past the
+    second entry's first word (the counts hold), where that change is not stored (it would land in the
+    first key past its end). Then a good stream applies."""
     import numpy as np
 
     import weightsync as ws
     from weightsync.errors import WeightSyncError
     from weightsync.runtime.delta import (
+        BLOCK,
         ENC_STREAM,
         ENTRY_DTYPE,
         STREAM_DTYPE,
         DeltaReceiver,
+        _align,
         encode_into,
         sparse_sizes,
     )
@@ -624,11 +628,13 @@ def test_a_cuda_bitmap_that_does_not_match_its_entries_is_refused(fault: str) ->
         e["rows"], e["row_bytes"], e["pitch"], e["data"] = 1, 2 * half, 2 * half, i * half
     local = torch.unique(torch.randint(0, n, (20_000,), generator=g))
     k = int(local.numel())
-    entries["count"] = [int((local < half).sum()), int((local >= half).sum())]
+    in_a = int((local < half).sum())
+    entries["count"] = [in_a, k - in_a]
     vals = torch.randint(1, 1 << 15, (k,), generator=g).to(torch.int16)
-    size = sparse_sizes(n, k, 2)[ENC_BITMAP]
+    size = sparse_sizes(n, k, 2)[enc]
     streams = np.zeros(1, STREAM_DTYPE)
-    streams[0] = (2, ENC_BITMAP, n, k, 256, (0, 0, 0))
+    streams[0] = (2, enc, n, k, 256, (0, 0, 0))
+    name = "ENC_IDX16" if enc == ENC_IDX16 else "ENC_BITMAP"
     engine = ws.TransferEngine()
     try:
         start = {key: torch.randint(-(1 << 15), 1 << 15, (half,), generator=g).to(torch.int16).to(dev)
@@ -638,27 +644,38 @@ def test_a_cuda_bitmap_that_does_not_match_its_entries_is_refused(fault: str) ->
         assert recv.use_kernels
         stream = recv.payload[256:256 + size]
         recv.payload.fill_(0xA5)
-        encode_into(stream, ENC_BITMAP, local.to(dev), vals.to(dev), n)
-
-        def flip(i: int) -> None:
-            stream[i // 8] ^= 1 << (i % 8)
-
-        # a word of key "b" no change names: its bit set; "moved": the first entry's last bit cleared,
-        # so that change is now the second entry's first, at an entry index of the first's
+        encode_into(stream, enc, local.to(dev), vals.to(dev), n)
+        # a word of key "b" that no change names, in the block of the first entry's last change
+        last_a = int(local[in_a - 1])
+        assert last_a // BLOCK == half // BLOCK  # (the seed's: that block holds both entries' words)
         free = int(torch.nonzero(torch.isin(torch.arange(half, n), local, invert=True))[0]) + half
-        flip(free)
-        if fault == "moved_bit":
-            flip(int(local[int(entries["count"][0]) - 1]))
-        moved = min(free, int(local[int(entries["count"][0])]))  # key "b"'s first change now
+        assert free // BLOCK == last_a // BLOCK
+        if enc == ENC_BITMAP:
+            def flip(i: int) -> None:
+                stream[i // 8] ^= 1 << (i % 8)
+
+            flip(free)  # one too many
+            if fault == "moved":
+                flip(last_a)
+        else:
+            counts = stream[:4 * -(-n // BLOCK)].view(torch.int32)
+            low = stream[_align(4 * -(-n // BLOCK)):][:2 * k].view(torch.int16)
+            if fault == "one_too_many":
+                counts[0] += 1
+            else:
+                low[in_a - 1] = ((free % BLOCK) ^ 0x8000) - 0x8000  # as int16
+        # the change whose entry is the first's but whose word is the second's
+        moved = free if enc == ENC_IDX16 else min(free, int(local[in_a]))
         recv._pending = [(entries, streams, 0)]
-        with pytest.raises(WeightSyncError, match=r"2-byte ENC_BITMAP stream .* does not match its entries"):
+        with pytest.raises(WeightSyncError, match=rf"2-byte {name} stream .* does not match its entries"):
             recv.apply(0)
         assert recv.scatter_backend == "cuda"
-        if fault == "extra_bit":  # nothing stored
+        if fault == "one_too_many":  # nothing stored
             assert all(torch.equal(bufs[key][0], start[key]) for key in start)
         else:  # that change is not stored (in key "a" it would lie past the end)
             assert int(bufs["b"][0][moved - half]) == int(start["b"][moved - half])
-        encode_into(stream, ENC_BITMAP, local.to(dev), vals.to(dev), n)  # the good stream applies
+        recv.payload.fill_(0xA5)
+        encode_into(stream, enc, local.to(dev), vals.to(dev), n)  # the good stream applies
         recv._pending = [(entries, streams, 0)]
         recv.apply(0)
         got = torch.cat([bufs["a"][0], bufs["b"][0]]).cpu()

@@ -1692,9 +1692,9 @@ class DeltaReceiver:
         self._heads: list[tuple[int, int, int, int]] = []
         self._sources: list[int] = []
         self._keys_at: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # _key_table, per shadow
-        # CUDA: a flag per ENC_BITMAP stream scattered since the last check, set by the kernel where the
-        # stream does not match its entries (it then stores none, or none outside its writes), and what
-        # each names; read once the device is synchronized (:meth:`_check_refused`)
+        # CUDA: a flag per stream scattered by the CUDA kernels since the last check, set by the kernel
+        # where the stream does not match its entries (it then stores none, or none outside its writes),
+        # and what each names; read once the device is synchronized (:meth:`_check_refused`)
         self._refused: Any = None
         self._refused_what: list[str] = []
 
@@ -1819,9 +1819,10 @@ class DeltaReceiver:
             self._check_refused()
         self.apply_seconds += time.perf_counter() - t0
 
-    def _refusal_flag(self, off: int, word: int) -> Any:
-        """A zeroed device flag (int32) for the kernel that scatters the ``word``-byte stream of the part
-        at payload byte ``off`` to set where the stream does not match its entries."""
+    def _refusal_flag(self, off: int, word: int, encoding: str) -> Any:
+        """A zeroed device flag (int32) for the kernel that scatters the ``word``-byte stream (in
+        ``encoding``) of the part at payload byte ``off`` to set where the stream does not match its
+        entries."""
         import torch
 
         i = len(self._refused_what)
@@ -1832,16 +1833,16 @@ class DeltaReceiver:
             self._refused = grown
         heads = [o for _, _, o in self._entries]
         if off in heads and len(self._sources) == len(heads):
-            self._refused_what.append(f"source {self._sources[heads.index(off)]}'s {word}-byte ENC_BITMAP "
+            self._refused_what.append(f"source {self._sources[heads.index(off)]}'s {word}-byte {encoding} "
                                       "stream")
         else:
-            self._refused_what.append(f"the {word}-byte ENC_BITMAP stream of the part at payload byte {off}")
+            self._refused_what.append(f"the {word}-byte {encoding} stream of the part at payload byte {off}")
         return self._refused[i:i + 1]
 
     def _check_refused(self) -> None:
         """After the device is synchronized: raises WeightSyncError, naming the sources, where a CUDA
-        scatter refused its stream (its bits below its word count do not number its changed words, or put
-        one outside the write its entry names): the version is then not complete here."""
+        scatter refused its stream (its block counts or bits do not number its changed words, or put one
+        outside the write its entry names): the version is then not complete here."""
         n = len(self._refused_what)
         if not n:
             return
@@ -1851,7 +1852,8 @@ class DeltaReceiver:
         bad = [what[i] for i in np.flatnonzero(flags)]
         if bad:
             raise WeightSyncError(f"destination {self.rank}: {', '.join(bad)} does not match its entries "
-                                  "(its set bits are not its changed words, or fall outside their writes)")
+                                  "(its changed words are not as many as it says, or fall outside their "
+                                  "writes)")
 
     def _scatter_all(self, shadow: int, parts: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> None:
         """Per source and word size: decodes its stream once, then scatters each run of its entries that
@@ -1911,12 +1913,13 @@ class DeltaReceiver:
                                                          sizes[key[fi]])
                     elif enc == ENC_BITMAP:  # CUDA: straight from its bits ("" elsewhere: torch ops)
                         done = scatter_bitmap(stream, n, k, w, _values_at(enc, n, k), todo, self.device,
-                                              lambda off=off, w=w: self._refusal_flag(off, w))
+                                              lambda off=off, w=w: self._refusal_flag(off, w, "ENC_BITMAP"))
                     elif host:  # CPU: C++, each store checked against its key
                         done = delta_host.scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo,
                                                         sizes[key[fi]])
                     else:
-                        done = scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device)
+                        done = scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device,
+                                             lambda off=off, w=w: self._refusal_flag(off, w, "ENC_IDX16"))
                     mark("destination: scatter of word %d launched", w)
                     if done:
                         self.scatter_backend = done

@@ -457,19 +457,28 @@ BITMAP_SET(int, i32)
 BITMAP_SET(i64, i64)
 
 // The receiver: an ENC_IDX16 stream's entries scattered into their keys, one block per 65536-word block
-// of the stream (its entries ends[b] .. ends[b + 1]). Run r (table rows lo, hi, shift, address: entries
-// lo .. hi go to key words stream position + shift of the key at that address) is found by a binary
-// search for a thread's first entry, then by stepping (entries only increase). Entries of no run (a
-// strided write's: the caller's torch ops) are left.
+// of the stream (its entries ends[b] .. ends[b + 1], ``nb`` blocks). Run r (table rows lo, hi, shift,
+// address, first and last+1 stream position: entries lo .. hi go to key words stream position + shift of
+// the key at that address) is found by a binary search for a thread's first entry, then by stepping
+// (entries only increase). Entries of no run (a strided write's: the caller's torch ops) are left. The
+// stream came over the wire and is not trusted to be whole: nothing is stored where the block counts do
+// not sum to ``k`` (the caller's count), none of a block whose entries would lie outside 0 .. k (a count
+// below 0), and no entry outside its run's positions; each of these sets *refused.
 template <typename W>
-__device__ __forceinline__ void scatter_runs(const i64* ends, const unsigned short* low, const W* vals,
-                                             const i64* table, int nruns) {
+__device__ __forceinline__ void scatter_runs(const i64* ends, i64 nb, i64 k, const unsigned short* low,
+                                             const W* vals, const i64* table, int nruns, int* refused) {
     const i64 b = blockIdx.x;
     const i64* lo = table;
     const i64* hi = table + nruns;
     const i64* shift = table + 2 * (i64)nruns;
     const i64* addr = table + 3 * (i64)nruns;
+    const i64* pos_lo = table + 4 * (i64)nruns;
+    const i64* pos_hi = table + 5 * (i64)nruns;
     const i64 first = ends[b], last = ends[b + 1];
+    if (ends[nb] != k || first < 0 || last > k || first > last) {
+        if (threadIdx.x == 0) *refused = 1;
+        return;
+    }
     i64 j = first + threadIdx.x;
     if (j >= last) return;
     int r = 0, top = nruns - 1;  // the last run starting at or before j
@@ -480,8 +489,9 @@ __device__ __forceinline__ void scatter_runs(const i64* ends, const unsigned sho
     for (; j < last; j += THREADS) {
         while (r + 1 < nruns && lo[r + 1] <= j) r++;
         if (j < lo[r] || j >= hi[r]) continue;
-        W* key = reinterpret_cast<W*>(addr[r]);
-        key[b * 65536 + low[j] + shift[r]] = vals[j];
+        const i64 p = b * 65536 + low[j];
+        if (p >= pos_lo[r] && p < pos_hi[r]) reinterpret_cast<W*>(addr[r])[p + shift[r]] = vals[j];
+        else *refused = 1;
     }
 }
 
@@ -513,8 +523,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) ws_block_ends(const int* c
 
 #define SCATTER(NAME, W)                                                                                  \
 extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
-        const i64* ends, const unsigned short* low, const W* vals, const i64* table, int nruns) {         \
-    scatter_runs<W>(ends, low, vals, table, nruns);                                                       \
+        const i64* ends, i64 nb, i64 k, const unsigned short* low, const W* vals, const i64* table,        \
+        int nruns, int* refused) {                                                                        \
+    scatter_runs<W>(ends, nb, k, low, vals, table, nruns, refused);                                       \
 }
 SCATTER(ws_scatter_w1, unsigned char)
 SCATTER(ws_scatter_w2, unsigned short)
@@ -659,7 +670,7 @@ SIGNATURES = {**{f"ws_collect_w{w}": _P * 11 + _Q + _I for w in (1, 2, 4, 8)},
               **{f"ws_encode_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)},
               **{f"ws_bitmap_w{w}": _P * 3 + _I + _Q + _P * 3 for w in (1, 2, 4, 8)},
               **{f"ws_bitmap_set_i{b}": _P + _Q * 2 + _P for b in (32, 64)},
-              **{f"ws_scatter_w{w}": _P * 4 + _I for w in (1, 2, 4, 8)},
+              **{f"ws_scatter_w{w}": _P + _Q * 2 + _P * 3 + _I + _P for w in (1, 2, 4, 8)},
               "ws_bitmap_counts": _P + _Q + _P,
               **{f"ws_bitmap_scatter_w{w}": _P + _Q + _P + _Q * 2 + _P * 2 + _I + _P for w in (1, 2, 4, 8)}}
 ENV = "WEIGHTSYNC_DELTA_KERNELS"
@@ -987,16 +998,20 @@ def block_ends(mod: nvrtc.Module, counts: Any) -> Any:
     return ends
 
 
-def scatter_runs(mod: nvrtc.Module, ends: Any, low: Any, vals: Any, runs: Any) -> None:
+def scatter_runs(mod: nvrtc.Module, ends: Any, low: Any, vals: Any, runs: Any, refused: Any) -> None:
     """The receiver's scatter of an ENC_IDX16 stream's contiguous runs, on the tensors' stream: ``ends``
-    (int64, the cumsum of the block counts from 0), ``low`` (int16) and ``vals`` its sections, ``runs``
-    rows (first and last+1 entry, shift from stream positions to the key's words, the key's address)."""
+    (int64, the cumsum of the block counts from 0), ``low`` (int16) and ``vals`` its sections (``k`` =
+    ``low.numel()`` changed words), ``runs`` rows (first and last+1 entry, shift from stream positions to
+    the key's words, the key's address, first and last+1 stream position). What does not match (block
+    counts not summing to ``k``, an entry outside its run) is not stored and sets ``refused`` (int32 on
+    the device)."""
     nb = int(ends.numel()) - 1
     if not len(runs) or nb <= 0:
         return
     mark("scatter: block ends queued")
     _launch(mod, f"ws_scatter_w{vals.element_size()}", nb,
-            [ends, low, vals, _table(runs, vals.device), len(runs)], vals.device)
+            [ends, nb, int(low.numel()), low, vals, _table(runs, vals.device), len(runs), refused],
+            vals.device)
 
 
 def scatter_bitmap(mod: nvrtc.Module, bits: Any, n: int, k: int, vals: Any, runs: Any, refused: Any) -> None:

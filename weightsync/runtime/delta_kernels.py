@@ -199,14 +199,16 @@ def scatter_bitmap(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any
     return "cuda"
 
 
-def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any) -> str:
+def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any,
+                  refusal_flag: Callable[[], Any]) -> str:
     """Scatters the contiguous runs of an ENC_IDX16 stream (``payload``: uint8 from the stream's start,
     ``n`` words of which ``k`` changed, values at byte ``vals_at``) into their keys with one kernel:
     ``runs`` rows of (target: the address of the key's first byte, shift: the key's word of stream
     position 0, first and last+1 changed index, first and last+1 stream position). Returns which kernels
     scattered (``cuda``: weightsync.runtime.delta_cuda's, else ``triton``), "" (nothing done) where a
     target is not a whole number of words from the values or no kernel can run (the caller's torch ops
-    scatter)."""
+    scatter). The CUDA kernel checks the stream against its entries: what does not match is not stored
+    and sets the flag (a zeroed int32 on the device) ``refusal_flag()`` gives."""
     import torch
 
     from weightsync.runtime.delta import BLOCK, _align, word_dtype
@@ -224,7 +226,7 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
         mod = delta_cuda.module(device)
         if mod is not None:
             ends = delta_cuda.block_ends(mod, payload[:4 * nb].view(torch.int32))
-            delta_cuda.scatter_runs(mod, ends, low, vals, runs[:, [2, 3, 1, 0]])
+            delta_cuda.scatter_runs(mod, ends, low, vals, runs[:, [2, 3, 1, 0, 4, 5]], refusal_flag())
             return "cuda"
     if triton is None:
         return ""
