@@ -603,7 +603,8 @@ def test_a_cuda_stream_that_does_not_match_its_entries_is_refused(enc: int, faul
     one change too many (an ENC_IDX16 block count one higher, an ENC_BITMAP bit more), where none is
     stored (a value past the stream's would be read); or the first entry's last change moved past the
     second entry's first word (the counts hold), where that change is not stored (it would land in the
-    first key past its end). Then a good stream applies."""
+    first key past its end). Then, after the same stream queued unread and the version given up on, a
+    good stream applies."""
     import numpy as np
 
     import weightsync as ws
@@ -674,8 +675,13 @@ def test_a_cuda_stream_that_does_not_match_its_entries_is_refused(enc: int, faul
             assert all(torch.equal(bufs[key][0], start[key]) for key in start)
         else:  # that change is not stored (in key "a" it would lie past the end)
             assert int(bufs["b"][0][moved - half]) == int(start["b"][moved - half])
+        # queued as an early part's (its flag not read), then the version given up on: the next
+        # version's good stream applies, whatever flag the bad one left set
+        recv._pending = [(entries, streams, 0)]
+        recv.apply(0, wait=False)
+        recv.granted(0)
         recv.payload.fill_(0xA5)
-        encode_into(stream, enc, local.to(dev), vals.to(dev), n)  # the good stream applies
+        encode_into(stream, enc, local.to(dev), vals.to(dev), n)
         recv._pending = [(entries, streams, 0)]
         recv.apply(0)
         got = torch.cat([bufs["a"][0], bufs["b"][0]]).cpu()

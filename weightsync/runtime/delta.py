@@ -112,10 +112,9 @@ Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` (or the
 :data:`COMPARE_SLICE` words of each space, per part one copy of the counts, two more when direct writes
 read strided source rows, and one wait before the engine reads each destination's part payload; one after
 the reference's update; per staged chunk one ``nonzero`` and one copy of counts per inbox destination.
-The receiver's, per part: one copy of the headers' entries, one wait after the scatters (and, where an
-ENC_BITMAP stream was scattered by the CUDA kernels, a read of their refusal flags), and, for a bitmap
-stream the torch ops decode (without the CUDA kernels, or a strided write's), one ``nonzero`` per
-:data:`BITMAP_SLICE` words.
+The receiver's, per part: one copy of the headers' entries, one wait after the scatters (and, where the
+CUDA kernels scattered, a read of their refusal flags), and, for a bitmap stream the torch ops decode
+(without the CUDA kernels, or a strided write's), one ``nonzero`` per :data:`BITMAP_SLICE` words.
 """
 
 from __future__ import annotations
@@ -1822,7 +1821,8 @@ class DeltaReceiver:
     def _refusal_flag(self, off: int, word: int, encoding: str) -> Any:
         """A zeroed device flag (int32) for the kernel that scatters the ``word``-byte stream (in
         ``encoding``) of the part at payload byte ``off`` to set where the stream does not match its
-        entries."""
+        entries. Zeroed here, on the stream the kernel runs on: a version given up on may have left its
+        flags set, unread."""
         import torch
 
         i = len(self._refused_what)
@@ -1837,7 +1837,9 @@ class DeltaReceiver:
                                       "stream")
         else:
             self._refused_what.append(f"the {word}-byte {encoding} stream of the part at payload byte {off}")
-        return self._refused[i:i + 1]
+        flag = self._refused[i:i + 1]
+        flag.zero_()
+        return flag
 
     def _check_refused(self) -> None:
         """After the device is synchronized: raises WeightSyncError, naming the sources, where a CUDA
@@ -1848,7 +1850,6 @@ class DeltaReceiver:
             return
         flags = self._refused[:n].cpu().numpy()
         what, self._refused_what = self._refused_what, []
-        self._refused[:n].zero_()
         bad = [what[i] for i in np.flatnonzero(flags)]
         if bad:
             raise WeightSyncError(f"destination {self.rank}: {', '.join(bad)} does not match its entries "
