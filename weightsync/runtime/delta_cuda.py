@@ -370,21 +370,19 @@ __device__ __forceinline__ void ref_tiles(const i64* tile_start, const i64* tile
     for (i64 j = threadIdx.x & 31; j < n; j += 32) ref[start + tmp_off[base + j]] = tmp_val[base + j];
 }
 
+// ws_encode_tiles_* (ENC_IDX16: index the 16-bit indices, counts the block counts) and ws_bitmap_tiles_*
+// (ENC_BITMAP: index the bits, counts unused).
+#define ENCODE_TILES(NAME, W, BITS)                                                                       \
+extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
+        const i64* tile_start, const i64* tile_count, const i64* tile_base, const i64* first,             \
+        const unsigned short* tmp_off, const W* tmp_val, i64 t_lo, i64 t_hi, const i64* table, int nruns, \
+        void* index, W* out_vals, int* counts) {                                                          \
+    encode_tiles<W, BITS>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, t_lo, t_hi, table,  \
+                          nruns, index, out_vals, counts);                                                \
+}
 #define TILES(W, SUFFIX)                                                                                  \
-extern "C" __global__ void __launch_bounds__(THREADS) ws_encode_tiles_##SUFFIX(                           \
-        const i64* tile_start, const i64* tile_count, const i64* tile_base, const i64* first,             \
-        const unsigned short* tmp_off, const W* tmp_val, i64 t_lo, i64 t_hi, const i64* table, int nruns, \
-        short* low, W* out_vals, int* counts) {                                                           \
-    encode_tiles<W, false>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, t_lo, t_hi, table, \
-                           nruns, low, out_vals, counts);                                                 \
-}                                                                                                         \
-extern "C" __global__ void __launch_bounds__(THREADS) ws_bitmap_tiles_##SUFFIX(                           \
-        const i64* tile_start, const i64* tile_count, const i64* tile_base, const i64* first,             \
-        const unsigned short* tmp_off, const W* tmp_val, i64 t_lo, i64 t_hi, const i64* table, int nruns, \
-        u32* bits, W* out_vals, int* unused) {                                                            \
-    encode_tiles<W, true>(tile_start, tile_count, tile_base, first, tmp_off, tmp_val, t_lo, t_hi, table,  \
-                          nruns, bits, out_vals, unused);                                                 \
-}                                                                                                         \
+ENCODE_TILES(ws_encode_tiles_##SUFFIX, W, false)                                                          \
+ENCODE_TILES(ws_bitmap_tiles_##SUFFIX, W, true)                                                           \
 extern "C" __global__ void __launch_bounds__(THREADS) ws_ref_tiles_##SUFFIX(                              \
         const i64* tile_start, const i64* tile_count, const i64* tile_base, const unsigned short* tmp_off, \
         const W* tmp_val, i64 ntiles, W* ref) {                                                           \
@@ -427,17 +425,16 @@ __device__ __forceinline__ void encode_runs(const i64* idx, const W* vals, const
     put_index<BITS>(live, p, j, index, counts);
 }
 
-#define ENCODE(W, SUFFIX)                                                                                 \
-extern "C" __global__ void __launch_bounds__(THREADS) ws_encode_##SUFFIX(                                 \
-        const i64* idx, const W* vals, const i64* table, int nruns, i64 total, short* low, W* out_vals,   \
+// ws_encode_* (ENC_IDX16) and ws_bitmap_* (ENC_BITMAP), as ENCODE_TILES's pair.
+#define ENCODE_RUNS(NAME, W, BITS)                                                                        \
+extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
+        const i64* idx, const W* vals, const i64* table, int nruns, i64 total, void* index, W* out_vals,  \
         int* counts) {                                                                                    \
-    encode_runs<W, false>(idx, vals, table, nruns, total, low, out_vals, counts);                        \
-}                                                                                                         \
-extern "C" __global__ void __launch_bounds__(THREADS) ws_bitmap_##SUFFIX(                                 \
-        const i64* idx, const W* vals, const i64* table, int nruns, i64 total, u32* bits, W* out_vals,    \
-        int* unused) {                                                                                    \
-    encode_runs<W, true>(idx, vals, table, nruns, total, bits, out_vals, unused);                        \
+    encode_runs<W, BITS>(idx, vals, table, nruns, total, index, out_vals, counts);                       \
 }
+#define ENCODE(W, SUFFIX)                                                                                 \
+ENCODE_RUNS(ws_encode_##SUFFIX, W, false)                                                                 \
+ENCODE_RUNS(ws_bitmap_##SUFFIX, W, true)
 ENCODE(unsigned char, w1)
 ENCODE(unsigned short, w2)
 ENCODE(unsigned int, w4)
@@ -456,6 +453,36 @@ extern "C" __global__ void __launch_bounds__(THREADS) ws_bitmap_set_##SUFFIX(   
 BITMAP_SET(int, i32)
 BITMAP_SET(i64, i64)
 
+// A receiver's table of runs (column-major rows: first and last+1 entry, shift from stream positions to
+// the key's words, the key's address, first and last+1 stream position) and the one way its entries are
+// stored, the stream's positions checked (a stream from the wire is not trusted to keep to its runs).
+struct RunTable {
+    const i64 *lo, *hi, *shift, *addr, *pos_lo, *pos_hi;
+    int n;
+    __device__ __forceinline__ RunTable(const i64* t, int nruns)
+        : lo(t), hi(t + nruns), shift(t + 2 * (i64)nruns), addr(t + 3 * (i64)nruns),
+          pos_lo(t + 4 * (i64)nruns), pos_hi(t + 5 * (i64)nruns), n(nruns) {}
+    // The last run starting at or before entry j.
+    __device__ __forceinline__ int find(i64 j) const {
+        int a = 0, top = n - 1;
+        while (a < top) {
+            const int m = (a + top + 1) >> 1;
+            if (lo[m] <= j) a = m; else top = m - 1;
+        }
+        return a;
+    }
+    // Entry j, at stream position p, into its run's key (r: the run of an earlier entry of this thread,
+    // stepped on: entries only increase). An entry of no run (a strided write's: the caller's torch ops)
+    // is left; one at a position outside its run is not stored and sets *refused.
+    template <typename W>
+    __device__ __forceinline__ void store(int& r, i64 j, i64 p, const W* vals, int* refused) const {
+        while (r + 1 < n && lo[r + 1] <= j) r++;
+        if (j < lo[r] || j >= hi[r]) return;
+        if (p >= pos_lo[r] && p < pos_hi[r]) reinterpret_cast<W*>(addr[r])[p + shift[r]] = vals[j];
+        else *refused = 1;
+    }
+};
+
 // The receiver: an ENC_IDX16 stream's entries scattered into their keys, one block per 65536-word block
 // of the stream (its entries ends[b] .. ends[b + 1], ``nb`` blocks). Run r (table rows lo, hi, shift,
 // address, first and last+1 stream position: entries lo .. hi go to key words stream position + shift of
@@ -468,12 +495,7 @@ template <typename W>
 __device__ __forceinline__ void scatter_runs(const i64* ends, i64 nb, i64 k, const unsigned short* low,
                                              const W* vals, const i64* table, int nruns, int* refused) {
     const i64 b = blockIdx.x;
-    const i64* lo = table;
-    const i64* hi = table + nruns;
-    const i64* shift = table + 2 * (i64)nruns;
-    const i64* addr = table + 3 * (i64)nruns;
-    const i64* pos_lo = table + 4 * (i64)nruns;
-    const i64* pos_hi = table + 5 * (i64)nruns;
+    const RunTable runs(table, nruns);
     const i64 first = ends[b], last = ends[b + 1];
     if (ends[nb] != k || first < 0 || last > k || first > last) {
         if (threadIdx.x == 0) *refused = 1;
@@ -481,18 +503,8 @@ __device__ __forceinline__ void scatter_runs(const i64* ends, i64 nb, i64 k, con
     }
     i64 j = first + threadIdx.x;
     if (j >= last) return;
-    int r = 0, top = nruns - 1;  // the last run starting at or before j
-    while (r < top) {
-        const int m = (r + top + 1) >> 1;
-        if (lo[m] <= j) r = m; else top = m - 1;
-    }
-    for (; j < last; j += THREADS) {
-        while (r + 1 < nruns && lo[r + 1] <= j) r++;
-        if (j < lo[r] || j >= hi[r]) continue;
-        const i64 p = b * 65536 + low[j];
-        if (p >= pos_lo[r] && p < pos_hi[r]) reinterpret_cast<W*>(addr[r])[p + shift[r]] = vals[j];
-        else *refused = 1;
-    }
+    int r = runs.find(j);
+    for (; j < last; j += THREADS) runs.store<W>(r, j, b * 65536 + low[j], vals, refused);
 }
 
 // ws_block_ends: an ENC_IDX16 stream's block counts (int32, ``nb``) as the int64 prefix from 0 (``ends``:
@@ -587,12 +599,7 @@ __device__ __forceinline__ void bitmap_scatter(const u32* bits, i64 n, const i64
     constexpr int ROUND_WORDS = THREADS * 32;  // 8192: a word's place in its round fits 16 bits
     __shared__ u64 s_warps[G][THREADS / 32];
     __shared__ unsigned short s_pos[ROUND_WORDS];
-    const i64* lo = table;
-    const i64* hi = table + nruns;
-    const i64* shift = table + 2 * (i64)nruns;
-    const i64* addr = table + 3 * (i64)nruns;
-    const i64* pos_lo = table + 4 * (i64)nruns;
-    const i64* pos_hi = table + 5 * (i64)nruns;
+    const RunTable runs(table, nruns);
     const i64 b = blockIdx.x, w0 = b * 2048;
     u32 m[R];
     u64 packed[G];
@@ -627,20 +634,9 @@ __device__ __forceinline__ void bitmap_scatter(const u32* bits, i64 n, const i64
         __syncthreads();
         const i64 p0 = (w0 + (i64)i * THREADS) * 32;  // the round's first stream position
         for (int c = threadIdx.x; c < round_count[i]; c += THREADS) {
-            const i64 j = first + c, p = p0 + s_pos[c];
-            if (r < 0) {  // the last run starting at or before this thread's first entry
-                int a = 0, top = nruns - 1;
-                while (a < top) {
-                    const int x = (a + top + 1) >> 1;
-                    if (lo[x] <= j) a = x; else top = x - 1;
-                }
-                r = a;
-            }
-            while (r + 1 < nruns && lo[r + 1] <= j) r++;
-            if (j >= lo[r] && j < hi[r]) {  // else a strided write's entry: the caller's torch ops
-                if (p >= pos_lo[r] && p < pos_hi[r]) reinterpret_cast<W*>(addr[r])[p + shift[r]] = vals[j];
-                else *refused = 1;
-            }
+            const i64 j = first + c;
+            if (r < 0) r = runs.find(j);
+            runs.store<W>(r, j, p0 + s_pos[c], vals, refused);
         }
         first += round_count[i];
         __syncthreads();  // s_pos is the next round's
