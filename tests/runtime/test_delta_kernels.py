@@ -599,12 +599,26 @@ def test_the_cuda_encode_matches_the_index_writer(word: int, enc: int) -> None:
 @pytest.mark.parametrize("enc", [ENC_IDX16, ENC_BITMAP])
 @pytest.mark.parametrize("fault", ["one_too_many", "moved"])
 def test_a_cuda_stream_that_does_not_match_its_entries_is_refused(enc: int, fault: str) -> None:
+    check_refused("cuda", enc, fault)
+
+
+@pytest.mark.parametrize("enc", [ENC_IDX16, ENC_BITMAP])
+@pytest.mark.parametrize("fault", ["one_too_many", "moved"])
+def test_a_host_stream_that_does_not_match_its_entries_is_refused(enc: int, fault: str) -> None:
+    from weightsync.runtime import delta_host
+
+    if not delta_host.available():
+        pytest.skip("the compiled engine has no host delta kernels")
+    check_refused("cpu", enc, fault)
+
+
+def check_refused(device: str, enc: int, fault: str) -> None:
     """A stream whose index does not match its entries fails the apply with a WeightSyncError naming it:
     one change too many (an ENC_IDX16 block count one higher, an ENC_BITMAP bit more), where none is
     stored (a value past the stream's would be read); or the first entry's last change moved past the
     second entry's first word (the counts hold), where that change is not stored (it would land in the
-    first key past its end). Then, after the same stream queued unread and the version given up on, a
-    good stream applies."""
+    first key past its end). Then, after the same stream scattered as an early part's (on CUDA queued,
+    its flag unread; on CPU refused at once) and the version given up on, a good stream applies."""
     import numpy as np
 
     import weightsync as ws
@@ -620,7 +634,7 @@ def test_a_cuda_stream_that_does_not_match_its_entries_is_refused(enc: int, faul
         sparse_sizes,
     )
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     g = torch.Generator().manual_seed(11)
     n, half = 200_000, 100_000  # two entries of `half` words: key "a" then key "b"
     entries = np.zeros(2, ENTRY_DTYPE)
@@ -668,9 +682,10 @@ def test_a_cuda_stream_that_does_not_match_its_entries_is_refused(enc: int, faul
         # the change whose entry is the first's but whose word is the second's
         moved = free if enc == ENC_IDX16 else min(free, int(local[in_a]))
         recv._pending = [(entries, streams, 0)]
-        with pytest.raises(WeightSyncError, match=rf"2-byte {name} stream .* does not match its entries"):
+        with pytest.raises(WeightSyncError, match=rf"2-byte {name} stream .*does not match its entries"):
             recv.apply(0)
-        assert recv.scatter_backend == "cuda"
+        if device == "cuda":  # (on CPU the scatter raised before saying which it was)
+            assert recv.scatter_backend == "cuda"
         if fault == "one_too_many":  # nothing stored
             assert all(torch.equal(bufs[key][0], start[key]) for key in start)
         else:  # that change is not stored (in key "a" it would lie past the end)
@@ -678,7 +693,11 @@ def test_a_cuda_stream_that_does_not_match_its_entries_is_refused(enc: int, faul
         # queued as an early part's (its flag not read), then the version given up on: the next
         # version's good stream applies, whatever flag the bad one left set
         recv._pending = [(entries, streams, 0)]
-        recv.apply(0, wait=False)
+        if device == "cuda":
+            recv.apply(0, wait=False)
+        else:
+            with pytest.raises(WeightSyncError, match="does not match its entries"):
+                recv.apply(0, wait=False)
         recv.granted(0)
         recv.payload.fill_(0xA5)
         encode_into(stream, enc, local.to(dev), vals.to(dev), n)

@@ -1818,11 +1818,19 @@ class DeltaReceiver:
             self._check_refused()
         self.apply_seconds += time.perf_counter() - t0
 
-    def _refusal_flag(self, off: int, word: int, encoding: str) -> Any:
-        """A zeroed device flag (int32) for the kernel that scatters the ``word``-byte stream (in
-        ``encoding``) of the part at payload byte ``off`` to set where the stream does not match its
-        entries. Zeroed here, on the stream the kernel runs on: a version given up on may have left its
-        flags set, unread."""
+    def _stream_name(self, off: int, word: int, enc: int) -> str:
+        """The ``word``-byte stream (encoding ``enc``) of the part at payload byte ``off``, by its source."""
+        what = f"{word}-byte ENC_{ENCODINGS[enc].upper()} stream"
+        heads = [o for _, _, o in self._entries]
+        if off in heads and len(self._sources) == len(heads):
+            return f"source {self._sources[heads.index(off)]}'s {what}"
+        return f"the {what} of the part at payload byte {off}"
+
+    def _refusal_flag(self, off: int, word: int, enc: int) -> Any:
+        """A zeroed device flag (int32) for the kernel that scatters the ``word``-byte stream (encoding
+        ``enc``) of the part at payload byte ``off`` to set where the stream does not match its entries.
+        Zeroed here, on the stream the kernel runs on: a version given up on may have left its flags set,
+        unread."""
         import torch
 
         i = len(self._refused_what)
@@ -1831,12 +1839,7 @@ class DeltaReceiver:
             if self._refused is not None:
                 grown[:i].copy_(self._refused[:i])
             self._refused = grown
-        heads = [o for _, _, o in self._entries]
-        if off in heads and len(self._sources) == len(heads):
-            self._refused_what.append(f"source {self._sources[heads.index(off)]}'s {word}-byte {encoding} "
-                                      "stream")
-        else:
-            self._refused_what.append(f"the {word}-byte {encoding} stream of the part at payload byte {off}")
+        self._refused_what.append(self._stream_name(off, word, enc))
         flag = self._refused[i:i + 1]
         flag.zero_()
         return flag
@@ -1909,18 +1912,18 @@ class DeltaReceiver:
                     mark("destination: %d runs of word %d found", len(todo), w)
                     if not len(todo):
                         done = ""
-                    elif enc == ENC_BITMAP and host:  # CPU: its bits read into 16-bit indices, as below
-                        done = delta_host.scatter_bitmap(stream, n, k, w, _values_at(enc, n, k), todo,
-                                                         sizes[key[fi]])
-                    elif enc == ENC_BITMAP:  # CUDA: straight from its bits ("" elsewhere: torch ops)
-                        done = scatter_bitmap(stream, n, k, w, _values_at(enc, n, k), todo, self.device,
-                                              lambda off=off, w=w: self._refusal_flag(off, w, "ENC_BITMAP"))
-                    elif host:  # CPU: C++, each store checked against its key
-                        done = delta_host.scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo,
-                                                        sizes[key[fi]])
-                    else:
-                        done = scatter_idx16(stream, n, k, w, _values_at(enc, n, k), todo, self.device,
-                                             lambda off=off, w=w: self._refusal_flag(off, w, "ENC_IDX16"))
+                    elif host:  # CPU: C++, each store checked (a bitmap's bits read into 16-bit indices)
+                        by_host = delta_host.scatter_bitmap if enc == ENC_BITMAP else delta_host.scatter_idx16
+                        try:
+                            done = by_host(stream, n, k, w, _values_at(enc, n, k), todo, sizes[key[fi]])
+                        except ValueError as exc:  # it came over the wire: refused, as on CUDA
+                            name = self._stream_name(off, w, enc)
+                            raise WeightSyncError(f"destination {self.rank}: {name} does not match its "
+                                                  f"entries: {exc}") from exc
+                    else:  # CUDA: ENC_BITMAP straight from its bits ("" elsewhere: torch ops)
+                        scatter = scatter_bitmap if enc == ENC_BITMAP else scatter_idx16
+                        done = scatter(stream, n, k, w, _values_at(enc, n, k), todo, self.device,
+                                       lambda off=off, w=w, enc=enc: self._refusal_flag(off, w, enc))
                     mark("destination: scatter of word %d launched", w)
                     if done:
                         self.scatter_backend = done
