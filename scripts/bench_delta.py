@@ -289,7 +289,8 @@ class Trainer:
             rec.stop(trace, push_ns=[start_ns, start_ns + int(wall * 1e9)])
         sender = self.srcs[kind]._delta
         return {"wall_s": wall, "seconds": stats.seconds, "wire_bytes": stats.wire_bytes,
-                "dense_bytes": stats.dense_bytes, "changed_fraction": stats.changed_fraction,
+                "overflow_bytes": stats.delta_overflow_bytes, "dense_bytes": stats.dense_bytes,
+                "changed_fraction": stats.changed_fraction,
                 "encode_s": stats.encode_seconds, "apply_s": stats.apply_seconds,
                 "ref_bytes": stats.delta_ref_bytes, "delta": stats.delta_destinations == [0],
                 "phases": dict(sender.phases), "path": "kernel" if sender.use_kernels else "torch",
@@ -473,6 +474,8 @@ def _summary(lr: float, kind: str, d: list[dict[str, Any]], x: list[dict[str, An
         # destination applies the earlier parts while the source encodes, so the apply is not subtracted.
         "after_ms": _med([r["seconds"] - (r["encode_s"] - r["phases"].get("finish", 0.0)) for r in x]) * 1e3,
         "wire_gb": _med([r["wire_bytes"] for r in x]) / 1e9,
+        # of it, writes sent as planned for want of inbox room (--inbox too small for these changes)
+        "overflow_gb": _med([r.get("overflow_bytes", 0) for r in x]) / 1e9,
         "dense_gb": _med([r["dense_bytes"] for r in x]) / 1e9,
         "ref_gb": x[-1]["ref_bytes"] / 1e9 if x else 0.0,
         "scratch_mb": max((r["scratch_bytes"] for r in x), default=0) / 1e6,
@@ -591,7 +594,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       + ", ".join(f"{p} {res[p + '_ms']:.2f}" for p in PHASES)
                       + f"), after the encode {res['after_ms']:.2f} ms, apply {res['apply_ms']:.2f} ms "
                       "(summed over parts); wire "
-                      f"{res['wire_gb']:.3f} of {res['dense_gb']:.3f} GB; reference {res['ref_gb']:.2f} GB, "
+                      f"{res['wire_gb']:.3f} of {res['dense_gb']:.3f} GB (of it {res['overflow_gb']:.3f} GB "
+                      f"of writes as planned for want of inbox room); reference {res['ref_gb']:.2f} GB, "
                       f"kernel scratch {res['scratch_mb']:.0f} MB (bytes checked)", flush=True)
     finally:
         for a in actors:

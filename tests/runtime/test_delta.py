@@ -631,15 +631,19 @@ def test_a_part_header_that_lands_before_its_payload_waits_for_it(team_factory, 
 
 
 def test_small_inbox_sends_what_does_not_fit_as_planned(team_factory) -> None:
-    # 2 sources: 8 KiB each, little more than the entries: most changes go as planned writes.
+    # 2 sources: 8 KiB of destination 0's inbox each; ~15% changed: source 0's streams for it do not all
+    # fit, and what does not goes as planned (counted in delta_overflow_bytes, logged once).
     team = team_factory("delta-small", ["tp0", "replica"], ["inplace", "staged"],
                         delta_bytes=[16384, 4 << 20])
     team.push()
     for v in range(1, 4):
-        team.set(step(team.full, "odd", seed=100 + v))
+        team.set(step(team.full, "tenth", seed=100 + v))
         stats = team.push()
         team.check()
         assert all(s.delta_destinations == [0, 1] for s in stats)
+        # what went as planned for want of room is counted (destination 0's share is the small one)
+        assert any(s.delta_overflow_bytes > 0 for s in stats), stats
+        assert all(s.delta_overflow_bytes < s.wire_bytes < s.dense_bytes for s in stats), stats
 
 
 def test_source_without_delta_into_inboxes_is_dense_and_exact(team_factory) -> None:

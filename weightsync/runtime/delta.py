@@ -652,6 +652,10 @@ class DeltaWork:
     wire_bytes: int = 0  # bytes this source sends it this version (payloads, dense writes)
     changed: int = 0  # changed words in the writes compared
     words: int = 0  # words in the writes compared
+    # writes sent as planned though their changes would have gone smaller, for want of room in this
+    # source's share of the inbox: their bytes, and what their streams would have taken
+    overflow_bytes: int = 0
+    overflow_stream_bytes: int = 0
     # the final part being built: entry rows of the staged writes (blocks), the sparse ones, per word size
     # the words and changed words of its stream so far; the immediates and bytes of every write as planned
     rows: list[np.ndarray] = field(default_factory=list)
@@ -1324,6 +1328,7 @@ class DeltaSender:
             kept: dict[int, np.ndarray] = {s: np.zeros(len(m), bool) for s, m in sparse.items()}
             size = 0
             for s, m in sparse.items():
+                w = self._spaces[s].word
                 for i in np.flatnonzero(m).tolist():
                     kept[s][i] = True
                     trial = _streams_bytes(totals_of(kept))
@@ -1332,6 +1337,9 @@ class DeltaSender:
                     else:
                         kept[s][i] = False
                         enc[at[s][i]] = ENC_DENSE
+                        n, k = int(mine[s]["n"][i]), int(hits[s]["k"][i])
+                        work.overflow_bytes += n * w
+                        work.overflow_stream_bytes += stream_size(n, k, w)[1]
         work.room -= size
 
     def _take(self, work: DeltaWork, piece: _Piece) -> int:
@@ -1349,6 +1357,8 @@ class DeltaSender:
         t[0] += n
         t[1] += k
         if _streams_bytes(totals) > work.room:
+            work.overflow_bytes += n * w
+            work.overflow_stream_bytes += stream_size(n, k, w)[1]
             return ENC_DENSE
         work.streams = totals
         work.pieces.append(piece)
@@ -1586,6 +1596,17 @@ class DeltaSender:
         if kernel_runs:
             encode(np.array(kernel_runs, np.int64), np.array(kernel_groups, np.int64))
         return int(count.sum())
+
+    def overflow_note(self, rank: int) -> str | None:
+        """What to tell the user where this push's writes to ``rank`` went as planned for want of room in
+        this source's share of its inbox (None where none did)."""
+        work = self._works.get(rank)
+        if work is None or not work.overflow_bytes:
+            return None
+        return (f"destination {rank}'s delta inbox had no room left for the changes of {work.overflow_bytes} "
+                f"bytes of writes, which went as planned; as streams they would have taken about "
+                f"{work.overflow_stream_bytes} bytes more of this source's {self.inboxes[rank].share}-byte "
+                "share (a larger Destination(delta_bytes=...) sends fewer bytes)")
 
     def share(self, work: DeltaWork, ranks: Sequence[int]) -> None:
         """A relay chain: the lead's work (:meth:`begin`) is also that of members ``ranks``."""

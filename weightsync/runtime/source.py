@@ -151,6 +151,10 @@ class PushStats:
     # is launched at the push's start: all of it alive at once; on CPU kept from push to push)
     delta_scratch_bytes: int = 0
     delta_destinations: list[int] = field(default_factory=list)  # destinations sent a delta this push
+    # bytes of writes sent as planned though their changes would have gone smaller: the destination's
+    # inbox (Destination(delta_bytes=...)) had no room left in this source's share (logged once per
+    # destination)
+    delta_overflow_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -432,6 +436,7 @@ class Source(Participant):
         # Delta pushes: the reference of what this source last pushed, and the inboxes of destinations
         # that take deltas (those get a header per version from every source, delta or not).
         self._delta = DeltaSender(self.engine, self._locals, self.device, self.rank, bool(delta))
+        self._overflow_told: set[int] = set()  # destinations told their inbox was too small (logged once)
         self._last_version = -1  # the last version this source pushed (versions must increase)
         self._watcher: Any = None
         self._epoch_fallbacks = 0  # pushes that asked the coordinator for the epoch (watcher unhealthy)
@@ -881,7 +886,13 @@ class Source(Participant):
                           apply_seconds=max([float(self._mailbox[r]["reserved"]) * 1e-6 for r in written
                                              if r in works] or [0.0]),
                           delta_ref_bytes=self._delta.ref_bytes,
-                          delta_scratch_bytes=self._delta.scratch_bytes, delta_destinations=delta_sent)
+                          delta_scratch_bytes=self._delta.scratch_bytes, delta_destinations=delta_sent,
+                          delta_overflow_bytes=sum(works[r].overflow_bytes for r in delta_sent))
+        for r in delta_sent:
+            note = self._delta.overflow_note(r) if r not in self._overflow_told else None
+            if note is not None:
+                self._overflow_told.add(r)
+                self.log.warning("source %d, version %d: %s", self.rank, version, note)
         self._control.record_push(stats.seconds, stats.bytes)
         if failed:
             self._report_failures(version, timeout, failed, waiting, acked, grants.stale,
