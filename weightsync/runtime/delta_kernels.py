@@ -171,6 +171,24 @@ if triton is not None:
             tl.store(vals_ptr + base + low, tl.load(vals_ptr + j, mask=m, other=0), mask=m)
 
 
+# the receiver's run rows (target, shift, first and last+1 entry, first and last+1 stream position) in the
+# order delta_cuda's scatters read them (first and last+1 entry, shift, target, the positions)
+_CUDA_RUN_COLUMNS = [2, 3, 1, 0, 4, 5]
+
+
+def _values_and_runs(payload: Any, vals_at: int, w: int, k: int, runs: Any) -> tuple[Any, np.ndarray] | None:
+    """A stream's ``k`` values (``w``-byte words at byte ``vals_at`` of ``payload``) and ``runs`` as an
+    int64 table; None where a run's target is not a whole number of words from the values (the kernels
+    address targets in words)."""
+    from weightsync.runtime.delta import word_dtype
+
+    vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
+    table = np.asarray(runs, np.int64).reshape(-1, 6)
+    if np.any((table[:, 0] - int(vals.data_ptr())) % w):
+        return None
+    return vals, table
+
+
 def scatter_bitmap(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any,
                    refusal_flag: Callable[[], Any]) -> str:
     """:func:`scatter_idx16` for an ENC_BITMAP stream (bit ``i % 8`` of byte ``i // 8`` set for each
@@ -181,21 +199,17 @@ def scatter_bitmap(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any
     values."""
     import torch
 
-    from weightsync.runtime.delta import word_dtype
-
     if device.type != "cuda":
         return ""
     from weightsync.runtime import delta_cuda
 
     mod = delta_cuda.module(device)
-    if mod is None:
+    found = _values_and_runs(payload, vals_at, w, k, runs)
+    if mod is None or found is None:
         return ""
-    vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
-    runs = np.asarray(runs, np.int64).reshape(-1, 6)
-    if np.any((runs[:, 0] - int(vals.data_ptr())) % w):
-        return ""
+    vals, table = found
     bits = payload[:4 * -(-n // 32)].view(torch.int32)
-    delta_cuda.scatter_bitmap(mod, bits, n, k, vals, runs[:, [2, 3, 1, 0, 4, 5]], refusal_flag())
+    delta_cuda.scatter_bitmap(mod, bits, n, k, vals, table[:, _CUDA_RUN_COLUMNS], refusal_flag())
     return "cuda"
 
 
@@ -211,27 +225,26 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
     and sets the flag (a zeroed int32 on the device) ``refusal_flag()`` gives."""
     import torch
 
-    from weightsync.runtime.delta import BLOCK, _align, word_dtype
+    from weightsync.runtime.delta import BLOCK, _align
 
     nb = -(-n // BLOCK)
-    vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
-    low = payload[_align(4 * nb):_align(4 * nb) + 2 * k].view(torch.int16)
-    runs = np.asarray(runs, np.int64).reshape(-1, 6)
-    dist = runs[:, 0] - int(vals.data_ptr())
-    if np.any(dist % w):
+    found = _values_and_runs(payload, vals_at, w, k, runs)
+    if found is None:
         return ""
+    vals, runs = found
+    low = payload[_align(4 * nb):_align(4 * nb) + 2 * k].view(torch.int16)
     if device.type == "cuda":  # the CUDA C++ scatter first (weightsync.runtime.delta_cuda)
         from weightsync.runtime import delta_cuda
 
         mod = delta_cuda.module(device)
         if mod is not None:
             ends = delta_cuda.block_ends(mod, payload[:4 * nb].view(torch.int32))
-            delta_cuda.scatter_runs(mod, ends, low, vals, runs[:, [2, 3, 1, 0, 4, 5]], refusal_flag())
+            delta_cuda.scatter_runs(mod, ends, low, vals, runs[:, _CUDA_RUN_COLUMNS], refusal_flag())
             return "cuda"
     if triton is None:
         return ""
     table = runs[:, 1:]
-    at = dist // w + table[:, 0]
+    at = (runs[:, 0] - int(vals.data_ptr())) // w + table[:, 0]
     first, last = table[:, 3] // BLOCK, (table[:, 4] - 1) // BLOCK
     per = last - first + 1
     pair_run = np.repeat(np.arange(len(runs), dtype=np.int32), per)
