@@ -21,8 +21,8 @@
 
 #include "core/engine.hpp"
 #include "core/errors.hpp"
+#include "core/hex.hpp"
 #include "fabric/msg_lane.hpp"
-#include "fabric/peer_auth.hpp"
 
 namespace weightsync {
 
@@ -30,7 +30,6 @@ namespace {
 
 constexpr uint32_t kFiVersion = FI_VERSION(1, 14);
 constexpr size_t kRxBuffers = 256;
-constexpr size_t kCqSize = 8192;
 
 // The mr_mode bits we can work with; the provider answers with the subset it needs.
 constexpr uint64_t kMrModeHints =
@@ -188,17 +187,7 @@ FabricLane::FabricLane(const std::string& provider, const std::string& domain)
     check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
     check(fi_domain(fabric_, info_, &domain_fid_, nullptr), "fi_domain");
 
-    fi_cq_attr cq_attr{};
-    cq_attr.format = FI_CQ_FORMAT_TAGGED;  // a landed message's tag says where its bytes go
-    cq_attr.size = kCqSize;
-    cq_attr.wait_obj = FI_WAIT_UNSPEC;
-    if (fi_cq_open(domain_fid_, &cq_attr, &cq_, nullptr) == 0) {
-      waitable_ = true;
-    } else {
-      // Some providers (EFA) have no wait objects: the worker then polls with short sleeps.
-      cq_attr.wait_obj = FI_WAIT_NONE;
-      check(fi_cq_open(domain_fid_, &cq_attr, &cq_, nullptr), "fi_cq_open");
-    }
+    check(cq_.open(domain_fid_), "fi_cq_open");
 
     fi_av_attr av_attr{};
     av_attr.type = FI_AV_TABLE;
@@ -206,7 +195,7 @@ FabricLane::FabricLane(const std::string& provider, const std::string& domain)
 
     check(fi_endpoint(domain_fid_, info_, &ep_, nullptr), "fi_endpoint");
     check(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
-    check(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    check(fi_ep_bind(ep_, cq_.queue_fid(), FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
     check(fi_enable(ep_), "fi_enable");
 
     char name[256];
@@ -240,13 +229,12 @@ void FabricLane::close_all() {
   if (ep_) abort_connections();
   if (ep_) fi_close(&ep_->fid);
   if (av_) fi_close(&av_->fid);
-  if (cq_) fi_close(&cq_->fid);
+  cq_.close();
   if (domain_fid_) fi_close(&domain_fid_->fid);
   if (fabric_) fi_close(&fabric_->fid);
   if (info_) fi_freeinfo(info_);
   ep_ = nullptr;
   av_ = nullptr;
-  cq_ = nullptr;
   domain_fid_ = nullptr;
   fabric_ = nullptr;
   info_ = nullptr;
@@ -574,11 +562,11 @@ void FabricLane::abort_connections() {
   }
   fi_cq_tagged_entry entries[64];
   for (int round = 0; round < 20; ++round) {
-    ssize_t n = fi_cq_read(cq_, entries, 64);
+    ssize_t n = fi_cq_read(cq_.cq(), entries, 64);
     while (n == -FI_EAVAIL) {
       fi_cq_err_entry err{};
-      if (fi_cq_readerr(cq_, &err, 0) < 0) break;
-      n = fi_cq_read(cq_, entries, 64);
+      if (fi_cq_readerr(cq_.cq(), &err, 0) < 0) break;
+      n = fi_cq_read(cq_.cq(), entries, 64);
     }
     if (n == -FI_EAGAIN) {
       struct timespec ts{0, 2 * 1000 * 1000};
@@ -702,9 +690,7 @@ int FabricLane::post(const WriteRequest& req) {
 }
 
 size_t FabricLane::poll(std::vector<Completion>& out, size_t max) {
-  size_t got = 0;
-  auto emit = [&](const fi_cq_tagged_entry& e) {
-    Completion c;
+  auto on_entry = [&](const fi_cq_tagged_entry& e, Completion& c) {
     if (e.op_context != nullptr && posted_recvs_.erase(e.op_context) != 0) {
       // One of the tagged receives: a message for a landing region arrived in its buffer.
       c.kind = Completion::kRecv;
@@ -720,87 +706,35 @@ size_t FabricLane::poll(std::vector<Completion>& out, size_t max) {
       if (rx_cq_data_ && e.op_context) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, e.op_context);
     } else if (e.flags & FI_RECV) {
       if (rx_cq_data_ && e.op_context) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, e.op_context);
-      return;
+      return false;
     } else {
       c.kind = Completion::kLocalDone;
       c.context = e.op_context;
     }
-    out.push_back(std::move(c));
-    ++got;
+    return true;
   };
-  if (stash_valid_) {
-    stash_valid_ = false;
-    emit(stash_);
-  }
-  fi_cq_tagged_entry entries[64];
-  while (got < max) {
-    bool had_error = stash_error_;
-    stash_error_ = false;
-    ssize_t n = had_error ? -FI_EAVAIL : fi_cq_read(cq_, entries, std::min<size_t>(64, max - got));
-    if (n == -FI_EAGAIN) break;
-    if (n == -FI_EAVAIL) {
-      fi_cq_err_entry err{};
-      if (fi_cq_readerr(cq_, &err, 0) < 0) break;
-      Completion c;
-      c.kind = Completion::kLocalError;
-      c.context = err.op_context;
-      c.error = err.err ? err.err : FI_EIO;
-      char buf[256];
-      const char* prov = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
-      c.message = fi_error(c.error) + " (" + (prov ? prov : "no provider detail") + ")";
-      if (err.op_context != nullptr && posted_recvs_.erase(err.op_context) != 0) {
-        // A tagged receive that failed (a message larger than the buffer: FI_ETRUNC): the engine drops
-        // the message, counts it and posts the buffer again.
-        c.kind = Completion::kRecv;
-        c.len = err.len;
-        c.tag = err.tag;
-        out.push_back(std::move(c));
-        ++got;
-        continue;
-      }
-      if (err.flags & FI_REMOTE_CQ_DATA || err.flags & FI_RECV) {
-        // A failed incoming operation: nothing of ours is waiting on it; repost and report nothing.
-        if (rx_cq_data_ && err.op_context) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, err.op_context);
-        continue;
-      }
-      out.push_back(std::move(c));
-      ++got;
-      continue;
+  auto on_error = [&](const fi_cq_err_entry& err, Completion& c) {
+    if (err.op_context != nullptr && posted_recvs_.erase(err.op_context) != 0) {
+      // A tagged receive that failed (a message larger than the buffer: FI_ETRUNC): the engine drops
+      // the message, counts it and posts the buffer again.
+      c.kind = Completion::kRecv;
+      c.len = err.len;
+      c.tag = err.tag;
+      return true;
     }
-    if (n < 0) {
-      Completion c;
-      c.kind = Completion::kLocalError;
-      c.error = static_cast<int>(-n);
-      c.message = "fi_cq_read: " + fi_error(static_cast<int>(n));
-      out.push_back(std::move(c));
-      ++got;
-      break;
+    if (err.flags & FI_REMOTE_CQ_DATA || err.flags & FI_RECV) {
+      // A failed incoming operation: nothing of ours is waiting on it; repost and report nothing.
+      if (rx_cq_data_ && err.op_context) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, err.op_context);
+      return false;
     }
-    for (ssize_t i = 0; i < n; ++i) emit(entries[i]);
-    if (n < 64) break;
-  }
-  return got;
+    return true;
+  };
+  return cq_.read(out, max, on_entry, on_error);
 }
 
-void FabricLane::wait(int timeout_ms) {
-  if (stash_valid_ || stash_error_) return;
-  if (!waitable_) {
-    // No wait object: a short sleep keeps an idle worker off the CPU while bounding latency.
-    struct timespec ts{0, 50 * 1000};
-    nanosleep(&ts, nullptr);
-    return;
-  }
-  ssize_t n = fi_cq_sread(cq_, &stash_, 1, nullptr, timeout_ms);
-  if (n == 1) {
-    stash_valid_ = true;
-  } else if (n == -FI_EAVAIL) {
-    stash_error_ = true;
-  }
-}
+void FabricLane::wait(int timeout_ms) { cq_.wait(timeout_ms); }
 
-void FabricLane::signal() {
-  if (waitable_) fi_cq_signal(cq_);
-}
+void FabricLane::signal() { cq_.signal(); }
 
 std::string FabricLane::error_string(int err) const { return fi_error(err); }
 

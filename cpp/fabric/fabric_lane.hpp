@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "core/lane.hpp"
+#include "fabric/completion_queue.hpp"
 
 namespace weightsync {
 
@@ -116,13 +117,12 @@ class FabricLane final : public Lane {
   fi_info* info_ = nullptr;
   fid_fabric* fabric_ = nullptr;
   fid_domain* domain_fid_ = nullptr;
-  fid_cq* cq_ = nullptr;
+  CompletionQueue cq_;
   fid_av* av_ = nullptr;
   fid_ep* ep_ = nullptr;
   std::string address_;
   uint64_t mr_mode_ = 0;
   size_t key_size_ = 8;
-  bool waitable_ = false;
   bool rx_cq_data_ = false;  // provider needs a posted receive per incoming remote CQ data
   uint64_t max_msg_size_ = 0;
   size_t tx_size_ = 0;
@@ -138,10 +138,6 @@ class FabricLane final : public Lane {
   std::unordered_map<uint64_t, std::string> peer_addresses_;
   // Receive contexts for providers with FI_RX_CQ_DATA.
   std::vector<LaneContext> rx_ctx_;
-  // A completion that wait() read while blocking in fi_cq_sread, handed out by the next poll().
-  bool stash_valid_ = false;
-  fi_cq_tagged_entry stash_{};
-  bool stash_error_ = false;
 };
 
 // The "fabric" lane type: configure picks the provider and NICs, open makes one lane per NIC.

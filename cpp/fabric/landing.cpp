@@ -11,6 +11,7 @@
 #include <unordered_set>
 
 #include "core/engine.hpp"
+#include "core/lane_worker.hpp"
 #include "core/errors.hpp"
 #include "core/log.hpp"
 

@@ -24,7 +24,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr uint32_t kFiVersion = FI_VERSION(1, 14);
-constexpr size_t kCqSize = 8192;
 constexpr size_t kIdBytes = 16;
 // A connection not made within this long is given up (posts are refused meanwhile, so the worker's own
 // stall timeout, shorter, usually fails the path first).
@@ -164,21 +163,12 @@ FabricMsgLane::FabricMsgLane(const std::string& domain, const std::string& key)
     eq_attr.wait_obj = FI_WAIT_NONE;  // read by the worker on every turn (poll), never blocked on
     check(fi_eq_open(fabric_, &eq_attr, &eq_, nullptr), "fi_eq_open");
 
-    fi_cq_attr cq_attr{};
-    cq_attr.format = FI_CQ_FORMAT_TAGGED;  // a landed message's tag says where its bytes go
-    cq_attr.size = kCqSize;
-    cq_attr.wait_obj = FI_WAIT_UNSPEC;
-    if (fi_cq_open(domain_fid_, &cq_attr, &cq_, nullptr) == 0) {
-      waitable_ = true;
-    } else {
-      cq_attr.wait_obj = FI_WAIT_NONE;
-      check(fi_cq_open(domain_fid_, &cq_attr, &cq_, nullptr), "fi_cq_open");
-    }
+    check(cq_.open(domain_fid_), "fi_cq_open");
 
     // The shared receive context: landing receives, consumable only through the endpoints bound to it,
     // which are ours and those we accepted.
     check(fi_srx_context(domain_fid_, info_->rx_attr, &srx_, nullptr), "fi_srx_context");
-    check(fi_ep_bind(srx_, &cq_->fid, FI_RECV), "fi_ep_bind(srx, cq)");
+    check(fi_ep_bind(srx_, cq_.queue_fid(), FI_RECV), "fi_ep_bind(srx, cq)");
 
     check(fi_passive_ep(fabric_, info_, &pep_, nullptr), "fi_passive_ep");
     check(fi_pep_bind(pep_, &eq_->fid, 0), "fi_pep_bind(eq)");
@@ -220,14 +210,13 @@ void FabricMsgLane::close_all() {
   conn_by_fid_.clear();
   if (srx_) fi_close(&srx_->fid);
   if (pep_) fi_close(&pep_->fid);
-  if (cq_) fi_close(&cq_->fid);
+  cq_.close();
   if (eq_) fi_close(&eq_->fid);
   if (domain_fid_) fi_close(&domain_fid_->fid);
   if (fabric_) fi_close(&fabric_->fid);
   if (info_) fi_freeinfo(info_);
   srx_ = nullptr;
   pep_ = nullptr;
-  cq_ = nullptr;
   eq_ = nullptr;
   domain_fid_ = nullptr;
   fabric_ = nullptr;
@@ -398,7 +387,7 @@ int FabricMsgLane::open_endpoint(fi_info* info, fid_ep** ep) {
   *ep = nullptr;
   int rc = fi_endpoint(domain_fid_, info, ep, nullptr);
   if (rc == 0) rc = fi_ep_bind(*ep, &eq_->fid, 0);
-  if (rc == 0) rc = fi_ep_bind(*ep, &cq_->fid, FI_TRANSMIT | FI_RECV);
+  if (rc == 0) rc = fi_ep_bind(*ep, cq_.queue_fid(), FI_TRANSMIT | FI_RECV);
   if (rc == 0) rc = fi_ep_bind(*ep, &srx_->fid, 0);
   if (rc == 0) rc = fi_enable(*ep);
   return rc;
@@ -666,8 +655,7 @@ size_t FabricMsgLane::poll(std::vector<Completion>& out, size_t max) {
     failed_.pop_back();
     ++got;
   }
-  auto emit = [&](const fi_cq_tagged_entry& e) {
-    Completion c;
+  auto on_entry = [&](const fi_cq_tagged_entry& e, Completion& c) {
     if (e.op_context != nullptr && posted_recvs_.erase(e.op_context) != 0) {
       c.kind = Completion::kRecv;  // a landing message arrived in one of the shared receives
       c.context = e.op_context;
@@ -680,85 +668,34 @@ size_t FabricMsgLane::poll(std::vector<Completion>& out, size_t max) {
       c.kind = Completion::kRemoteImm;
       c.imm = static_cast<uint32_t>(e.data);
     } else if (e.flags & (FI_RECV | FI_REMOTE_WRITE)) {
-      return;  // an incoming operation with nothing for us
+      return false;  // an incoming operation with nothing for us
     } else {
       c.kind = Completion::kLocalDone;
       c.context = e.op_context;
     }
-    out.push_back(std::move(c));
-    ++got;
+    return true;
   };
-  if (stash_valid_) {
-    stash_valid_ = false;
-    emit(stash_);
-  }
-  fi_cq_tagged_entry entries[64];
-  while (got < max) {
-    const bool had_error = stash_error_;
-    stash_error_ = false;
-    const ssize_t n = had_error ? -FI_EAVAIL : fi_cq_read(cq_, entries, std::min<size_t>(64, max - got));
-    if (n == -FI_EAGAIN) break;
-    if (n == -FI_EAVAIL) {
-      fi_cq_err_entry err{};
-      if (fi_cq_readerr(cq_, &err, 0) < 0) break;
-      Completion c;
-      c.kind = Completion::kLocalError;
-      c.context = err.op_context;
-      c.error = err.err ? err.err : FI_EIO;
-      char buf[256];
-      const char* prov = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
-      c.message = fi_error(c.error) + " (" + (prov ? prov : "no provider detail") + ")";
-      if (err.op_context != nullptr && posted_recvs_.erase(err.op_context) != 0) {
-        // A landing receive that failed (truncated, or cancelled at close): the engine drops it.
-        c.kind = Completion::kRecv;
-        c.len = err.len;
-        c.tag = err.tag;
-        out.push_back(std::move(c));
-        ++got;
-        continue;
-      }
-      if (err.op_context == nullptr || (err.flags & (FI_REMOTE_CQ_DATA | FI_RECV | FI_REMOTE_WRITE))) {
-        continue;  // a failed incoming operation: nothing of ours waits on it
-      }
-      out.push_back(std::move(c));
-      ++got;
-      continue;
+  auto on_error = [&](const fi_cq_err_entry& err, Completion& c) {
+    if (err.op_context != nullptr && posted_recvs_.erase(err.op_context) != 0) {
+      // A landing receive that failed (truncated, or cancelled at close): the engine drops it.
+      c.kind = Completion::kRecv;
+      c.len = err.len;
+      c.tag = err.tag;
+      return true;
     }
-    if (n < 0) {
-      Completion c;
-      c.kind = Completion::kLocalError;
-      c.error = static_cast<int>(-n);
-      c.message = "fi_cq_read: " + fi_error(static_cast<int>(n));
-      out.push_back(std::move(c));
-      ++got;
-      break;
-    }
-    for (ssize_t i = 0; i < n; ++i) emit(entries[i]);
-    if (n < 64) break;
-  }
-  return got;
+    // A failed incoming operation: nothing of ours waits on it.
+    return !(err.op_context == nullptr || (err.flags & (FI_REMOTE_CQ_DATA | FI_RECV | FI_REMOTE_WRITE)));
+  };
+  return got + cq_.read(out, max - got, on_entry, on_error);
 }
 
 void FabricMsgLane::wait(int timeout_ms) {
-  if (stash_valid_ || stash_error_) return;
   // Connection requests do not wake the CQ: waits stay short while none is ours to make, so a request
   // is answered within the worker's idle wait (tens of milliseconds) at worst.
-  if (!waitable_) {
-    struct timespec ts{0, 50 * 1000};
-    nanosleep(&ts, nullptr);
-    return;
-  }
-  const ssize_t n = fi_cq_sread(cq_, &stash_, 1, nullptr, timeout_ms);
-  if (n == 1) {
-    stash_valid_ = true;
-  } else if (n == -FI_EAVAIL) {
-    stash_error_ = true;
-  }
+  cq_.wait(timeout_ms);
 }
 
-void FabricMsgLane::signal() {
-  if (waitable_) fi_cq_signal(cq_);
-}
+void FabricMsgLane::signal() { cq_.signal(); }
 
 std::string FabricMsgLane::error_string(int err) const {
   if (err == FI_EACCES) return "the peer's engine key proof failed (" + fi_error(err) + ")";

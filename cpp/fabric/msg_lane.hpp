@@ -148,12 +148,11 @@ class FabricMsgLane final : public Lane {
   fid_fabric* fabric_ = nullptr;
   fid_domain* domain_fid_ = nullptr;
   fid_eq* eq_ = nullptr;
-  fid_cq* cq_ = nullptr;
+  CompletionQueue cq_;
   fid_pep* pep_ = nullptr;
   fid_ep* srx_ = nullptr;
   std::string listen_addr_;  // our pep's sockaddr (the first part of address_)
   std::string address_;
-  bool waitable_ = false;
   bool delivery_complete_ = false;  // the provider accepts FI_DELIVERY_COMPLETE on a write
   uint64_t max_msg_size_ = 0;
   size_t tx_size_ = 0;
@@ -164,9 +163,6 @@ class FabricMsgLane final : public Lane {
   uint64_t next_handle_ = 1;
   std::atomic<uint64_t> refused_{0};  // connection requests refused (read from other threads: stats)
   std::unordered_set<void*> posted_recvs_;
-  bool stash_valid_ = false;
-  fi_cq_tagged_entry stash_{};
-  bool stash_error_ = false;
   std::vector<uint8_t> eq_buf_;
   std::vector<Completion> failed_;  // errors of writes that never reached the provider, for poll()
 };

@@ -201,21 +201,4 @@ std::array<uint8_t, 16> random_id() {
   return out;
 }
 
-std::string unhex(const std::string& hex) {
-  auto val = [](char ch) -> int {
-    if (ch >= '0' && ch <= '9') return ch - '0';
-    if (ch >= 'a' && ch <= 'f') return ch - 'a' + 10;
-    if (ch >= 'A' && ch <= 'F') return ch - 'A' + 10;
-    return -1;
-  };
-  if (hex.size() % 2) throw TransportError("engine key: odd number of hex digits");
-  std::string out;
-  for (size_t i = 0; i < hex.size(); i += 2) {
-    const int hi = val(hex[i]), lo = val(hex[i + 1]);
-    if (hi < 0 || lo < 0) throw TransportError("engine key: not hex");
-    out.push_back(char(hi << 4 | lo));
-  }
-  return out;
-}
-
 }  // namespace weightsync

@@ -78,7 +78,4 @@ class PeerAuth {
 
 // 16 random bytes from the kernel (getrandom).
 std::array<uint8_t, 16> random_id();
-// Hex digits to bytes (the key travels from Python as hex); throws TransportError on bad input.
-std::string unhex(const std::string& hex);
-
 }  // namespace weightsync

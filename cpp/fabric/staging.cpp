@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/engine.hpp"
+#include "core/lane_worker.hpp"
 #include "core/errors.hpp"
 #include "core/log.hpp"
 

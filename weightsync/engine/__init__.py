@@ -2,6 +2,7 @@
 
 * ``engine``: ``TransferEngine``, its registered ``Region``s, ``Peer``s, ``Transfer``s, ``ImmCounter``s
   and ``Forward``s (the immediate-count rule is documented there);
+* ``arguments``: what callers hand the engine (buffers, offsets, batch columns, immediates), checked;
 * ``descriptors``: engine addresses and region descriptors, serialized in one place with their
   versions and checksums;
 * ``imm_counts``: the engine's own immediate-count rule, vectorised, for planners.

@@ -53,21 +53,17 @@ import operator
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from weightsync import _ext
+from weightsync.engine.arguments import buffer_info, column, immediate, u64, used_entries
 from weightsync.engine.descriptors import Address, Descriptor
 from weightsync.engine.topology import NicChoice, engine_nics, given_nics
 from weightsync.errors import TimeoutError, TransportError  # noqa: A004
 
 log = logging.getLogger("weightsync.engine")
-
-_KIND_HOST = 0
-_KIND_CUDA = 1
-
 
 def _drain_log() -> None:
     """Forwards what the C++ engine queued for the log (worker-thread conditions such as a dropped
@@ -91,45 +87,6 @@ def _default_nics(provider: str, nics: Sequence[str] | None, gpu: int | None) ->
         # engines on different hosts.
         return engine_nics(["lo"], provider, gpu)
     return engine_nics([domain for _prov, domain, _fabric in _ext.discover(provider)], provider, gpu)
-
-
-@dataclass(frozen=True)
-class _BufferInfo:
-    ptr: int
-    nbytes: int
-    kind: int
-    device: int
-    label: str
-
-
-def _buffer_info(buffer: Any, name: str | None) -> _BufferInfo:
-    """Pointer and size of a torch tensor, numpy array or writable buffer."""
-    label = name or type(buffer).__name__
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency; keep numpy usable without it
-        torch = None
-    if torch is not None and isinstance(buffer, torch.Tensor):
-        if not buffer.is_contiguous():
-            raise TransportError(f"cannot register tensor {label}: it is not contiguous (call .contiguous())")
-        nbytes = buffer.numel() * buffer.element_size()
-        if buffer.is_cuda:
-            return _BufferInfo(buffer.data_ptr(), nbytes, _KIND_CUDA, buffer.device.index or 0, label)
-        return _BufferInfo(buffer.data_ptr(), nbytes, _KIND_HOST, -1, label)
-    if isinstance(buffer, np.ndarray):
-        if not buffer.flags.c_contiguous:
-            raise TransportError(f"cannot register array {label}: it is not C-contiguous")
-        return _BufferInfo(buffer.ctypes.data, buffer.nbytes, _KIND_HOST, -1, label)
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise TransportError(
-            f"cannot register {label}: expected a torch tensor, numpy array or writable buffer"
-        ) from None
-    if view.readonly:
-        raise TransportError(f"cannot register {label}: the buffer is read-only")
-    arr = np.frombuffer(view, dtype=np.uint8)
-    return _BufferInfo(arr.ctypes.data, arr.nbytes, _KIND_HOST, -1, label)
 
 
 class Region:
@@ -322,7 +279,7 @@ class ImmCounter:
     def wait(self, n: int, timeout: float = 60.0) -> None:
         """Consumes ``n`` credits, blocking until that many are held; TimeoutError after ``timeout``
         seconds (nothing consumed then), TransportError if the engine closes meanwhile."""
-        n = _u64(n, "n", f"counter {self.imm}: cannot wait for {n} immediates")
+        n = u64(n, "n", f"counter {self.imm}: cannot wait for {n} immediates")
         ok = self._engine._native.counter_wait(self.imm, n, float(timeout))
         if not ok:
             _drain_log()
@@ -537,7 +494,7 @@ class TransferEngine:
         long as the region or any write reading from it lives (queued, or still held by a NIC), so
         dropping a transfer, the region and the buffer while writes are in flight never frees memory a
         NIC still reads."""
-        info = _buffer_info(buffer, name)
+        info = buffer_info(buffer, name)
         native = self._native.register(info.ptr, info.nbytes, info.kind, info.device, buffer)
         _drain_log()
         return Region(self, native, buffer, info.label)
@@ -624,13 +581,13 @@ class TransferEngine:
             )
         where = f"write to {peer.label}"
         src_off, dst_off, nbytes, rows, src_pitch, dst_pitch = (
-            _u64(v, name, where)
+            u64(v, name, where)
             for v, name in ((src_off, "source offset"), (dst_off, "destination offset"), (nbytes, "size"),
                             (rows, "row count"), (src_pitch, "source pitch"), (dst_pitch, "target pitch"))
         )
         remote = self._import(peer, dst_descriptor)
-        native = self._native.write(src._native, src_off, remote, dst_off, nbytes, _imm(imm), rows, src_pitch,
-                                    dst_pitch)
+        native = self._native.write(src._native, src_off, remote, dst_off, nbytes, immediate(imm), rows,
+                                    src_pitch, dst_pitch)
         return Transfer(native, (src,))
 
     def write_batch(
@@ -654,26 +611,26 @@ class TransferEngine:
         """
         remotes = self._import_table(peer_descriptors)
         cols = [
-            _column(src_index, np.uint32, "source index"),
-            _column(src_off, np.uint64, "source offset"),
-            _column(dst_index, np.uint32, "destination index"),
-            _column(dst_off, np.uint64, "destination offset"),
-            _column(nbytes, np.uint64, "size"),
+            column(src_index, np.uint32, "source index"),
+            column(src_off, np.uint64, "source offset"),
+            column(dst_index, np.uint32, "destination index"),
+            column(dst_off, np.uint64, "destination offset"),
+            column(nbytes, np.uint64, "size"),
         ]
         # Only the table entries the batch uses go to the engine: the binding converts (and the engine
         # pins) every entry of both tables per call, and a plan round of a source holding Qwen3-30B-A3B's
         # 18,867 tensors uses about a fifteenth of them (3.3 ms of conversion per round on the CPU VM).
-        srcs, cols[0] = _used(srcs, cols[0])
-        remotes, cols[2] = _used(remotes, cols[2])
+        srcs, cols[0] = used_entries(srcs, cols[0])
+        remotes, cols[2] = used_entries(remotes, cols[2])
         imm_col = None
         if imm is not None:
             imm_col = (
-                np.full(len(cols[0]), _imm(int(imm)), dtype=np.uint32)
+                np.full(len(cols[0]), immediate(int(imm)), dtype=np.uint32)
                 if np.isscalar(imm)
-                else _column(imm, np.uint32, "immediate")
+                else column(imm, np.uint32, "immediate")
             )
         geometry = [
-            None if c is None else _column(c, np.uint64, name)
+            None if c is None else column(c, np.uint64, name)
             for c, name in ((rows, "row count"), (src_pitch, "source pitch"), (dst_pitch, "target pitch"))
         ]
         native = self._native.write_batch([s._native for s in srcs], remotes, *cols, imm_col, *geometry)
@@ -710,15 +667,15 @@ class TransferEngine:
             )
         where = f"forward to {peer.label}"
         src_off, dst_off, nbytes, rows, src_pitch, dst_pitch, count = (
-            _u64(v, name, where)
+            u64(v, name, where)
             for v, name in ((src_off, "source offset"), (dst_off, "destination offset"), (nbytes, "size"),
                             (rows, "row count"), (src_pitch, "source pitch"), (dst_pitch, "target pitch"),
                             (count, "count"))
         )
         remote = self._import(peer, dst_descriptor)
         trigger_id, native = self._native.forward(
-            _imm(on_imm), count, src._native, src_off, remote, dst_off, nbytes, _imm(imm), rows, src_pitch,
-            dst_pitch,
+            immediate(on_imm), count, src._native, src_off, remote, dst_off, nbytes, immediate(imm), rows,
+            src_pitch, dst_pitch,
         )
         return Forward(self, trigger_id, Transfer(native, (src,)))
 
@@ -726,7 +683,7 @@ class TransferEngine:
         """Cancels the pending triggers on immediate ``on_imm`` (all if None); returns how many."""
         if on_imm is None:
             return self._native.cancel_forwards(0, False, 0)
-        return self._native.cancel_forwards(0, True, _imm(on_imm))
+        return self._native.cancel_forwards(0, True, immediate(on_imm))
 
     @property
     def pending_forwards(self) -> int:
@@ -736,7 +693,7 @@ class TransferEngine:
     # --- counters and state ---------------------------------------------------------------------------
     def counter(self, imm: int) -> ImmCounter:
         """The counter of immediate ``imm`` (a 32-bit value) at this engine: credits of arrived writes."""
-        return ImmCounter(self, _imm(imm))
+        return ImmCounter(self, immediate(imm))
 
     def stats(self) -> list[dict[str, Any]]:
         """Per NIC: bytes and writes completed, immediates received (and ``imm_duplicates``: announces of
@@ -782,76 +739,6 @@ def _cuda_lane(transport: str, cuda_device: int | None) -> int:
             raise TransportError(f"transport 'cuda' unavailable: {why}")
         return -1
     return int(cuda_device)
-
-
-def _u64(value: Any, name: str, where: str) -> int:
-    """``value`` as an unsigned 64-bit integer, or a TransportError naming the argument and the call
-    (nanobind would raise a bare TypeError naming neither)."""
-    try:
-        v = int(value)
-    except (TypeError, ValueError):
-        raise TransportError(f"{where}: {name} {value!r} is not an integer") from None
-    if v < 0:
-        raise TransportError(f"{where}: {name} {v} must be >= 0")
-    if v >= 1 << 64:
-        raise TransportError(f"{where}: {name} {v} does not fit in 64 bits (0 <= {name} < 2**64)")
-    return v
-
-
-def _column(values: Any, dtype: type[np.unsignedinteger], name: str) -> np.ndarray:
-    """A batch column as a contiguous array of ``dtype``; a value out of its range is a TransportError
-    naming the column and the first offending write (numpy would wrap negatives or raise OverflowError)."""
-    arr = np.asarray(values)
-    if arr.dtype == dtype:  # the plan's columns: every value of an unsigned type is in its range
-        return np.ascontiguousarray(arr)
-    limit = int(np.iinfo(dtype).max)
-    if arr.dtype.kind in "ui":
-        bad = np.flatnonzero((arr < 0) | (arr > limit)) if arr.size else np.empty(0, dtype=np.int64)
-        if bad.size:
-            k = int(bad[0])
-            raise TransportError(
-                f"write {k} of the batch: {name} {int(arr.reshape(-1)[k])} is outside 0..{limit}"
-            )
-        return np.ascontiguousarray(arr, dtype=dtype)
-    flat = arr.reshape(-1)
-    for k, v in enumerate(flat.tolist()):
-        if not isinstance(v, int) or isinstance(v, bool):
-            try:
-                i = int(v)
-            except (TypeError, ValueError, OverflowError):  # OverflowError: inf
-                raise TransportError(f"write {k} of the batch: {name} {v!r} is not an integer") from None
-            if i != v:  # a fraction (int() would cut it off: bytes at another offset)
-                raise TransportError(f"write {k} of the batch: {name} {v!r} is not an integer")
-            v = i
-        if not 0 <= v <= limit:
-            raise TransportError(f"write {k} of the batch: {name} {v} is outside 0..{limit}")
-    return np.ascontiguousarray(flat.astype(dtype), dtype=dtype).reshape(arr.shape)
-
-
-def _used(table: Sequence[Any], index: np.ndarray) -> tuple[Sequence[Any], np.ndarray]:
-    """The entries of ``table`` that ``index`` (a uint32 batch column) names, in table order, and the
-    column renumbered into them: the same writes from the same regions. The table as given where the
-    batch names all of it, or an index out of range (the engine's error then names the write)."""
-    n = len(table)
-    if index.ndim != 1 or not index.size or n <= 1:
-        return table, index
-    if int(index.max()) >= n:
-        return table, index
-    named = np.zeros(n, dtype=bool)
-    named[index] = True
-    kept = np.flatnonzero(named)
-    if len(kept) == n:
-        return table, index
-    renumber = np.cumsum(named, dtype=np.uint32) - np.uint32(1)
-    return [table[i] for i in kept.tolist()], np.ascontiguousarray(renumber[index])
-
-
-def _imm(imm: int | None) -> int | None:
-    if imm is None:
-        return None
-    if not 0 <= int(imm) < 1 << 32:
-        raise TransportError(f"immediate {imm} does not fit in 32 bits")
-    return int(imm)
 
 
 __all__ = ["Forward", "ImmCounter", "Peer", "Region", "Transfer", "TransferEngine"]
