@@ -30,6 +30,8 @@ constexpr size_t kIdBytes = 16;
 constexpr auto kConnectTimeout = std::chrono::seconds(30);
 // After a connection attempt found nobody listening, the next waits this long.
 constexpr auto kReconnectPause = std::chrono::milliseconds(100);
+// While unauthenticated connections are watched, they are looked at again this often.
+constexpr auto kGuardScanEvery = std::chrono::milliseconds(100);
 // Refused requests logged one by one (then every kLogEvery-th): an attacker must not flood the log.
 constexpr uint64_t kLogFirst = 8, kLogEvery = 1000;
 
@@ -188,6 +190,7 @@ FabricMsgLane::FabricMsgLane(const std::string& domain, const std::string& key)
     listen_addr_.assign(name, name_len);
     address_ = listen_addr_;
     address_.append(reinterpret_cast<const char*>(lane_id_.data()), lane_id_.size());
+    guard_ = std::make_unique<ListenerGuard>(domain_, listen_addr_);
   } catch (...) {
     close_all();
     throw;
@@ -519,6 +522,36 @@ void FabricMsgLane::on_connected(Conn& c, bool control, const fi_eq_cm_entry* en
 }
 
 void FabricMsgLane::progress_cm() {
+  read_cm_events();
+  if (!guard_) return;
+  // The provider accepts one queued connection per read of the events: while connections wait in the
+  // listener's queue, read again, so that a member's request is not served only after every stranger's
+  // socket queued before it; every so often (and at the end) cut the sockets that never authenticate.
+  const auto now = Clock::now();
+  int accepts = 0;
+  while (accepts < ListenerGuard::kAcceptsPerTurn && guard_->queue_waiting(now)) {
+    read_cm_events();
+    if (++accepts % 32 == 0) guard_->bound(member_peers(), now);
+  }
+  if (accepts > 0 || (guard_->watching() && now >= next_guard_scan_)) {
+    guard_->bound(member_peers(), now);
+    next_guard_scan_ = now + kGuardScanEvery;
+  }
+}
+
+std::vector<sockaddr_storage> FabricMsgLane::member_peers() const {
+  std::vector<sockaddr_storage> out;
+  out.reserve(accepted_.size());
+  for (const auto& [f, who] : accepted_) {
+    sockaddr_storage a{};
+    size_t len = sizeof(a);
+    // An endpoint's fid is the first member of its fid_ep.
+    if (fi_getpeer(reinterpret_cast<fid_ep*>(f), &a, &len) == 0) out.push_back(a);
+  }
+  return out;
+}
+
+void FabricMsgLane::read_cm_events() {
   // Connection events: requests to our listener, our connections made or refused, either side's ends.
   for (int i = 0; i < 64; ++i) {
     uint32_t event = 0;

@@ -41,6 +41,7 @@
 
 #include "core/lane.hpp"
 #include "fabric/fabric_lane.hpp"
+#include "fabric/listener_guard.hpp"
 #include "fabric/peer_auth.hpp"
 
 namespace weightsync {
@@ -110,7 +111,12 @@ class FabricMsgLane final : public Lane {
     std::array<uint8_t, 16> client_id{};
     bool control = false;
   };
+  // Reads the connection events, drains the listener's queue and bounds what strangers hold of it
+  // (fabric/listener_guard.hpp).
   void progress_cm();
+  void read_cm_events();
+  // The peer addresses of the endpoints we accepted (authenticated).
+  std::vector<sockaddr_storage> member_peers() const;
   void on_connreq(fi_eq_cm_entry* entry, size_t len);
   void refuse(fi_info* info, AuthRefusal why);
   void start_connect(uint64_t handle, Conn& c);
@@ -152,6 +158,8 @@ class FabricMsgLane final : public Lane {
   fid_pep* pep_ = nullptr;
   fid_ep* srx_ = nullptr;
   std::string listen_addr_;  // our pep's sockaddr (the first part of address_)
+  std::unique_ptr<ListenerGuard> guard_;
+  std::chrono::steady_clock::time_point next_guard_scan_{};
   std::string address_;
   bool delivery_complete_ = false;  // the provider accepts FI_DELIVERY_COMPLETE on a write
   uint64_t max_msg_size_ = 0;

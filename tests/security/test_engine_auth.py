@@ -232,3 +232,75 @@ def test_a_listener_with_another_key_gets_no_write() -> None:
     finally:
         member.close()
         squatter.close()
+
+
+FLOOD = 3000  # half-open connections the stranger holds (the engine's listener backlog is 4096)
+FLOOD_SCRIPT = (
+    "import socket, sys, select\n"
+    "host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])\n"
+    "held = [socket.create_connection((host, port), timeout=5) for _ in range(n)]\n"
+    "print('held', len(held), flush=True)\n"
+    "select.select([sys.stdin], [], [], 90)\n"  # until the test closes our stdin (bounded)
+    "print('done', flush=True)\n"
+)
+
+
+def _sockets_on_port(port: int) -> int:
+    """TCP sockets of this process whose local port is ``port`` (its listener included): read from
+    /proc, whose socket table names each socket's inode, against this process's descriptors."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed while listed
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    n = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[9] in inodes:
+                    n += 1
+    return n
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"the stranger said nothing within {timeout} s"
+    assert proc.stdout is not None
+    return proc.stdout.readline()
+
+
+def test_a_port_flood_does_not_keep_members_out(victim: Victim) -> None:
+    """Another user holds thousands of TCP connections to a keyed engine's port that never send a
+    connection request (issue 41, item 3). A member still connects and writes within its timeout while
+    they are held; the engine keeps only a bounded number of them, and none past the deadline for
+    unauthenticated connections; and it serves members at once after the stranger leaves."""
+    baseline = _sockets_on_port(victim.port)
+    python = "/usr/bin/python3" if _as_nobody() else sys.executable
+    stranger = subprocess.Popen([*_as_nobody(), python, "-c", FLOOD_SCRIPT, victim.host, str(victim.port),
+                                 str(FLOOD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert _read_line(stranger, 60).split() == ["held", str(FLOOD)]
+        _legit_write(victim)  # within its 10 s waits, behind every stranger connection
+        # The engine holds at most its limit of unauthenticated connections (plus the member's two, gone
+        # with it), and after the deadline none of them.
+        assert _sockets_on_port(victim.port) - baseline <= 64 + 2
+        deadline = time.monotonic() + 30
+        while _sockets_on_port(victim.port) > baseline and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _sockets_on_port(victim.port) == baseline
+        assert stranger.poll() is None  # the stranger still held them: the engine dropped them
+    finally:
+        assert stranger.stdin is not None
+        stranger.stdin.close()
+        try:
+            stranger.wait(30)
+        except subprocess.TimeoutExpired:
+            stranger.kill()
+            stranger.wait(10)
+    _legit_write(victim)
