@@ -236,8 +236,12 @@ def test_a_listener_with_another_key_gets_no_write() -> None:
 
 FLOOD = 3000  # half-open connections the stranger holds (the engine's listener backlog is 4096)
 FLOOD_SCRIPT = (
-    "import socket, sys, select\n"
+    "import resource, socket, sys, select\n"
     "host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])\n"
+    "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"  # as many as this user may open
+    "if hard != resource.RLIM_INFINITY:\n"
+    "    n = min(n, hard - 32)\n"
+    "    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))\n"
     "held = [socket.create_connection((host, port), timeout=5) for _ in range(n)]\n"
     "print('held', len(held), flush=True)\n"
     "select.select([sys.stdin], [], [], 90)\n"  # until the test closes our stdin (bounded)
@@ -285,7 +289,8 @@ def test_a_port_flood_does_not_keep_members_out(victim: Victim) -> None:
     stranger = subprocess.Popen([*_as_nobody(), python, "-c", FLOOD_SCRIPT, victim.host, str(victim.port),
                                  str(FLOOD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert _read_line(stranger, 60).split() == ["held", str(FLOOD)]
+        held = _read_line(stranger, 60).split()
+        assert held[0] == "held" and int(held[1]) >= 1000, held  # far more than the engine keeps
         _legit_write(victim)  # within its 10 s waits, behind every stranger connection
         # The engine holds at most its limit of unauthenticated connections (plus the member's two, gone
         # with it), and after the deadline none of them.
