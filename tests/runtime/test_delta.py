@@ -31,6 +31,7 @@ from weightsync.runtime.delta import (
     ENC_DENSE,
     ENC_EMPTY,
     ENC_IDX16,
+    DeltaSender,
     choose,
     decode,
     encode_into,
@@ -543,20 +544,23 @@ def test_a_header_that_lands_before_its_payload_waits_for_it(team_factory, monke
     # finishes first: seen on 4 x H100, where a destination applied the previous version's entries and
     # flipped with the changes missing). Here every header lands, and is seen, before its payload is
     # even posted: each destination must still end every version with exactly its bytes.
-    from weightsync.runtime.source import Source
-
-    def header_first(self: Source, version: int, imm: int, failed: dict[int, str], ranks: list[int],
-                     works: dict[int, Any]) -> list[tuple[int, Any]]:
+    def header_first(self: DeltaSender, ranks: list[int], epoch: int, version: int, imm: int,
+                     peers: dict[int, Any], failed: dict[int, str]) -> list[tuple[int, Any]]:
         out: list[tuple[int, Any]] = []
         for rank in sorted(r for r in ranks if r not in failed):
-            works[rank] = self._delta_header(rank, version)
-            header = self._post_header(rank, version)
+            work = self.finalize(rank)
+            self.header(rank, epoch, version, work)
+            header = self._post_header(rank, epoch, version, peers[rank])
             header.wait(10.0)
             time.sleep(0.2)  # the destination has the header now, and none of the payload's bytes
-            out += [(rank, header), (rank, self._post_payload(rank, imm, works[rank]))]
+            out.append((rank, header))
+            if work.final_bytes:
+                ib = self.inboxes[rank]
+                out.append((rank, self.engine.write(ib.region, work.final_at, peers[rank], ib.payload,
+                                                    ib.offset + work.final_at, work.final_bytes, imm=imm)))
         return out
 
-    monkeypatch.setattr(Source, "_post_headers", header_first)
+    monkeypatch.setattr(DeltaSender, "post_finals", header_first)
     team = team_factory("delta-late-payload", ["tp0", "replica"], ["inplace", "staged"])
     team.push()
     team.check()
@@ -572,24 +576,22 @@ def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, m
     # (weightsync.runtime.delta.PARTS): with every source's final part held back, each destination has
     # read the early parts' entries already, the inplace one shows their changes in its live tensors,
     # and none has taken the version yet (the final part completes it).
-    from weightsync.runtime.source import Source
-
     team = team_factory("delta-parts", ["tp0", "replica"], ["inplace", "staged"])
-    sends = Source._post_headers
+    sends = DeltaSender.post_finals
     seen: list[tuple[list[int], list[int]]] = []
 
-    def held_back(self: Source, version: int, imm: int, failed: dict[int, str], ranks: list[int],
-                  works: dict[int, Any]) -> list[tuple[int, Any]]:
+    def held_back(self: DeltaSender, ranks: list[int], epoch: int, version: int, imm: int,
+                  peers: dict[int, Any], failed: dict[int, str]) -> list[tuple[int, Any]]:
         if ranks:
             time.sleep(0.5)
             seen.append(([len(d._delta._entries) for d in team.dsts], [d.version for d in team.dsts]))
-        return sends(self, version, imm, failed, ranks, works)
+        return sends(self, ranks, epoch, version, imm, peers, failed)
 
     team.push()
     team.check()
     assert all(len({sp.part for sp in s._delta._spaces.values()}) > 1 for s in team.srcs), \
         "every tensor in one part: the test misses its point"
-    monkeypatch.setattr(Source, "_post_headers", held_back)
+    monkeypatch.setattr(DeltaSender, "post_finals", held_back)
     old = {k: v.clone() for k, v in team.dtensors[0].items()}
     team.set(step(team.full, "odd", seed=41))
     team.push()
@@ -600,26 +602,24 @@ def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, m
 
 def test_a_part_header_that_lands_before_its_payload_waits_for_it(team_factory, monkeypatch) -> None:
     # As for the final part: each early part's header lands, and is seen, before its payload is posted.
-    from weightsync.runtime.source import Source
-
-    def header_first(self: Source, rank: int, version: int, part: int, work: Any,
+    def header_first(self: DeltaSender, rank: int, epoch: int, version: int, part: int, peer: Any,
                      failed: dict[int, str]) -> list[tuple[int, Any]]:
-        pt = self._delta.encode_part(rank, part)
-        self._delta.header(rank, self.epoch, version, work, part)
-        header = self._post_header(rank, version, part)
+        pt = self.encode_part(rank, part)
+        self.header(rank, epoch, version, self._works[rank], part)
+        header = self._post_header(rank, epoch, version, peer, part)
         header.wait(10.0)
         time.sleep(0.05)
         out = [(rank, header)]
         if pt.nbytes:
             from weightsync.wire import delta_part_imm
 
-            ib = self._delta.inboxes[rank]
-            out.append((rank, self.engine.write(ib.region, pt.at, self._dests[rank].peer, ib.payload,
-                                                ib.offset + pt.at, pt.nbytes,
-                                                imm=delta_part_imm(self.epoch, version, part, header=False))))
+            ib = self.inboxes[rank]
+            out.append((rank, self.engine.write(ib.region, pt.at, peer, ib.payload, ib.offset + pt.at,
+                                                pt.nbytes, imm=delta_part_imm(epoch, version, part,
+                                                                              header=False))))
         return out
 
-    monkeypatch.setattr(Source, "_post_part", header_first)
+    monkeypatch.setattr(DeltaSender, "post_part", header_first)
     team = team_factory("delta-late-part", ["tp1", "replica"], ["staged", "inplace"])
     team.push()
     team.check()

@@ -129,9 +129,9 @@ from typing import Any
 
 import numpy as np
 
-from weightsync.errors import WeightSyncError
+from weightsync.errors import TransportError, WeightSyncError
 from weightsync.runtime.trace import mark
-from weightsync.wire import DELTA_PARTS_MAX
+from weightsync.wire import DELTA_PARTS_MAX, delta_header_imm, delta_part_imm
 
 DELTA_KEY = "\x00weightsync.delta"  # the descriptor entry of a destination's delta inbox
 ENC_DENSE, ENC_EMPTY, ENC_IDX16, ENC_BITMAP, ENC_STREAM = 0, 1, 2, 3, 4
@@ -1627,6 +1627,74 @@ class DeltaSender:
             self.headers[slot] = (epoch, version, pt.imms, ib.offset + pt.at, pt.nbytes, len(pt.rows),
                                   pt.changed, len(pt.rows))
         return slot
+
+    # -- the push's face (weightsync.runtime.source), in the protocol's order: load (a plan epoch), start
+    # and overlap_grants (announce), has_inbox, lead, begin, share (grants), decide (rounds), chunk and
+    # staged (staging), post_part (parts), post_finals and compare_all (tails), finish (acks), stats and
+    # overflow_note (stats). The other members serve these and the tests.
+    def has_inbox(self, rank: int) -> bool:
+        """Whether destination ``rank`` takes deltas (has an inbox in this plan epoch)."""
+        return rank in self.inboxes
+
+    def post_part(self, rank: int, epoch: int, version: int, part: int, peer: Any,
+                  failed: dict[int, str]) -> list[tuple[int, Any]]:
+        """Early part ``part`` of ``rank``'s delta: its payload (entries and encoded changes; none for a
+        part without writes), then its header, each with the part's own immediate. Nothing orders the
+        two on the wire: the destination reads the payload only once the immediates the header
+        announces are in. A failed post is recorded in ``failed``."""
+        pt = self.encode_part(rank, part)
+        self.header(rank, epoch, version, self._works[rank], part)
+        ib = self.inboxes[rank]
+        out: list[tuple[int, Any]] = []
+        try:
+            if pt.nbytes:
+                imm = delta_part_imm(epoch, version, part, header=False)
+                out.append((rank, self.engine.write(ib.region, pt.at, peer, ib.payload, ib.offset + pt.at,
+                                                    pt.nbytes, imm=imm)))
+            out.append((rank, self._post_header(rank, epoch, version, peer, part)))
+        except TransportError as exc:
+            failed[rank] = str(exc)
+        return out
+
+    def post_finals(self, ranks: Sequence[int], epoch: int, version: int, imm: int, peers: Mapping[int, Any],
+                    failed: dict[int, str]) -> list[tuple[int, Any]]:
+        """Writes each inbox destination of ``ranks`` its final payload (entries, encoded changes) into
+        its share, then its header: the data immediates of this version from this source and where its
+        entries are. Posted with the tails, once the tensors are checked. Nothing orders the two on the
+        wire: the destination reads the payload only once the immediates the header announces are in."""
+        out: list[tuple[int, Any]] = []
+        for rank in sorted(ranks):
+            if rank in failed:
+                continue
+            work = self.finalize(rank)
+            self.header(rank, epoch, version, work)
+            try:
+                if work.final_bytes:
+                    ib = self.inboxes[rank]
+                    out.append((rank, self.engine.write(ib.region, work.final_at, peers[rank], ib.payload,
+                                                        ib.offset + work.final_at, work.final_bytes,
+                                                        imm=imm)))
+                out.append((rank, self._post_header(rank, epoch, version, peers[rank])))
+            except TransportError as exc:
+                failed[rank] = str(exc)
+        return out
+
+    def _post_header(self, rank: int, epoch: int, version: int, peer: Any, part: int | None = None) -> Any:
+        """Posts the header record of ``rank``'s final part (``part`` None) or early part ``part``."""
+        hdr = self.headers.itemsize
+        imm = delta_header_imm(epoch, version) if part is None else \
+            delta_part_imm(epoch, version, part, header=True)
+        return self.engine.write(self.header_region, header_slot(rank, part) * hdr, peer,
+                                 self.inboxes[rank].header, header_slot(self.rank, part) * hdr, hdr, imm=imm)
+
+    def stats(self, works: Mapping[int, DeltaWork], sent: Sequence[int]) -> dict[str, Any]:
+        """This push's delta figures for PushStats: ``works`` per inbox destination, ``sent`` the
+        destinations written a delta."""
+        compared = sum(works[r].words for r in sent)
+        return {"changed_fraction": sum(works[r].changed for r in sent) / compared if compared else -1.0,
+                "encode_seconds": self.encode_seconds, "delta_ref_bytes": self.ref_bytes,
+                "delta_scratch_bytes": self.scratch_bytes,
+                "delta_overflow_bytes": sum(works[r].overflow_bytes for r in sent)}
 
     def finish(self, version: int, ok: bool) -> None:
         """After the push: the changed values become the reference (one indexed copy per space); usable

@@ -64,7 +64,7 @@ from weightsync.errors import TimeoutError, TransportError, WeightSyncError  # n
 from weightsync.plan.lower import ChunkGroup, Round, SourceProgram, source_program
 from weightsync.plan.parts import DESTINATION, SOURCE, EngineInfo, SourcePart
 from weightsync.plan.writes import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
-from weightsync.runtime.delta import PARTS, DeltaSender, DeltaWork, header_slot
+from weightsync.runtime.delta import PARTS, DeltaSender, DeltaWork
 from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, PushWorker, watched_tensors
@@ -81,8 +81,6 @@ from weightsync.wire import (
     REFUSED_EPOCH,
     SLOT_BYTES,
     data_imm,
-    delta_header_imm,
-    delta_part_imm,
     gathered_imm,
     grant_imm,
     grant_slot,
@@ -725,7 +723,7 @@ class Source(Participant):
         imm = data_imm(self.epoch, version)
         relay_bits = relay_version_bits(version)
 
-        chain = [r for r in self._relay if r in self._delta.inboxes]  # relay members with inboxes
+        chain = [r for r in self._relay if self._delta.has_inbox(r)]  # relay members with inboxes
 
         def post_rounds(ranks: set[int]) -> None:
             """The direct writes into ``ranks`` (just granted): those of destinations without an inbox at
@@ -749,13 +747,13 @@ class Source(Participant):
                 parted = [r for r in chain if r in ranks and r not in failed]
                 deciders = [lead]
             else:
-                for r in sorted(ranks & set(self._delta.inboxes)):
+                for r in sorted(r for r in ranks if self._delta.has_inbox(r)):
                     if r not in failed:  # its changes encoded against the version its grant says it holds
                         works[r] = self._delta.begin(r, grants.bases.get(r, -1), self._dests[r].batch.bytes)
                         owner[r] = r
                 parted = deciders = sorted(owner)
             mark("source %d: granted by %s", self.rank, sorted(ranks))
-            plain = {r for r in ranks if r not in owner and r not in self._delta.inboxes}
+            plain = {r for r in ranks if r not in owner and not self._delta.has_inbox(r)}
             transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, plain))
             for part in range(PARTS):
                 decided = {o: self._delta.decide(o, part) for o in deciders}
@@ -765,7 +763,8 @@ class Source(Participant):
                 mark("source %d: part %d decided", self.rank, part)
                 for r in parted:
                     if r not in failed:
-                        transfers.extend(self._post_part(r, version, part, works[r], failed))
+                        peer = self._dests[r].peer
+                        transfers.extend(self._delta.post_part(r, self.epoch, version, part, peer, failed))
                 mark("source %d: part %d posted", self.rank, part)
             # The reference takes every change of this push, asked for or not (before the tensors' check).
             self._delta.compare_all()
@@ -811,7 +810,8 @@ class Source(Participant):
             ready = (committed if self._relay[0] in committed else set()) if chain else ranks
             headed = [r for r in ready if r in works and r not in sent_headers]
             sent_headers.update(headed)
-            tails.extend(self._post_headers(version, imm, failed, headed, works))
+            tails.extend(self._delta.post_finals(headed, self.epoch, version, imm,
+                                                 {r: self._dests[r].peer for r in headed}, failed))
             mark("source %d: committed, tails and final parts posted to %s", self.rank, sorted(ranks))
 
         grants = _Grants(self, version, deadline, announces, failed, post_rounds, commit)
@@ -866,7 +866,6 @@ class Source(Participant):
         written = [r for r in self._dests if r not in failed and r not in grants.refused]
         nbytes = sum(self._dests[r].batch.bytes for r in written)
         delta_sent = [r for r in written if r in works and works[r].delta]
-        compared = sum(works[r].words for r in delta_sent)
         wire = sum(works[r].wire_bytes if r in works else self._dests[r].batch.bytes for r in written)
         if chain and works:  # one work for the chain: its writes as planned go once, the payload to each
             work = works[chain[0]]
@@ -881,13 +880,9 @@ class Source(Participant):
                           gather_bytes=int(self._staging.prep.received["nbytes"].sum()),
                           relayed=[r for r in self._relay[1:] if r in self._dests],
                           wire_bytes=wire, dense_bytes=nbytes,
-                          changed_fraction=sum(works[r].changed for r in delta_sent) / compared if compared
-                          else -1.0, encode_seconds=self._delta.encode_seconds,
                           apply_seconds=max([float(self._mailbox[r]["reserved"]) * 1e-6 for r in written
                                              if r in works] or [0.0]),
-                          delta_ref_bytes=self._delta.ref_bytes,
-                          delta_scratch_bytes=self._delta.scratch_bytes, delta_destinations=delta_sent,
-                          delta_overflow_bytes=sum(works[r].overflow_bytes for r in delta_sent))
+                          delta_destinations=delta_sent, **self._delta.stats(works, delta_sent))
         for r in delta_sent:
             note = self._delta.overflow_note(r) if r not in self._overflow_told else None
             if note is not None:
@@ -921,68 +916,6 @@ class Source(Participant):
             except TransportError as exc:
                 failed[rank] = str(exc)
         return transfers
-
-    def _post_headers(self, version: int, imm: int, failed: dict[int, str], ranks: list[int],
-                      works: dict[int, DeltaWork]) -> list[tuple[int, Any]]:
-        """Writes each delta inbox destination of ``ranks`` its payload (entries, encoded changes) into
-        its share, then its header: the data immediates of this version from this source and where its
-        entries are. Posted with the tails, once the tensors are checked. Nothing orders the two on the
-        wire: the destination reads the payload only once the immediates the header announces are in."""
-        out: list[tuple[int, Any]] = []
-        for rank in sorted(ranks):
-            if rank in failed:
-                continue
-            works[rank] = self._delta_header(rank, version)
-            try:
-                payload = self._post_payload(rank, imm, works[rank])
-                if payload is not None:
-                    out.append((rank, payload))
-                out.append((rank, self._post_header(rank, version)))
-            except TransportError as exc:
-                failed[rank] = str(exc)
-        return out
-
-    def _delta_header(self, rank: int, version: int) -> DeltaWork:
-        """Destination ``rank``'s payload encoded and its header record filled (nothing posted)."""
-        work = self._delta.finalize(rank)
-        self._delta.header(rank, self.epoch, version, work)
-        return work
-
-    def _post_payload(self, rank: int, imm: int, work: DeltaWork) -> Any:
-        """The final part's payload (None: it has none)."""
-        if not work.final_bytes:
-            return None
-        ib = self._delta.inboxes[rank]
-        return self.engine.write(ib.region, work.final_at, self._dests[rank].peer, ib.payload,
-                                 ib.offset + work.final_at, work.final_bytes, imm=imm)
-
-    def _post_header(self, rank: int, version: int, part: int | None = None) -> Any:
-        hdr = self._delta.headers.itemsize
-        imm = delta_header_imm(self.epoch, version) if part is None else \
-            delta_part_imm(self.epoch, version, part, header=True)
-        return self.engine.write(self._delta.header_region, header_slot(rank, part) * hdr,
-                                 self._dests[rank].peer, self._delta.inboxes[rank].header,
-                                 header_slot(self.rank, part) * hdr, hdr, imm=imm)
-
-    def _post_part(self, rank: int, version: int, part: int, work: DeltaWork, failed: dict[int, str]
-                   ) -> list[tuple[int, Any]]:
-        """Early part ``part`` of ``rank``'s delta: its payload (entries and encoded changes; none for a
-        part without writes), then its header, each with the part's own immediate. Nothing orders the
-        two on the wire: the destination reads the payload only once the immediates the header
-        announces are in."""
-        pt = self._delta.encode_part(rank, part)
-        self._delta.header(rank, self.epoch, version, work, part)
-        ib = self._delta.inboxes[rank]
-        out: list[tuple[int, Any]] = []
-        try:
-            if pt.nbytes:
-                imm = delta_part_imm(self.epoch, version, part, header=False)
-                out.append((rank, self.engine.write(ib.region, pt.at, self._dests[rank].peer, ib.payload,
-                                                    ib.offset + pt.at, pt.nbytes, imm=imm)))
-            out.append((rank, self._post_header(rank, version, part)))
-        except TransportError as exc:
-            failed[rank] = str(exc)
-        return out
 
     def _post_rounds(self, imm: int, relay_bits: int, deadline: float, failed: dict[int, str],
                      ranks: set[int], keeps: Mapping[int, dict[int, np.ndarray] | None] | None = None
