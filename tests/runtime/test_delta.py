@@ -166,25 +166,25 @@ def test_choose_break_even() -> None:
 
 
 def test_parts_cut_in_order() -> None:
-    from weightsync.runtime.delta import PART_SHARES, PARTS, part_of
+    from weightsync.runtime.delta import SPAN_SHARES, SPANS, span_of
 
     ten = np.full(10, 100)
-    assert part_of(ten, 2, 1).tolist() == [0] * 5 + [1] * 5
-    assert part_of(ten, 4, 1, (1, 1, 1, 1)).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
-    assert part_of(ten, PARTS, 1).tolist() == part_of(ten, PARTS, 1, PART_SHARES).tolist()
-    assert part_of(ten, 1, 1).tolist() == [0] * 10
+    assert span_of(ten, 2, 1).tolist() == [0] * 5 + [1] * 5
+    assert span_of(ten, 4, 1, (1, 1, 1, 1)).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert span_of(ten, SPANS, 1).tolist() == span_of(ten, SPANS, 1, SPAN_SHARES).tolist()
+    assert span_of(ten, 1, 1).tolist() == [0] * 10
     # a tensor goes with the part its first byte falls in: a dominant one alone in its part
-    assert part_of(np.array([1, 1000, 1, 1]), 2, 1).tolist() == [0, 0, 1, 1]
-    assert part_of(np.zeros(3, np.int64), 3, 1).tolist() == [0, 0, 0]
+    assert span_of(np.array([1, 1000, 1, 1]), 2, 1).tolist() == [0, 0, 1, 1]
+    assert span_of(np.zeros(3, np.int64), 3, 1).tolist() == [0, 0, 0]
     # no part under min_bytes where that can be: fewer parts, the last ones empty
-    assert part_of(ten, 4, 300).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert part_of(ten, 4, 250).tolist() == part_of(ten, 4, 1).tolist()
-    assert part_of(ten, 4, 10_000).tolist() == [0] * 10
+    assert span_of(ten, 4, 300).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert span_of(ten, 4, 250).tolist() == span_of(ten, 4, 1).tolist()
+    assert span_of(ten, 4, 10_000).tolist() == [0] * 10
     # parts in proportion to their shares: the last one smaller
-    assert part_of(ten, 4, 1, (3, 3, 3, 1)).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
-    assert part_of(ten, 2, 1, (4, 1)).tolist() == [0] * 8 + [1] * 2
+    assert span_of(ten, 4, 1, (3, 3, 3, 1)).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert span_of(ten, 2, 1, (4, 1)).tolist() == [0] * 8 + [1] * 2
     # shares for another count of parts than are used: equal ones
-    assert part_of(ten, 4, 300, (3, 3, 3, 1)).tolist() == part_of(ten, 3, 1).tolist()
+    assert span_of(ten, 4, 300, (3, 3, 3, 1)).tolist() == span_of(ten, 3, 1).tolist()
 
 
 def test_placed_and_word() -> None:
@@ -358,9 +358,9 @@ class Team:
 
 @pytest.fixture(autouse=True)
 def every_part_filled(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The models here are kilobytes: left to MIN_PART_BYTES every source would fill one part, and the
+    # The models here are kilobytes: left to MIN_SPAN_BYTES every source would fill one part, and the
     # early parts' paths (scattered while the next is compared and sent) would go untested.
-    monkeypatch.setattr(delta_module, "MIN_PART_BYTES", 1)
+    monkeypatch.setattr(delta_module, "MIN_SPAN_BYTES", 1)
 
 
 @pytest.fixture
@@ -498,9 +498,9 @@ def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_facto
 
 
 def test_a_small_model_fills_one_part_and_sends_the_others_empty(team_factory, monkeypatch) -> None:
-    monkeypatch.setattr(delta_module, "MIN_PART_BYTES", 1 << 28)  # as shipped: these kilobytes, one part
+    monkeypatch.setattr(delta_module, "MIN_SPAN_BYTES", 1 << 28)  # as shipped: these kilobytes, one part
     team = team_factory("delta-one-part", ["tp0", "replica"], ["inplace", "staged"])
-    assert all(int(s._delta._key_part.max()) == 0 for s in team.srcs)
+    assert all(int(s._delta._key_span.max()) == 0 for s in team.srcs)
     team.push()
     team.check()
     for v, case in enumerate(("odd", "none", "one", "all"), start=1):
@@ -573,7 +573,7 @@ def test_a_header_that_lands_before_its_payload_waits_for_it(team_factory, monke
 
 def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, monkeypatch) -> None:
     # A push sends its direct writes in parts, each scattered by the destination as soon as it has landed
-    # (weightsync.runtime.delta.PARTS): with every source's final part held back, each destination has
+    # (weightsync.runtime.delta.SPANS): with every source's final part held back, each destination has
     # read the early parts' entries already, the inplace one shows their changes in its live tensors,
     # and none has taken the version yet (the final part completes it).
     team = team_factory("delta-parts", ["tp0", "replica"], ["inplace", "staged"])
@@ -604,7 +604,7 @@ def test_a_part_header_that_lands_before_its_payload_waits_for_it(team_factory, 
     # As for the final part: each early part's header lands, and is seen, before its payload is posted.
     def header_first(self: DeltaSender, rank: int, epoch: int, version: int, part: int, peer: Any,
                      failed: dict[int, str]) -> list[tuple[int, Any]]:
-        pt = self.encode_part(rank, part)
+        pt = self.encode_span(rank, part)
         self.header(rank, epoch, version, self._works[rank], part)
         header = self._post_header(rank, epoch, version, peer, part)
         header.wait(10.0)
@@ -619,7 +619,7 @@ def test_a_part_header_that_lands_before_its_payload_waits_for_it(team_factory, 
                                                                               header=False))))
         return out
 
-    monkeypatch.setattr(DeltaSender, "post_part", header_first)
+    monkeypatch.setattr(DeltaSender, "post_span", header_first)
     team = team_factory("delta-late-part", ["tp1", "replica"], ["staged", "inplace"])
     team.push()
     team.check()

@@ -34,7 +34,7 @@ class DeltaTrainer:
 
         # Every part filled: a kilobyte model would otherwise fill one part, and the early parts'
         # queued scatters would go untested (the source cuts the parts).
-        delta_module.MIN_PART_BYTES = min_part_bytes
+        delta_module.MIN_SPAN_BYTES = min_part_bytes
         self.full = initial()
         self.local = {k: v.clone().cuda() for k, v in self.full.items()}
         self.src = ws.Source(group, rank=0, tensors=dict(self.local), timeout=60, delta=True)

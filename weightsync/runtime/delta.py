@@ -11,8 +11,8 @@ Who decides what
   ``held`` field of the grant): inplace, the live version unless an abandoned version left bytes in it;
   staged, the newest complete version if the shadow it grants holds it too (after every version the
   other shadow is brought up to it: same entries, off the sources' critical path), else -1.
-* A push goes in :data:`PARTS` early *parts* and a final one. The local tensors are cut, in order, into
-  PARTS runs of about equal bytes; a part holds the direct writes that read its tensors. Every source
+* A push goes in :data:`SPANS` early *parts* and a final one. The local tensors are cut, in order, into
+  SPANS runs of about equal bytes; a part holds the direct writes that read its tensors. Every source
   writes each inbox destination, per version and early part, that part's payload (its entries and
   encoded changes) and then its header, each with an immediate of the part's own
   (:func:`weightsync.wire.delta_part_imm`): the destination waits for the part's header from every
@@ -146,7 +146,7 @@ COMPARE_SLICE = 1 << 29
 SCRATCH = 1 << 25  # stream positions put in a bitmap at a time (int64: 256 MiB at most)
 ALIGN = 16  # every section of a payload starts at a multiple of this (word views need it)
 MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsync.wire.MAX_SLOTS)
-# A push's early parts: the local tensors in order, cut into this many runs (part_of). Each part's direct
+# A push's early parts: the local tensors in order, cut into this many runs (span_of). Each part's direct
 # writes are compared, decided, encoded and sent (entries, payload and header of their own), and a
 # destination scatters a part as soon as it has landed. On a GPU every part's compare is launched at the
 # push's start (back to back on a stream of lower priority, DeltaSender.prefetch) while the host decides
@@ -155,36 +155,36 @@ MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsyn
 # header of old) carries the staged writes and the tail and completes the version. At most 7
 # (weightsync.wire.delta_part_imm). On 2 x H100 (Llama-3-8B, 1.8% changed, docs/BENCHMARKS.md) 4 parts
 # took 18.9 ms, 2 parts 21.8 and 6 parts (the last one half as large) 20.2.
-PARTS = 4
-assert PARTS <= DELTA_PARTS_MAX
-# The parts' relative sizes (part_of): the last one half as large as the others, so that less follows
+SPANS = 4
+assert SPANS <= DELTA_PARTS_MAX
+# The parts' relative sizes (span_of): the last one half as large as the others, so that less follows
 # its compare (its copy, and the destination's scatter, which queues behind the part before's). That
 # paid only once each part's host work had shrunk to about a third of its compare's time (before, the
 # host still worked on the part before when the last compare ended, and 30/30/28/12% of the bytes were
 # no faster than equal parts): on 2 x H100 18.00 ms against 18.49 for equal parts, and 19.10 for five
 # parts of 2, 2, 2, 2 and 1 shares, in one call (docs/BENCHMARKS.md).
-PART_SHARES = (2, 2, 2, 1)
-assert len(PART_SHARES) == PARTS
+SPAN_SHARES = (2, 2, 2, 1)
+assert len(SPAN_SHARES) == SPANS
 # The fewest bytes worth a part of their own. A part costs its own waits (headers, payload immediates, a
 # host synchronization on each side) whatever its size, while what it overlaps grows with its bytes: a
-# source with less than PARTS times this fills fewer parts, and the others go empty (their headers
+# source with less than SPANS times this fills fewer parts, and the others go empty (their headers
 # only). The RL loop example's 0.6 MB model on the CPU VM: push median 48.6 ms in one part against 57.3
 # in four (docs/BENCHMARKS.md).
-MIN_PART_BYTES = 1 << 28
+MIN_SPAN_BYTES = 1 << 28
 
 
-def part_of(nbytes: np.ndarray, parts: int = PARTS, min_bytes: int | None = None,
+def span_of(nbytes: np.ndarray, parts: int = SPANS, min_bytes: int | None = None,
             shares: Sequence[int] | None = None) -> np.ndarray:
     """Each tensor's part (``nbytes``: the tensors' bytes, in order): runs in order whose bytes are about
-    in proportion to ``shares`` (None: :data:`PART_SHARES`), as many as ``parts`` but none under
-    ``min_bytes`` (None: :data:`MIN_PART_BYTES`) where that can be (the rest empty, and the parts used
+    in proportion to ``shares`` (None: :data:`SPAN_SHARES`), as many as ``parts`` but none under
+    ``min_bytes`` (None: :data:`MIN_SPAN_BYTES`) where that can be (the rest empty, and the parts used
     equal); a tensor goes with the part its first byte falls in (so one larger than a part has one to
     itself, and the part after it may be empty)."""
     nbytes = np.asarray(nbytes, np.int64)
     total = int(nbytes.sum())
-    least = MIN_PART_BYTES if min_bytes is None else min_bytes
+    least = MIN_SPAN_BYTES if min_bytes is None else min_bytes
     used = max(1, min(parts, total // max(least, 1)))
-    want = list(PART_SHARES if shares is None else shares)
+    want = list(SPAN_SHARES if shares is None else shares)
     w = np.asarray(want if len(want) == used else [1] * used, np.int64)
     # part p starts at the first byte at or past its share of the total
     starts = -(-np.cumsum(w)[:-1] * total // int(w.sum()))
@@ -619,7 +619,7 @@ class _Piece:
 
 
 @dataclass
-class _Part:
+class _Span:
     """One early part of a push to one destination as decided: the entries of its direct writes, per
     space its sparse ones (_FLAT_DTYPE and _HIT_DTYPE rows, by start, and their rows in ``rows``), which
     of its writes go as planned (round index -> mask over the round's writes; None: all of every round),
@@ -637,13 +637,13 @@ class _Part:
 
 @dataclass
 class DeltaWork:
-    """What one push sends one inbox destination: its early parts (:class:`_Part`, decided one by one)
+    """What one push sends one inbox destination: its early parts (:class:`_Span`, decided one by one)
     and the final part (staged writes and the tail), and once final the header figures."""
 
     rank: int
     delta: bool
     dense_bytes: int  # bytes a dense push sends it
-    parts: list[_Part] = field(default_factory=list)
+    parts: list[_Span] = field(default_factory=list)
     at: int = 0  # where the next part's payload starts in the send buffer
     room: int = 0  # bytes left for streams (every part's tables are reserved)
     payload_bytes: int = 0  # bytes of every part's payload, the final one's included
@@ -703,23 +703,23 @@ class DeltaSender:
         self.lead: int | None = None  # in a relay chain: the member whose inbox holds the push's work
         self._alias: dict[int, int] = {}  # a relay chain's head -> its lead (the staged writes name the head)
         # header outbox: per part (the final one first) a slot per destination rank
-        self.headers = np.zeros(MAX_HEADERS * (1 + PARTS), HEADER_RECORD)
+        self.headers = np.zeros(MAX_HEADERS * (1 + SPANS), HEADER_RECORD)
         self.header_region = engine.register(self.headers, name=f"source {rank} delta headers")
         self.words = {k: self._key_word(t) for k, t in locals_.items()}
         self._key_index = {k: i for i, k in enumerate(locals_)}
-        # Parts: the local tensors in order, cut into PARTS runs (part_of).
+        # Parts: the local tensors in order, cut into SPANS runs (span_of).
         nbytes = np.array([int(t.nbytes) if isinstance(t, np.ndarray) else
                            int(t.numel()) * int(t.element_size()) for t in locals_.values()], np.int64)
-        self._key_part = part_of(nbytes)
+        self._key_span = span_of(nbytes)
         # The reference's layout: per part and word size a space, its keys end to end (in the order of the
         # local tensors).
         self._spaces: dict[int, _Space] = {}
         self._start = np.full(len(locals_), -1, np.int64)  # key index -> its first word in its space
         self._space_of = np.full(len(locals_), -1, np.int64)  # key index -> its space
-        for part in range(PARTS):
+        for part in range(SPANS):
             for w in WORDS:
                 keys = [k for k in locals_
-                        if self.words[k] == w and self._key_part[self._key_index[k]] == part]
+                        if self.words[k] == w and self._key_span[self._key_index[k]] == part]
                 if not keys:
                     continue
                 sizes = np.array([int(locals_[k].numel()) for k in keys], np.int64)
@@ -872,11 +872,11 @@ class DeltaSender:
                                   self.engine.imm_count(rb, True, nr)))
             ib.direct = np.array(rows_, _DIRECT_DTYPE) if rows_ else np.zeros(0, _DIRECT_DTYPE)
             ib.flat = self._flat(ib.direct)
-            ib.part = self._key_part[ib.direct["key"]]
+            ib.part = self._key_span[ib.direct["key"]]
             slot = dests[into].target.slot
             ib.capacity = int((staged["dst_rank"] == slot).sum()) + len(ib.fixed)
             # the entry and stream tables: every early part's, then the final one's
-            need = ib.tables = sum(data_at(int((ib.part == p).sum())) for p in range(PARTS)) + \
+            need = ib.tables = sum(data_at(int((ib.part == p).sum())) for p in range(SPANS)) + \
                 data_at(ib.capacity)
             if need > share:
                 raise WeightSyncError(
@@ -943,7 +943,7 @@ class DeltaSender:
                     sp.ref[a:b].copy_(self._views[key])
             self._spent("compare", t0)
         else:
-            for part in range(PARTS):
+            for part in range(SPANS):
                 self.prefetch(part)
 
     def prefetch(self, part: int) -> bool:
@@ -954,7 +954,7 @@ class DeltaSender:
         :meth:`settle`). False where nothing was launched (no CUDA kernels here, or already)."""
         import torch
 
-        if not self.enabled or self.base < 0 or part >= PARTS or part in self._compared or \
+        if not self.enabled or self.base < 0 or part >= SPANS or part in self._compared or \
                 part in self._launched or not self.use_kernels or self.device.type != "cuda":
             return False
         t0 = time.perf_counter()
@@ -1013,7 +1013,7 @@ class DeltaSender:
     def compare_all(self) -> None:
         """Every part compared (the reference must take all of this push's changes, whether or not a
         destination asked for them): before the push checks that its tensors did not change."""
-        for part in range(PARTS):
+        for part in range(SPANS):
             self.compare(part)
 
     def compare(self, part: int) -> None:
@@ -1301,7 +1301,7 @@ class DeltaSender:
                 mask = np.zeros(ib.round_len[int(ri)], bool)
                 mask[d["pos"][m]] = True
                 keep[int(ri)] = mask
-        work.parts.append(_Part(rows, direct, keep, changed))
+        work.parts.append(_Span(rows, direct, keep, changed))
         mark("source %d: part %d entries chosen", self.rank, part)
         self._spent("begin", t0)
         return keep
@@ -1412,7 +1412,7 @@ class DeltaSender:
         self._spent("staged", t0)
         return keep
 
-    def encode_part(self, rank: int, part: int) -> _Part:
+    def encode_span(self, rank: int, part: int) -> _Span:
         """Early part ``part`` of the push to ``rank`` (decided) encoded into the send buffer after the
         parts before it; once a push (a relay chain's members share it)."""
         import torch
@@ -1444,9 +1444,9 @@ class DeltaSender:
         work = self._works[rank]
         if work.final:
             return work  # a relay chain member: the lead's payload, encoded once
-        for part in range(PARTS):  # parts no destination asked for (a push that posted none)
+        for part in range(SPANS):  # parts no destination asked for (a push that posted none)
             self.decide(rank, part)
-            self.encode_part(rank, part)
+            self.encode_span(rank, part)
         t0 = time.perf_counter()
         ib = self.inboxes[rank]
         work.final_at = work.at
@@ -1630,19 +1630,19 @@ class DeltaSender:
 
     # -- the push's face (weightsync.runtime.source), in the protocol's order: load (a plan epoch), start
     # and overlap_grants (announce), has_inbox, lead, begin, share (grants), decide (rounds), chunk and
-    # staged (staging), post_part (parts), post_finals and compare_all (tails), finish (acks), stats and
+    # staged (staging), post_span (parts), post_finals and compare_all (tails), finish (acks), stats and
     # overflow_note (stats). The other members serve these and the tests.
     def has_inbox(self, rank: int) -> bool:
         """Whether destination ``rank`` takes deltas (has an inbox in this plan epoch)."""
         return rank in self.inboxes
 
-    def post_part(self, rank: int, epoch: int, version: int, part: int, peer: Any,
+    def post_span(self, rank: int, epoch: int, version: int, part: int, peer: Any,
                   failed: dict[int, str]) -> list[tuple[int, Any]]:
         """Early part ``part`` of ``rank``'s delta: its payload (entries and encoded changes; none for a
         part without writes), then its header, each with the part's own immediate. Nothing orders the
         two on the wire: the destination reads the payload only once the immediates the header
         announces are in. A failed post is recorded in ``failed``."""
-        pt = self.encode_part(rank, part)
+        pt = self.encode_span(rank, part)
         self.header(rank, epoch, version, self._works[rank], part)
         ib = self.inboxes[rank]
         out: list[tuple[int, Any]] = []
@@ -1735,7 +1735,7 @@ class DeltaSender:
             if changed is not None:
                 words(self.chunk_refs[c], int(self.chunk_words[c]))[changed[0]] = changed[1]
         # A part left uncompared would leave its spaces' reference behind: the next push is then dense.
-        whole = self.base < 0 or len(self._compared) == PARTS
+        whole = self.base < 0 or len(self._compared) == SPANS
         self._chunk_changed, self._hits, self._compared = {}, {}, set()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # not the side stream
@@ -1758,7 +1758,7 @@ class DeltaReceiver:
         self.device = device
         self.rank = rank
         self.keys = sorted(buffers)
-        self.headers = np.full(MAX_HEADERS * (1 + PARTS), -1, HEADER_RECORD)  # header_slot(source, part)
+        self.headers = np.full(MAX_HEADERS * (1 + SPANS), -1, HEADER_RECORD)  # header_slot(source, part)
         self.header_region = engine.register(self.headers, name=f"destination {rank} delta headers")
         self.payload = torch.zeros(max(int(nbytes), ALIGN), dtype=torch.uint8, device=device)
         self.payload_region = engine.register(self.payload, name=f"destination {rank} delta payload")

@@ -43,7 +43,7 @@ from weightsync.control.client import ControlClient
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.plan.parts import DESTINATION, DestinationPart
-from weightsync.runtime.delta import DELTA_KEY, PARTS, DeltaReceiver
+from weightsync.runtime.delta import DELTA_KEY, SPANS, DeltaReceiver
 from weightsync.runtime.links import PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.relay import RelayMember, consumed
@@ -572,7 +572,7 @@ class Destination(Participant):
         read, its data immediates (every write sent as planned, the final payloads) on ``counter``. Its
         entries are left to the caller's apply."""
         assert self._delta is not None
-        for part in range(PARTS):
+        for part in range(SPANS):
             headers = self.engine.counter(delta_part_imm(self.epoch, target, part, header=True))
             payloads = self.engine.counter(delta_part_imm(self.epoch, target, part, header=False))
             complete, reason = self._read_part(target, part, headers, payloads, deadline, between)
@@ -710,7 +710,7 @@ class Destination(Participant):
         counter.reset()
         if self._delta is not None:
             self.engine.counter(delta_header_imm(self.epoch, target)).reset()
-            for part in range(PARTS):
+            for part in range(SPANS):
                 for header in (True, False):
                     self.engine.counter(delta_part_imm(self.epoch, target, part, header)).reset()
         if self._relay is not None:

@@ -64,7 +64,7 @@ from weightsync.errors import TimeoutError, TransportError, WeightSyncError  # n
 from weightsync.plan.lower import ChunkGroup, Round, SourceProgram, source_program
 from weightsync.plan.parts import DESTINATION, SOURCE, EngineInfo, SourcePart
 from weightsync.plan.writes import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
-from weightsync.runtime.delta import PARTS, DeltaSender, DeltaWork
+from weightsync.runtime.delta import SPANS, DeltaSender, DeltaWork
 from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, PushWorker, watched_tensors
@@ -145,7 +145,7 @@ class PushStats:
     encode_seconds: float = 0.0       # compare, encode and reference update on this source
     apply_seconds: float = 0.0        # the slowest destination's scatter of the changes (its ack says)
     delta_ref_bytes: int = 0          # the reference this source keeps (what it last pushed)
-    # The compare's outputs and scratch of this push, beside the reference (on a GPU every part's compare
+    # The compare's outputs and scratch of this push, beside the reference (on a GPU every span's compare
     # is launched at the push's start: all of it alive at once; on CPU kept from push to push)
     delta_scratch_bytes: int = 0
     delta_destinations: list[int] = field(default_factory=list)  # destinations sent a delta this push
@@ -399,7 +399,7 @@ class Source(Participant):
         self._closing = False
         # Every push's own device work (the tails' snapshot, a delta's order and encode kernels) runs on
         # this stream, at a higher priority than the delta compare's (weightsync.runtime.delta.
-        # DeltaSender.prefetch): a part's encode is not queued behind the next part's compare, whose
+        # DeltaSender.prefetch): a span's encode is not queued behind the next span's compare, whose
         # blocks would otherwise fill the device first.
         self._push_stream = (torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda"
                              else None)
@@ -727,8 +727,8 @@ class Source(Participant):
 
         def post_rounds(ranks: set[int]) -> None:
             """The direct writes into ``ranks`` (just granted): those of destinations without an inbox at
-            once; for the inbox destinations part by part, each part compared, decided, its writes as
-            planned posted and its payload and header sent before the next part is compared (the
+            once; for the inbox destinations span by span, each span compared, decided, its writes as
+            planned posted and its payload and header sent before the next span is compared (the
             destination scatters it meanwhile)."""
             owner: dict[int, int] = {}  # destination whose direct rounds are posted -> whose work decides
             if chain:
@@ -744,28 +744,28 @@ class Source(Participant):
                     works.update(dict.fromkeys(chain, work))
                 if self._relay[0] in ranks:
                     owner[self._relay[0]] = lead
-                parted = [r for r in chain if r in ranks and r not in failed]
+                spanned = [r for r in chain if r in ranks and r not in failed]
                 deciders = [lead]
             else:
                 for r in sorted(r for r in ranks if self._delta.has_inbox(r)):
                     if r not in failed:  # its changes encoded against the version its grant says it holds
                         works[r] = self._delta.begin(r, grants.bases.get(r, -1), self._dests[r].batch.bytes)
                         owner[r] = r
-                parted = deciders = sorted(owner)
+                spanned = deciders = sorted(owner)
             mark("source %d: granted by %s", self.rank, sorted(ranks))
             plain = {r for r in ranks if r not in owner and not self._delta.has_inbox(r)}
             transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, plain))
-            for part in range(PARTS):
-                decided = {o: self._delta.decide(o, part) for o in deciders}
+            for span in range(SPANS):
+                decided = {o: self._delta.decide(o, span) for o in deciders}
                 keeps = {r: decided[o] for r, o in owner.items()}
                 if keeps:
                     transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, set(keeps), keeps))
-                mark("source %d: part %d decided", self.rank, part)
-                for r in parted:
+                mark("source %d: span %d decided", self.rank, span)
+                for r in spanned:
                     if r not in failed:
                         peer = self._dests[r].peer
-                        transfers.extend(self._delta.post_part(r, self.epoch, version, part, peer, failed))
-                mark("source %d: part %d posted", self.rank, part)
+                        transfers.extend(self._delta.post_span(r, self.epoch, version, span, peer, failed))
+                mark("source %d: span %d posted", self.rank, span)
             # The reference takes every change of this push, asked for or not (before the tensors' check).
             self._delta.compare_all()
 
@@ -812,7 +812,7 @@ class Source(Participant):
             sent_headers.update(headed)
             tails.extend(self._delta.post_finals(headed, self.epoch, version, imm,
                                                  {r: self._dests[r].peer for r in headed}, failed))
-            mark("source %d: committed, tails and final parts posted to %s", self.rank, sorted(ranks))
+            mark("source %d: committed, tails and final spans posted to %s", self.rank, sorted(ranks))
 
         grants = _Grants(self, version, deadline, announces, failed, post_rounds, commit)
         # The staged pipeline prepares its first chunks while the grants travel; its first post opens the
