@@ -35,7 +35,7 @@ the destinations are stopped, not dead), so each silent destination gets one mor
 ``_probe``): a destination whose process died after its announce (or every write it granted) landed is
 reported once its probe fails; a stopped one's probe does not fail, and it is kept.
 
-Delta pushes (``Source(delta=True)``, weightsync.runtime.delta): the source keeps what it last pushed; a
+Delta pushes (``Source(delta=True)``, weightsync.delta.sender): the source keeps what it last pushed; a
 destination with a delta inbox whose grant says it holds that version gets, per planned write, either the
 write or only its changed words (encoded into the inbox, with a header posted like a tail); every other
 destination gets the push dense.
@@ -59,12 +59,12 @@ from typing import Any
 
 import numpy as np
 
+from weightsync.delta import SPANS, DeltaSender, DeltaWork
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.plan.lower import ChunkGroup, Round, SourceProgram, source_program
 from weightsync.plan.parts import DESTINATION, SOURCE, EngineInfo, SourcePart
 from weightsync.plan.writes import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
-from weightsync.runtime.delta import SPANS, DeltaSender, DeltaWork
 from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, PushWorker, watched_tensors
@@ -136,7 +136,7 @@ class PushStats:
     chunks: int = 0                   # staged chunks written
     gather_bytes: int = 0             # FP8 tile rows this source received from other sources
     relayed: list[int] = field(default_factory=list)  # destinations reached through the relay chain
-    # Delta pushes (Source(delta=True), weightsync.runtime.delta). ``bytes`` stays what the destinations
+    # Delta pushes (Source(delta=True), weightsync.delta.sender). ``bytes`` stays what the destinations
     # received (the dense size); ``wire_bytes`` is what crossed the wire for it (encoded changes, entries,
     # writes sent as planned): equal to ``dense_bytes`` in a dense push.
     wire_bytes: int = 0
@@ -333,7 +333,7 @@ class _Grants:
     def staged(self, rank: int, chunk: int, src_off: np.ndarray, di: np.ndarray, dst_off: np.ndarray,
                nbytes: np.ndarray) -> np.ndarray | None:
         """Which of staged chunk ``chunk``'s writes into ``rank`` go as planned (None: all of them); the
-        others travel in its delta payload (weightsync.runtime.delta)."""
+        others travel in its delta payload (weightsync.delta.sender)."""
         return self.src._delta.staged(rank, chunk, src_off, di, dst_off, nbytes)
 
     def allowed(self, rank: int) -> bool:
@@ -398,7 +398,7 @@ class Source(Participant):
         self._push_worker: PushWorker | None = None  # background pushes' thread, from the first one on
         self._closing = False
         # Every push's own device work (the tails' snapshot, a delta's order and encode kernels) runs on
-        # this stream, at a higher priority than the delta compare's (weightsync.runtime.delta.
+        # this stream, at a higher priority than the delta compare's (weightsync.delta.sender.
         # DeltaSender.prefetch): a span's encode is not queued behind the next span's compare, whose
         # blocks would otherwise fill the device first.
         self._push_stream = (torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda"

@@ -1,10 +1,10 @@
 """The delta push's device kernels in CUDA C++ (issue 18), compiled at run time
-(:mod:`weightsync.runtime.nvrtc`): the sender's compare, the encode of a sparse stream (ENC_IDX16 or
+(:mod:`weightsync.delta.nvrtc`): the sender's compare, the encode of a sparse stream (ENC_IDX16 or
 ENC_BITMAP) from the compare's changes, and the receiver's scatter of such a stream.
 
 The compare reads the current tensors and the reference once, with one host synchronization, and leaves
 the reference alone: the caller copies the changes into it later
-(:meth:`weightsync.runtime.delta.DeltaSender.finish`, while the destinations apply theirs), off the push's
+(:meth:`weightsync.delta.sender.DeltaSender.finish`, while the destinations apply theirs), off the push's
 path. Its kernels:
 
 * ``ws_collect``: each block of 256 threads takes one 32 KB tile (:func:`tile_words` words; the
@@ -45,8 +45,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from weightsync.runtime import nvrtc
-from weightsync.runtime.delta import first_room
+from weightsync.delta import nvrtc
+from weightsync.delta.sender import first_room
 from weightsync.runtime.trace import mark
 
 THREADS = 256
@@ -714,7 +714,7 @@ def _table(rows: Any, device: Any) -> Any:
     read them), sent without waiting for the device."""
     import numpy as np
 
-    from weightsync.runtime.delta import _to_device
+    from weightsync.delta.sender import _to_device
 
     return _to_device(np.ascontiguousarray(np.asarray(rows, np.int64).T), device)
 
@@ -1019,7 +1019,7 @@ def scatter_bitmap(mod: nvrtc.Module, bits: Any, n: int, k: int, vals: Any, runs
     device). Its device memory: the block counts and their prefix, 12 bytes per 65536 words."""
     import torch
 
-    from weightsync.runtime.delta import BLOCK
+    from weightsync.delta.sender import BLOCK
 
     nb = -(-n // BLOCK)
     if not len(runs) or nb <= 0:

@@ -1,7 +1,7 @@
 """The delta push's compare and scatter for tensors in host memory, in C++ (issue 18; cpp/delta/): what
-:mod:`weightsync.runtime.delta_cuda`'s kernels do on a GPU, for a source or destination on CPU.
+:mod:`weightsync.delta.cuda`'s kernels do on a GPU, for a source or destination on CPU.
 
-Why not the torch ops (:meth:`weightsync.runtime.delta.DeltaSender._changed_words` and the per-key
+Why not the torch ops (:meth:`weightsync.delta.sender.DeltaSender._changed_words` and the per-key
 gathers, the reference's indexed update in ``finish``, the receiver's decode and indexed copies): they
 pass over the data several times (a byte mask, ``nonzero`` over it, the gathers, the update), and on a
 2-core VM a delta push spent 290 ms in them where reading the tensors and the reference once takes about
@@ -116,7 +116,7 @@ class SpaceCompare:
         import torch
 
         from weightsync._ext import _core
-        from weightsync.runtime.delta import first_room
+        from weightsync.delta.sender import first_room
 
         _check_words(ref, "the reference")
         total = int(ref.numel())
@@ -191,14 +191,14 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Sequ
                   key_bytes: Sequence[int], nthreads: int | None = None) -> str:
     """Scatters the contiguous runs of an ENC_IDX16 stream (``payload``: uint8 on the CPU from the
     stream's start, ``n`` words of which ``k`` changed, ``w`` bytes a word, values at byte ``vals_at``)
-    into their keys: ``runs`` rows as :func:`weightsync.runtime.delta_kernels.scatter_idx16` takes them
+    into their keys: ``runs`` rows as :func:`weightsync.delta.triton_kernels.scatter_idx16` takes them
     (the key's address, shift from stream positions to its words, first and last+1 changed index, first
     and last+1 stream position), ``key_bytes`` each run's key's size (every store is checked to lie in
     it). Returns ``"host"`` (which kernels scattered)."""
     import torch
 
     from weightsync._ext import _core
-    from weightsync.runtime.delta import BLOCK, _align
+    from weightsync.delta.sender import BLOCK, _align
 
     _check_words(payload, "the payload", torch.uint8)
     nb = -(-n // BLOCK)
@@ -223,7 +223,7 @@ def scatter_bitmap(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Seq
     import torch
 
     from weightsync._ext import _core
-    from weightsync.runtime.delta import BLOCK
+    from weightsync.delta.sender import BLOCK
 
     _check_words(payload, "the payload", torch.uint8)
     if int(payload.numel()) < vals_at + w * k or vals_at < -(-n // 8):

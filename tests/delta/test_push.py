@@ -1,4 +1,4 @@
-"""Delta pushes (issue 18, weightsync/runtime/delta.py) on CPU over TCP loopback.
+"""Delta pushes (issue 18, weightsync/delta/sender.py) on CPU over TCP loopback.
 
 Two trainer ranks hold shards of a small model (a bf16 embedding by columns, fp32 projections by rows, a
 replicated fp32 norm) and push into three destinations: two vLLM-style TP ranks (fused ``qkv_proj`` and
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import weightsync as ws
-import weightsync.runtime.delta as delta_module
-from weightsync.runtime.delta import (
+import weightsync.delta.sender as delta_module
+from weightsync.delta.sender import (
     BLOCK,
     ENC_BITMAP,
     ENC_DENSE,
@@ -71,7 +71,7 @@ def test_codec_round_trip(n: int, k: int, w: int) -> None:
 def test_bitmap_built_and_read_in_slices(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     # Read in slices of 128 words (a model's stream is read in slices of BITMAP_SLICE words): words changed
     # at both ends of slices, a slice with none, and the last word; the bytes do not depend on the slice.
-    import weightsync.runtime.delta as delta
+    import weightsync.delta.sender as delta
 
     local = torch.tensor(sorted({0, 1, 127, 128, 129, 255, 640, n - 2, n - 1} & set(range(n))),
                          dtype=torch.int64)
@@ -91,7 +91,7 @@ def test_bitmap_built_and_read_in_slices(monkeypatch: pytest.MonkeyPatch, n: int
 def test_encoding_built_a_few_positions_at_a_time(monkeypatch: pytest.MonkeyPatch, enc: int) -> None:
     # The index section is built SCRATCH positions at a time (2**25 in a push): 3 at a time, across block
     # and bitmap-word ends, gives the same bytes.
-    import weightsync.runtime.delta as delta
+    import weightsync.delta.sender as delta
 
     n = BLOCK * 2 + 100
     local = torch.tensor([0, 1, 31, 32, 63, BLOCK - 1, BLOCK, BLOCK + 31, 2 * BLOCK + 99], dtype=torch.int64)
@@ -114,7 +114,7 @@ def test_idx16_from_pieces_with_shifts(dtype: torch.dtype, spans: bool) -> None:
     # writes): the low 16 bits and block counts are written from the pieces and shifts without widening
     # them (with ``spans``: only the blocks of each piece's stream words looked up), and must equal the
     # encoding of the shifted positions written at once.
-    from weightsync.runtime.delta import _IndexWriter
+    from weightsync.delta.sender import _IndexWriter
 
     g = torch.Generator().manual_seed(5)
     # each piece: its words' place in the stream (lengths across block edges) and in its own space
@@ -154,7 +154,7 @@ def test_choose_break_even() -> None:
         enc, _ = choose(n, k, w)
         assert (enc == ENC_DENSE) == (min(sparse_sizes(n, k, w).values()) >= n * w)
     # the push decides for all its writes at once: the same choice
-    from weightsync.runtime.delta import ENC_STREAM, _choose_many
+    from weightsync.delta.sender import ENC_STREAM, _choose_many
 
     rng = np.random.default_rng(3)
     for w in (1, 2, 4, 8):
@@ -166,7 +166,7 @@ def test_choose_break_even() -> None:
 
 
 def test_parts_cut_in_order() -> None:
-    from weightsync.runtime.delta import SPAN_SHARES, SPANS, span_of
+    from weightsync.delta.sender import SPAN_SHARES, SPANS, span_of
 
     ten = np.full(10, 100)
     assert span_of(ten, 2, 1).tolist() == [0] * 5 + [1] * 5
@@ -468,8 +468,8 @@ def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_facto
     # push's start, and a launched compare must see the tensors as the caller last updated them on its
     # stream. (GPU destinations cannot share this process: it cannot open its own CUDA IPC handles; the
     # replica of scripts/bench_delta.py is one, its bytes checked after every push.)
-    from weightsync.runtime import delta_cuda
-    from weightsync.runtime.delta_kernels import Compactor
+    from weightsync.delta import cuda as delta_cuda
+    from weightsync.delta.triton_kernels import Compactor
 
     if delta_cuda.module(torch.device("cuda")) is None:
         pytest.skip(f"no CUDA compare here: {delta_cuda.unavailable(torch.device('cuda'))}")
@@ -517,7 +517,7 @@ def test_strided_source_rows_written_directly_and_compared_in_slices(team_factor
     # which cut tensors anywhere.
     import dataclasses
 
-    import weightsync.runtime.delta as delta
+    import weightsync.delta.sender as delta
     from weightsync.runtime.source import Source
 
     info = Source._engine_info
@@ -573,7 +573,7 @@ def test_a_header_that_lands_before_its_payload_waits_for_it(team_factory, monke
 
 def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, monkeypatch) -> None:
     # A push sends its direct writes in parts, each scattered by the destination as soon as it has landed
-    # (weightsync.runtime.delta.SPANS): with every source's final part held back, each destination has
+    # (weightsync.delta.sender.SPANS): with every source's final part held back, each destination has
     # read the early parts' entries already, the inplace one shows their changes in its live tensors,
     # and none has taken the version yet (the final part completes it).
     team = team_factory("delta-parts", ["tp0", "replica"], ["inplace", "staged"])

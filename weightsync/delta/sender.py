@@ -81,7 +81,7 @@ one key and one placement with one indexed copy.
 
 On CUDA (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the sender's compare is device kernels instead: the
 changed words' positions and values found reading each tensor and the reference once. First choice, CUDA
-C++ compiled at run time with NVRTC (:mod:`weightsync.runtime.delta_cuda`: each tile's changes collected
+C++ compiled at run time with NVRTC (:mod:`weightsync.delta.cuda`: each tile's changes collected
 where an atomic counter puts them; one host synchronization per space). Every part's collect is
 launched at the push's start; once the announces are out, the search of each one's bounds (how many
 changes lie before each) is queued too, on a stream of their own that waits for it on the device
@@ -92,15 +92,15 @@ changes fall in) and the reference's update read them where the collect left the
 for what wants them in order: strided writes, a collect past its room). The reference is
 ``finish``'s to update, while the destinations apply theirs. Where NVRTC cannot be had, or with
 ``WEIGHTSYNC_DELTA_KERNELS=triton``, two Triton kernels per slice
-(:mod:`weightsync.runtime.delta_kernels`: one host synchronization per slice, a slot scratch of 256 MiB a
+(:mod:`weightsync.delta.triton_kernels`: one host synchronization per slice, a slot scratch of 256 MiB a
 slice at most), which update the reference in the same pass (``finish`` has nothing left to copy for
 those spaces: a push that fails leaves the reference's version at -1, and the next push copies the
 tensors whole into it). Their scratch (``DeltaSender.scratch_bytes``) comes from torch's caching
 allocator and is reported as ``PushStats.delta_scratch_bytes``, beside the reference's
 ``delta_ref_bytes``. The receiver scatters an ENC_IDX16 stream's contiguous runs with one kernel per
-stream, without decoding (:func:`weightsync.runtime.delta_kernels.scatter_idx16`: CUDA C++, else Triton),
+stream, without decoding (:func:`weightsync.delta.triton_kernels.scatter_idx16`: CUDA C++, else Triton),
 and with the CUDA C++ kernels an ENC_BITMAP stream's straight from its bits (a count per 65536-word block,
-their prefix, one scatter: :func:`weightsync.runtime.delta_kernels.scatter_bitmap`), each change checked
+their prefix, one scatter: :func:`weightsync.delta.triton_kernels.scatter_bitmap`), each change checked
 against its write; a stream whose bits do not match its entries fails the apply (:class:`DeltaReceiver`).
 
 On CPU (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the same two steps are C++ (:mod:`weightsync.runtime.
@@ -322,8 +322,8 @@ class _IndexWriter:
     piece's shift, as the low 16 bits of the position (the first int16 of a little-endian integer) plus
     the shift's in int16 (sums wrap modulo 2**16 alike); the per-block counts from how many positions
     lie below each block's end less the shift (``searchsorted``). ENC_BITMAP on CPU, one C++ call per
-    piece (:mod:`weightsync.runtime.delta_host`); on CUDA one kernel per piece
-    (:func:`weightsync.runtime.delta_cuda.bitmap_set`); else (no NVRTC, or ``WEIGHTSYNC_DELTA_KERNELS``
+    piece (:mod:`weightsync.delta.host`); on CUDA one kernel per piece
+    (:func:`weightsync.delta.cuda.bitmap_set`); else (no NVRTC, or ``WEIGHTSYNC_DELTA_KERNELS``
     naming another path) a few device ops per :data:`SCRATCH` positions shifted into a scratch: bits added
     into int32 words (the bits of one word are distinct powers of two, so adding them is or-ing them; bit
     31 as the int32 -2**31, two's complement sums wrap alike). A kernel may also write the section
@@ -351,7 +351,7 @@ class _IndexWriter:
         elif enc == ENC_BITMAP:
             section = out[: _align(-(-n // 8))]
             section.zero_()
-            from weightsync.runtime import delta_host
+            from weightsync.delta import host as delta_host
 
             # on CPU the bits are set by C++ (delta_host), on CUDA by delta_cuda's kernels, else by device
             # ops through a scratch
@@ -359,7 +359,7 @@ class _IndexWriter:
             if not self.host:
                 self.bits = section.view(torch.int32)
                 if device.type == "cuda":  # None where WEIGHTSYNC_DELTA_KERNELS chooses another path
-                    from weightsync.runtime import delta_cuda
+                    from weightsync.delta import cuda as delta_cuda
 
                     self.mod = delta_cuda.module(device)
         else:
@@ -399,7 +399,7 @@ class _IndexWriter:
             self.done += m
             return
         if self.mod is not None:  # CUDA: one kernel, no scratch
-            from weightsync.runtime import delta_cuda
+            from weightsync.delta import cuda as delta_cuda
 
             delta_cuda.bitmap_set(self.mod, positions, shift, self.bits)
             self.done += int(positions.numel())
@@ -511,19 +511,19 @@ def placed(local: Any, base: int, row_words: int, pitch_words: int, rows: int) -
 
 def _kernels_wanted(device: Any) -> bool:
     """Whether the sender compares with device kernels (on CUDA: the CUDA C++ or the Triton ones, unless
-    ``WEIGHTSYNC_DELTA_KERNELS=0``; :mod:`weightsync.runtime.delta_kernels`); triton is not imported for a
+    ``WEIGHTSYNC_DELTA_KERNELS=0``; :mod:`weightsync.delta.triton_kernels`); triton is not imported for a
     CPU sender unless the tests force the kernels under Triton's interpreter."""
     flag = os.environ.get("WEIGHTSYNC_DELTA_KERNELS", "")
     if flag == "0":
         return False
     if device.type != "cuda":
-        from weightsync.runtime import delta_host
+        from weightsync.delta import host as delta_host
 
         if delta_host.wanted(device):  # CPU: the C++ host kernels
             return True
         if flag != "1":
             return False
-    from weightsync.runtime import delta_kernels
+    from weightsync.delta import triton_kernels as delta_kernels
 
     return delta_kernels.enabled(device)
 
@@ -561,10 +561,10 @@ class _Space:
     strided_local: Any = None
     strided_vals: Any = None
     hint: int = 0  # the last push's count of changed words (how much room the next one's start with)
-    compactor: Any = None  # the GPU kernels' tile tables (weightsync.runtime.delta_kernels), where they run
+    compactor: Any = None  # the GPU kernels' tile tables (weightsync.delta.triton_kernels), where they run
     ref_done: bool = False  # this push's compare already put the changed values into the reference
     # (the Triton and CPU kernels do; the CUDA compare leaves it to finish)
-    # this push's changes as the CUDA collect left them (weightsync.runtime.delta_cuda.TileChanges), where
+    # this push's changes as the CUDA collect left them (weightsync.delta.cuda.TileChanges), where
     # its searches were queued ahead: ``idx`` and ``vals`` stay None until something needs them in order
     tiles: Any = None
 
@@ -741,7 +741,7 @@ class DeltaSender:
         self._works: dict[int, DeltaWork] = {}
         self.base = -1  # this push's reference version
         self.encode_seconds = 0.0
-        # The compare as Triton kernels on a GPU (weightsync.runtime.delta_kernels), else torch ops; may be
+        # The compare as Triton kernels on a GPU (weightsync.delta.triton_kernels), else torch ops; may be
         # switched between pushes (benchmarks compare the two).
         self.use_kernels = bool(enabled and _kernels_wanted(device))
         # this push's encode by phase (seconds): compare (with the gathers, and the reference update where
@@ -1083,8 +1083,8 @@ class DeltaSender:
 
     def _changed_words_kernels(self, sp: _Space) -> tuple[Any, Any] | Any | None:
         """:meth:`_changed_words` and the values' gathers as kernels: on a GPU those of
-        :mod:`weightsync.runtime.delta_kernels` (CUDA C++ or Triton), on CPU the C++ compare of
-        :mod:`weightsync.runtime.delta_host`, its buffers kept in the space from push to push. Whether
+        :mod:`weightsync.delta.triton_kernels` (CUDA C++ or Triton), on CPU the C++ compare of
+        :mod:`weightsync.delta.host`, its buffers kept in the space from push to push. Whether
         they also put the new values into the reference goes to ``sp.ref_done``. The changes as the CUDA
         collect left them (a TileChanges, for ``sp.tiles``) where its searches were queued ahead. None
         where they cannot compare this space (the torch ops do)."""
@@ -1096,10 +1096,10 @@ class DeltaSender:
         return found
 
     def _compactor(self, sp: _Space) -> Any:
-        """The space's compare kernels: the C++ ones on CPU (:mod:`weightsync.runtime.delta_host`), else
-        :class:`weightsync.runtime.delta_kernels.Compactor` (CUDA C++ or Triton)."""
-        from weightsync.runtime import delta_host
-        from weightsync.runtime.delta_kernels import Compactor
+        """The space's compare kernels: the C++ ones on CPU (:mod:`weightsync.delta.host`), else
+        :class:`weightsync.delta.triton_kernels.Compactor` (CUDA C++ or Triton)."""
+        from weightsync.delta import host as delta_host
+        from weightsync.delta.triton_kernels import Compactor
 
         if delta_host.wanted(self.device):
             if not isinstance(sp.compactor, delta_host.SpaceCompare):
@@ -1526,8 +1526,8 @@ class DeltaSender:
         (the write's base plus the word's index in it) to ``index``, their values at the head of
         ``values``. Writes that follow each other in the reference form one run whose positions are one
         slice of the reference's changed positions plus a constant: one add and one copy per run, or on
-        CUDA one kernel for all runs (:meth:`weightsync.runtime.delta_cuda.TileChanges.encode` from the
-        collect's scratch, else :func:`weightsync.runtime.delta_cuda.encode_runs`; the per-run ops cost
+        CUDA one kernel for all runs (:meth:`weightsync.delta.cuda.TileChanges.encode` from the
+        collect's scratch, else :func:`weightsync.delta.cuda.encode_runs`; the per-run ops cost
         about 0.1 ms of host time each, on the push's critical path). The runs are found by numpy
         ops over all writes: a loop over them cost about 5 us a write, on the last part's path. Returns
         how many."""
@@ -1539,7 +1539,7 @@ class DeltaSender:
         mod = None
         if tiles is not None or (not index.host and sp.idx is not None and sp.idx.is_cuda and
                                  str(sp.idx.dtype) == "torch.int64"):
-            from weightsync.runtime import delta_cuda
+            from weightsync.delta import cuda as delta_cuda
 
             mod = delta_cuda.module(sp.ref.device)
         # Groups in stream order: a strided write alone, or writes that follow each other in the reference
@@ -1559,7 +1559,7 @@ class DeltaSender:
             """Rows (first change, shift, first entry, count) of ``groups`` by one kernel: from the collect's
             scratch where the changes were left there (the tiles that hold the groups' words), else from
             the changes in order."""
-            from weightsync.runtime import delta_cuda
+            from weightsync.delta import cuda as delta_cuda
 
             # ENC_BITMAP: bits or-ed into its section, nothing counted
             target, counts = (index.bits, None) if bitmap else (index.low, index.kernel_counts())
@@ -1957,7 +1957,7 @@ class DeltaReceiver:
         from them)."""
         import torch
 
-        from weightsync.runtime import delta_host
+        from weightsync.delta import host as delta_host
 
         host = delta_host.wanted(self.device)
 
@@ -1985,7 +1985,7 @@ class DeltaReceiver:
                 stream = self.payload[off + int(st["data"]):]
                 # the contiguous runs by one kernel, of either sparse encoding
                 if self.use_kernels:
-                    from weightsync.runtime.delta_kernels import scatter_bitmap, scatter_idx16
+                    from weightsync.delta.triton_kernels import scatter_bitmap, scatter_idx16
 
                     nwords = ents["rows"] * ents["row_bytes"] // w
                     # the kernel needs each key's address only (a word view per run costs tens of us of

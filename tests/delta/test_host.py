@@ -1,4 +1,4 @@
-"""The delta push's C++ host kernels (cpp/delta/, weightsync/runtime/delta_host.py) against torch, bit for
+"""The delta push's C++ host kernels (cpp/delta/, weightsync/delta/host.py) against torch, bit for
 bit: the compare's positions, values and reference update for every word size (random data, never zeros;
 NaN payloads, -0.0, denormals; the first and last word of every key; keys of odd lengths at unaligned
 addresses; nothing and everything changed; room for fewer changes than there are, one and several
@@ -16,8 +16,8 @@ import torch
 
 from tests.support.delta_paths import push_both_ways
 from weightsync._ext import _core
-from weightsync.runtime import delta_host
-from weightsync.runtime.delta import (
+from weightsync.delta import host as delta_host
+from weightsync.delta.sender import (
     BLOCK,
     ENC_BITMAP,
     ENC_IDX16,
@@ -354,7 +354,7 @@ def test_the_bitmap_encode_on_cpu_equals_the_torch_ops(monkeypatch: pytest.Monke
     """The sender's ENC_BITMAP index section set by C++ (``delta_bitmap_set``, the CPU path of the index
     writer) equals the one the torch ops write, byte for byte, from pieces of int64 and int32 positions
     with shifts, the buffers poisoned first; a position outside the stream is refused and sets nothing."""
-    from weightsync.runtime.delta import _IndexWriter
+    from weightsync.delta.sender import _IndexWriter
 
     g = torch.Generator().manual_seed(9)
     n = 5 * BLOCK + 3
@@ -460,7 +460,7 @@ def test_sender_on_cpu_compares_with_the_host_kernels_as_the_torch_ops_do() -> N
     compare: ref_done) and the torch path, from the same reference, find the same positions and values
     and leave the same reference; ``WEIGHTSYNC_DELTA_KERNELS=0`` keeps it on the torch ops."""
     import weightsync as ws
-    from weightsync.runtime.delta import DeltaSender
+    from weightsync.delta.sender import DeltaSender
 
     g = torch.Generator().manual_seed(5)
     shapes = {"emb": ((3, 4099), torch.bfloat16), "norm": ((5,), torch.bfloat16),
@@ -489,7 +489,7 @@ def test_sender_on_cpu_compares_with_the_host_kernels_as_the_torch_ops_do() -> N
 
 
 def test_the_environment_chooses_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightsync.runtime.delta import _kernels_wanted
+    from weightsync.delta.sender import _kernels_wanted
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("WEIGHTSYNC_DELTA_KERNELS", raising=False)
