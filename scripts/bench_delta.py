@@ -236,7 +236,7 @@ class Trainer:
         unchanged copy, median of ``repeat``. Nothing changed, so nothing is written: only the reads of
         the tensors and the reference that every delta push's compare makes, whatever else it does."""
         from weightsync.delta import host as delta_host
-        from weightsync.delta.sender import word_dtype
+        from weightsync.delta.units import word_dtype
 
         spaces: dict[int, list[torch.Tensor]] = {}
         for t in self.weights.values():
@@ -893,19 +893,19 @@ def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
     own, as a push sends its parts), and of one receiver scatter (``DeltaReceiver._scatter_all``) of
     them into ``before`` (the previous version's words, one tensor per space), which must equal the
     sender's tensors after it."""
-    from weightsync.delta.sender import (
+    from weightsync.delta.codec import (
         ENC_BITMAP,
         ENC_IDX16,
         ENC_STREAM,
         ENTRY_DTYPE,
         STREAM_DTYPE,
         WORDS,
-        DeltaReceiver,
-        _align,
         data_at,
         encode_into,
         sparse_sizes,
     )
+    from weightsync.delta.receiver import DeltaReceiver
+    from weightsync.delta.units import _align
 
     enc = {"idx16": ENC_IDX16, "bitmap": ENC_BITMAP}[encoding]
     spaces = sender._spaces

@@ -30,7 +30,7 @@ class DeltaTrainer:
     """One source holding the whole model on its GPU, updated in place before each push."""
 
     def __init__(self, group: str, min_part_bytes: int) -> None:
-        import weightsync.delta.sender as delta_module
+        import weightsync.delta.codec as delta_module
 
         # Every part filled: a kilobyte model would otherwise fill one part, and the early parts'
         # queued scatters would go untested (the source cuts the parts).

@@ -17,15 +17,8 @@ import torch
 from tests.support.delta_paths import push_both_ways
 from weightsync._ext import _core
 from weightsync.delta import host as delta_host
-from weightsync.delta.sender import (
-    BLOCK,
-    ENC_BITMAP,
-    ENC_IDX16,
-    _align,
-    _values_at,
-    encode_into,
-    sparse_sizes,
-)
+from weightsync.delta.codec import ENC_BITMAP, ENC_IDX16, _values_at, encode_into, sparse_sizes
+from weightsync.delta.units import BLOCK, _align
 
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FLOATS = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
@@ -354,7 +347,7 @@ def test_the_bitmap_encode_on_cpu_equals_the_torch_ops(monkeypatch: pytest.Monke
     """The sender's ENC_BITMAP index section set by C++ (``delta_bitmap_set``, the CPU path of the index
     writer) equals the one the torch ops write, byte for byte, from pieces of int64 and int32 positions
     with shifts, the buffers poisoned first; a position outside the stream is refused and sets nothing."""
-    from weightsync.delta.sender import _IndexWriter
+    from weightsync.delta.codec import _IndexWriter
 
     g = torch.Generator().manual_seed(9)
     n = 5 * BLOCK + 3
@@ -489,14 +482,14 @@ def test_sender_on_cpu_compares_with_the_host_kernels_as_the_torch_ops_do() -> N
 
 
 def test_the_environment_chooses_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightsync.delta.sender import _kernels_wanted
+    from weightsync.delta.backend import kernels_wanted
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("WEIGHTSYNC_DELTA_KERNELS", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert delta_host.wanted(cpu) and _kernels_wanted(cpu)
+    assert delta_host.wanted(cpu) and kernels_wanted(cpu)
     monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "0")
-    assert not delta_host.wanted(cpu) and not _kernels_wanted(cpu)
+    assert not delta_host.wanted(cpu) and not kernels_wanted(cpu)
     monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "1")
     assert delta_host.wanted(cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels under their interpreter (tests)

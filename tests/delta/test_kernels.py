@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.support.delta_paths import push_both_ways
-from weightsync.delta.sender import ENC_BITMAP, ENC_IDX16
+from weightsync.delta.codec import ENC_BITMAP, ENC_IDX16
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = ("odd", "none", "all", "one", "last", "special", "dense_tile")
@@ -170,15 +170,9 @@ def check_scatter(device: str, backend: str = "triton", enc: int = ENC_IDX16) ->
     import numpy as np
 
     import weightsync as ws
-    from weightsync.delta.sender import (
-        BLOCK,
-        ENC_STREAM,
-        ENTRY_DTYPE,
-        STREAM_DTYPE,
-        DeltaReceiver,
-        encode_into,
-        sparse_sizes,
-    )
+    from weightsync.delta.codec import ENC_STREAM, ENTRY_DTYPE, STREAM_DTYPE, encode_into, sparse_sizes
+    from weightsync.delta.receiver import DeltaReceiver
+    from weightsync.delta.units import BLOCK
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(3)
@@ -406,8 +400,9 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
     (read with the count), their order, the reference's update and a stream's encode read from there
     must be what torch gives; past the room the host searches the ordered changes."""
     from weightsync.delta import cuda as delta_cuda
-    from weightsync.delta.sender import _align, _IndexWriter, _values_at, decode, sparse_sizes, word_dtype
+    from weightsync.delta.codec import _IndexWriter, _values_at, decode, sparse_sizes
     from weightsync.delta.triton_kernels import Compactor
+    from weightsync.delta.units import _align, word_dtype
 
     dev = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(word)
@@ -539,7 +534,8 @@ def test_the_cuda_encode_matches_the_index_writer(word: int, enc: int) -> None:
     writer's torch ops write, byte for byte, both buffers poisoned first: its block counts and low bits
     or its bits, and its values."""
     from weightsync.delta import cuda as delta_cuda
-    from weightsync.delta.sender import _IndexWriter, _values_at, decode, sparse_sizes, word_dtype
+    from weightsync.delta.codec import _IndexWriter, _values_at, decode, sparse_sizes
+    from weightsync.delta.units import word_dtype
 
     dev = torch.device("cuda")
     mod = delta_cuda.module(dev)
@@ -623,16 +619,9 @@ def check_refused(device: str, enc: int, fault: str) -> None:
     import numpy as np
 
     import weightsync as ws
-    from weightsync.delta.sender import (
-        BLOCK,
-        ENC_STREAM,
-        ENTRY_DTYPE,
-        STREAM_DTYPE,
-        DeltaReceiver,
-        _align,
-        encode_into,
-        sparse_sizes,
-    )
+    from weightsync.delta.codec import ENC_STREAM, ENTRY_DTYPE, STREAM_DTYPE, encode_into, sparse_sizes
+    from weightsync.delta.receiver import DeltaReceiver
+    from weightsync.delta.units import BLOCK, _align
     from weightsync.errors import WeightSyncError
 
     dev = torch.device(device)

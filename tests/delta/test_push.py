@@ -24,22 +24,21 @@ import pytest
 import torch
 
 import weightsync as ws
-import weightsync.delta.sender as delta_module
-from weightsync.delta.sender import (
-    BLOCK,
+import weightsync.delta.codec as delta_codec
+from weightsync.delta.codec import (
     ENC_BITMAP,
     ENC_DENSE,
     ENC_EMPTY,
     ENC_IDX16,
-    DeltaSender,
     choose,
     decode,
     encode_into,
     placed,
     sparse_sizes,
-    word_dtype,
     write_word,
 )
+from weightsync.delta.sender import DeltaSender
+from weightsync.delta.units import BLOCK, word_dtype
 
 SHAPES = {"emb": (520, 136), "q": (16, 8), "k": (8, 8), "v": (8, 8), "gate": (12, 8), "up": (12, 8),
           "down": (8, 12), "norm": (8,), "x": (4, 8), "y": (6, 8)}
@@ -71,7 +70,7 @@ def test_codec_round_trip(n: int, k: int, w: int) -> None:
 def test_bitmap_built_and_read_in_slices(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     # Read in slices of 128 words (a model's stream is read in slices of BITMAP_SLICE words): words changed
     # at both ends of slices, a slice with none, and the last word; the bytes do not depend on the slice.
-    import weightsync.delta.sender as delta
+    import weightsync.delta.codec as delta
 
     local = torch.tensor(sorted({0, 1, 127, 128, 129, 255, 640, n - 2, n - 1} & set(range(n))),
                          dtype=torch.int64)
@@ -91,7 +90,7 @@ def test_bitmap_built_and_read_in_slices(monkeypatch: pytest.MonkeyPatch, n: int
 def test_encoding_built_a_few_positions_at_a_time(monkeypatch: pytest.MonkeyPatch, enc: int) -> None:
     # The index section is built SCRATCH positions at a time (2**25 in a push): 3 at a time, across block
     # and bitmap-word ends, gives the same bytes.
-    import weightsync.delta.sender as delta
+    import weightsync.delta.codec as delta
 
     n = BLOCK * 2 + 100
     local = torch.tensor([0, 1, 31, 32, 63, BLOCK - 1, BLOCK, BLOCK + 31, 2 * BLOCK + 99], dtype=torch.int64)
@@ -114,7 +113,7 @@ def test_idx16_from_pieces_with_shifts(dtype: torch.dtype, spans: bool) -> None:
     # writes): the low 16 bits and block counts are written from the pieces and shifts without widening
     # them (with ``spans``: only the blocks of each piece's stream words looked up), and must equal the
     # encoding of the shifted positions written at once.
-    from weightsync.delta.sender import _IndexWriter
+    from weightsync.delta.codec import _IndexWriter
 
     g = torch.Generator().manual_seed(5)
     # each piece: its words' place in the stream (lengths across block edges) and in its own space
@@ -154,7 +153,7 @@ def test_choose_break_even() -> None:
         enc, _ = choose(n, k, w)
         assert (enc == ENC_DENSE) == (min(sparse_sizes(n, k, w).values()) >= n * w)
     # the push decides for all its writes at once: the same choice
-    from weightsync.delta.sender import ENC_STREAM, _choose_many
+    from weightsync.delta.codec import ENC_STREAM, _choose_many
 
     rng = np.random.default_rng(3)
     for w in (1, 2, 4, 8):
@@ -166,7 +165,7 @@ def test_choose_break_even() -> None:
 
 
 def test_parts_cut_in_order() -> None:
-    from weightsync.delta.sender import SPAN_SHARES, SPANS, span_of
+    from weightsync.delta.codec import SPAN_SHARES, SPANS, span_of
 
     ten = np.full(10, 100)
     assert span_of(ten, 2, 1).tolist() == [0] * 5 + [1] * 5
@@ -360,7 +359,7 @@ class Team:
 def every_part_filled(monkeypatch: pytest.MonkeyPatch) -> None:
     # The models here are kilobytes: left to MIN_SPAN_BYTES every source would fill one part, and the
     # early parts' paths (scattered while the next is compared and sent) would go untested.
-    monkeypatch.setattr(delta_module, "MIN_SPAN_BYTES", 1)
+    monkeypatch.setattr(delta_codec, "MIN_SPAN_BYTES", 1)
 
 
 @pytest.fixture
@@ -498,7 +497,7 @@ def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_facto
 
 
 def test_a_small_model_fills_one_part_and_sends_the_others_empty(team_factory, monkeypatch) -> None:
-    monkeypatch.setattr(delta_module, "MIN_SPAN_BYTES", 1 << 28)  # as shipped: these kilobytes, one part
+    monkeypatch.setattr(delta_codec, "MIN_SPAN_BYTES", 1 << 28)  # as shipped: these kilobytes, one part
     team = team_factory("delta-one-part", ["tp0", "replica"], ["inplace", "staged"])
     assert all(int(s._delta._key_span.max()) == 0 for s in team.srcs)
     team.push()
@@ -517,7 +516,7 @@ def test_strided_source_rows_written_directly_and_compared_in_slices(team_factor
     # which cut tensors anywhere.
     import dataclasses
 
-    import weightsync.delta.sender as delta
+    import weightsync.delta.compare as delta
     from weightsync.runtime.source import Source
 
     info = Source._engine_info

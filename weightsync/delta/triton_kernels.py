@@ -1,4 +1,4 @@
-"""The delta sender's compare and the receiver's scatter on a GPU as Triton kernels (issue 18): what
+"""The delta sender's compare and the receiver's scatter on a GPU as Triton kernels: what
 :meth:`weightsync.delta.sender.DeltaSender._changed_words` and the per-key value gathers produce (the
 sorted int64 positions of a space's changed words and their new values), reading each current tensor and
 the reference once, and updating the reference in the same pass.
@@ -35,7 +35,7 @@ cumsum of the block counts, each changed word stored at ``block * 65536 + low16 
 Strided runs and bitmap streams keep the torch ops.
 
 The sender's compare runs here only where the CUDA C++ kernel (:mod:`weightsync.delta.cuda`,
-twice as fast) cannot be compiled, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``; the receiver's scatter runs
+faster) cannot be compiled, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``; the receiver's scatter runs
 here where ``triton`` imports. Both only on CUDA, unless ``WEIGHTSYNC_DELTA_KERNELS=0``. With Triton's
 interpreter (``TRITON_INTERPRET=1`` before triton is imported) and ``WEIGHTSYNC_DELTA_KERNELS=1`` the
 kernels also run on CPU tensors (the tests do that); without the interpreter they never run on CPU.
@@ -180,7 +180,7 @@ def _values_and_runs(payload: Any, vals_at: int, w: int, k: int, runs: Any) -> t
     """A stream's ``k`` values (``w``-byte words at byte ``vals_at`` of ``payload``) and ``runs`` as an
     int64 table; None where a run's target is not a whole number of words from the values (the kernels
     address targets in words)."""
-    from weightsync.delta.sender import word_dtype
+    from weightsync.delta.units import word_dtype
 
     vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
     table = np.asarray(runs, np.int64).reshape(-1, 6)
@@ -225,7 +225,7 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
     and sets the flag (a zeroed int32 on the device) ``refusal_flag()`` gives."""
     import torch
 
-    from weightsync.delta.sender import BLOCK, _align
+    from weightsync.delta.units import BLOCK, _align
 
     nb = -(-n // BLOCK)
     found = _values_and_runs(payload, vals_at, w, k, runs)
@@ -407,7 +407,7 @@ class Compactor:
             self.scratch_bytes += 8 * self.pending[2].ntiles  # the tiles' prefix
 
     def _note_cuda(self, nt: int, hint: int) -> None:
-        from weightsync.delta.sender import first_room
+        from weightsync.delta.units import first_room
 
         self.backend = "cuda"
         self.ref_updated = False
