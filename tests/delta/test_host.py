@@ -159,7 +159,7 @@ def test_room_for_fewer_writes_exactly_the_first_and_a_second_run_the_rest(w: in
     """cap below the count, on one thread and on several (the cap falling in a later thread's range, whose
     changes were put into the reference before the counts were known and must be taken back); the later
     threads' changes in the caller's scratch (room for all of them, or for 4096 each: then grown into the
-    heap part way) or in the kernel's own memory."""
+    heap span way) or in the kernel's own memory."""
     g = torch.Generator().manual_seed(10 * w + threads)
     sizes = [THREAD_WORDS * 2 + 17, 5, THREAD_WORDS + 3]
     keys, ref = _space(sizes, w, 0.05, g)

@@ -614,7 +614,7 @@ def check_refused(device: str, enc: int, fault: str) -> None:
     one change too many (an ENC_IDX16 block count one higher, an ENC_BITMAP bit more), where none is
     stored (a value past the stream's would be read); or the first entry's last change moved past the
     second entry's first word (the counts hold), where that change is not stored (it would land in the
-    first key past its end). Then, after the same stream scattered as an early part's (on CUDA queued,
+    first key past its end). Then, after the same stream scattered as an early span's (on CUDA queued,
     its flag unread; on CPU refused at once) and the version given up on, a good stream applies."""
     import numpy as np
 
@@ -680,7 +680,7 @@ def check_refused(device: str, enc: int, fault: str) -> None:
             assert all(torch.equal(bufs[key][0], start[key]) for key in start)
         else:  # that change is not stored (in key "a" it would lie past the end)
             assert int(bufs["b"][0][moved - half]) == int(start["b"][moved - half])
-        # queued as an early part's (its flag not read), then the version given up on: the next
+        # queued as an early span's (its flag not read), then the version given up on: the next
         # version's good stream applies, whatever flag the bad one left set
         recv._pending = [(entries, streams, 0)]
         if device == "cuda":

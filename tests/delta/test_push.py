@@ -164,7 +164,7 @@ def test_choose_break_even() -> None:
         assert _choose_many(ns, ks, w).tolist() == want
 
 
-def test_parts_cut_in_order() -> None:
+def test_spans_cut_in_order() -> None:
     from weightsync.delta.codec import SPAN_SHARES, SPANS, span_of
 
     ten = np.full(10, 100)
@@ -172,17 +172,17 @@ def test_parts_cut_in_order() -> None:
     assert span_of(ten, 4, 1, (1, 1, 1, 1)).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
     assert span_of(ten, SPANS, 1).tolist() == span_of(ten, SPANS, 1, SPAN_SHARES).tolist()
     assert span_of(ten, 1, 1).tolist() == [0] * 10
-    # a tensor goes with the part its first byte falls in: a dominant one alone in its part
+    # a tensor goes with the span its first byte falls in: a dominant one alone in its span
     assert span_of(np.array([1, 1000, 1, 1]), 2, 1).tolist() == [0, 0, 1, 1]
     assert span_of(np.zeros(3, np.int64), 3, 1).tolist() == [0, 0, 0]
-    # no part under min_bytes where that can be: fewer parts, the last ones empty
+    # no span under min_bytes where that can be: fewer spans, the last ones empty
     assert span_of(ten, 4, 300).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert span_of(ten, 4, 250).tolist() == span_of(ten, 4, 1).tolist()
     assert span_of(ten, 4, 10_000).tolist() == [0] * 10
-    # parts in proportion to their shares: the last one smaller
+    # spans in proportion to their shares: the last one smaller
     assert span_of(ten, 4, 1, (3, 3, 3, 1)).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
     assert span_of(ten, 2, 1, (4, 1)).tolist() == [0] * 8 + [1] * 2
-    # shares for another count of parts than are used: equal ones
+    # shares for another count of spans than are used: equal ones
     assert span_of(ten, 4, 300, (3, 3, 3, 1)).tolist() == span_of(ten, 3, 1).tolist()
 
 
@@ -357,8 +357,8 @@ class Team:
 
 @pytest.fixture(autouse=True)
 def every_part_filled(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The models here are kilobytes: left to MIN_SPAN_BYTES every source would fill one part, and the
-    # early parts' paths (scattered while the next is compared and sent) would go untested.
+    # The models here are kilobytes: left to MIN_SPAN_BYTES every source would fill one span, and the
+    # early spans' paths (scattered while the next is compared and sent) would go untested.
     monkeypatch.setattr(delta_codec, "MIN_SPAN_BYTES", 1)
 
 
@@ -463,7 +463,7 @@ def test_every_case_bitwise_on_inplace_and_staged_with_a_reader(team_factory) ->
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_factory, monkeypatch) -> None:
-    # The sources' tensors on the GPU: every part's CUDA compare is launched on a stream of its own at the
+    # The sources' tensors on the GPU: every span's CUDA compare is launched on a stream of its own at the
     # push's start, and a launched compare must see the tensors as the caller last updated them on its
     # stream. (GPU destinations cannot share this process: it cannot open its own CUDA IPC handles; the
     # replica of scripts/bench_delta.py is one, its bytes checked after every push.)
@@ -497,8 +497,8 @@ def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_facto
 
 
 def test_a_small_model_fills_one_part_and_sends_the_others_empty(team_factory, monkeypatch) -> None:
-    monkeypatch.setattr(delta_codec, "MIN_SPAN_BYTES", 1 << 28)  # as shipped: these kilobytes, one part
-    team = team_factory("delta-one-part", ["tp0", "replica"], ["inplace", "staged"])
+    monkeypatch.setattr(delta_codec, "MIN_SPAN_BYTES", 1 << 28)  # as shipped: these kilobytes, one span
+    team = team_factory("delta-one-span", ["tp0", "replica"], ["inplace", "staged"])
     assert all(int(s._delta._key_span.max()) == 0 for s in team.srcs)
     team.push()
     team.check()
@@ -570,12 +570,12 @@ def test_a_header_that_lands_before_its_payload_waits_for_it(team_factory, monke
         assert all(s.delta_destinations == [0, 1] for s in stats), (case, stats)
 
 
-def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, monkeypatch) -> None:
-    # A push sends its direct writes in parts, each scattered by the destination as soon as it has landed
-    # (weightsync.delta.sender.SPANS): with every source's final part held back, each destination has
-    # read the early parts' entries already, the inplace one shows their changes in its live tensors,
-    # and none has taken the version yet (the final part completes it).
-    team = team_factory("delta-parts", ["tp0", "replica"], ["inplace", "staged"])
+def test_early_spans_are_scattered_before_the_final_span_is_sent(team_factory, monkeypatch) -> None:
+    # A push sends its direct writes in spans, each scattered by the destination as soon as it has landed
+    # (weightsync.delta.sender.SPANS): with every source's final span held back, each destination has
+    # read the early spans' entries already, the inplace one shows their changes in its live tensors,
+    # and none has taken the version yet (the final span completes it).
+    team = team_factory("delta-spans", ["tp0", "replica"], ["inplace", "staged"])
     sends = DeltaSender.post_finals
     seen: list[tuple[list[int], list[int]]] = []
 
@@ -588,8 +588,8 @@ def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, m
 
     team.push()
     team.check()
-    assert all(len({sp.part for sp in s._delta._spaces.values()}) > 1 for s in team.srcs), \
-        "every tensor in one part: the test misses its point"
+    assert all(len({sp.span for sp in s._delta._spaces.values()}) > 1 for s in team.srcs), \
+        "every tensor in one span: the test misses its point"
     monkeypatch.setattr(DeltaSender, "post_finals", held_back)
     old = {k: v.clone() for k, v in team.dtensors[0].items()}
     team.set(step(team.full, "odd", seed=41))
@@ -600,12 +600,12 @@ def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, m
 
 
 def test_a_part_header_that_lands_before_its_payload_waits_for_it(team_factory, monkeypatch) -> None:
-    # As for the final part: each early part's header lands, and is seen, before its payload is posted.
-    def header_first(self: DeltaSender, rank: int, epoch: int, version: int, part: int, peer: Any,
+    # As for the final span: each early span's header lands, and is seen, before its payload is posted.
+    def header_first(self: DeltaSender, rank: int, epoch: int, version: int, span: int, peer: Any,
                      failed: dict[int, str]) -> list[tuple[int, Any]]:
-        pt = self.encode_span(rank, part)
-        self.header(rank, epoch, version, self._works[rank], part)
-        header = self._post_header(rank, epoch, version, peer, part)
+        pt = self.encode_span(rank, span)
+        self.header(rank, epoch, version, self._works[rank], span)
+        header = self._post_header(rank, epoch, version, peer, span)
         header.wait(10.0)
         time.sleep(0.05)
         out = [(rank, header)]
@@ -614,12 +614,12 @@ def test_a_part_header_that_lands_before_its_payload_waits_for_it(team_factory, 
 
             ib = self.inboxes[rank]
             out.append((rank, self.engine.write(ib.region, pt.at, peer, ib.payload, ib.offset + pt.at,
-                                                pt.nbytes, imm=delta_part_imm(epoch, version, part,
+                                                pt.nbytes, imm=delta_part_imm(epoch, version, span,
                                                                               header=False))))
         return out
 
     monkeypatch.setattr(DeltaSender, "post_span", header_first)
-    team = team_factory("delta-late-part", ["tp1", "replica"], ["staged", "inplace"])
+    team = team_factory("delta-late-span", ["tp1", "replica"], ["staged", "inplace"])
     team.push()
     team.check()
     for v, case in enumerate(["odd", "strided", "one"], start=1):
@@ -907,8 +907,8 @@ def test_a_payload_that_does_not_apply_abandons_its_version(team_factory) -> Non
     scatter = receiver._scatter_all
     failures: list[int] = []
 
-    def scatter_then_fail(shadow: int, parts: Any) -> None:
-        scatter(shadow, parts)  # the changes land in the live tensors, then the stream turns out corrupt
+    def scatter_then_fail(shadow: int, spans: Any) -> None:
+        scatter(shadow, spans)  # the changes land in the live tensors, then the stream turns out corrupt
         if not failures:
             failures.append(shadow)
             raise ValueError("delta_scatter_idx16: entry 3 lies outside its run (a test's corrupt stream)")

@@ -1,14 +1,14 @@
 """The delta payload's codec: what a payload holds (its entries, stream table and encoded streams),
 the encodings and their one size rule, and the spans a push is cut into.
 
-this source in that part (key index in the destination's sorted keys, encoding, word size, destination
+this source in that span (key index in the destination's sorted keys, encoding, word size, destination
 offset, rows, bytes per row, destination pitch, changed count, and for a sparse one its base in its
-stream), a table of :data:`STREAM_DTYPE` rows (one per word size), then the streams; the parts lie one
-after the other in this source's share of the payload area, which has room for every part's tables
-(they are reserved when a push starts; the streams take what is left, in part order). A write is sparse
+stream), a table of :data:`STREAM_DTYPE` rows (one per word size), then the streams; the spans lie one
+after the other in this source's share of the payload area, which has room for every span's tables
+(they are reserved when a push starts; the streams take what is left, in span order). A write is sparse
 (:data:`ENC_STREAM`) when its changes alone would encode smaller than the write; all sparse writes of one
-word size in a part are laid end to end (direct writes in the order of their words in the source's
-reference; in the final part the staged ones) and their changed words encoded as one stream. Dense
+word size in a span are laid end to end (direct writes in the order of their words in the source's
+reference; in the final span the staged ones) and their changed words encoded as one stream. Dense
 entries carry no data: their bytes landed where the plan put them (a staged destination copies them into
 its other shadow). A stream of
 ``n`` words of which ``k`` changed, ``w`` bytes a word, is encoded as the smaller of:
@@ -39,13 +39,13 @@ ENCODINGS = {ENC_DENSE: "dense", ENC_EMPTY: "empty", ENC_IDX16: "idx16", ENC_BIT
 WORDS = (1, 2, 4, 8)
 BITMAP_SLICE = 1 << 28  # words a bitmap is read in at a time (a multiple of 64: whole bytes)
 SCRATCH = 1 << 25  # stream positions put in a bitmap at a time (int64: 256 MiB at most)
-MAX_HEADERS = 1024  # header slots of an inbox per part: source ranks (weightsync.wire.MAX_SLOTS)
-# A push's early parts: the local tensors in order, cut into this many runs (span_of). Each part's direct
+MAX_HEADERS = 1024  # header slots of an inbox per span: source ranks (weightsync.wire.MAX_SLOTS)
+# A push's early spans: the local tensors in order, cut into this many runs (span_of). Each span's direct
 # writes are compared, decided, encoded and sent (entries, payload and header of their own), and a
-# destination scatters a part as soon as it has landed. On a GPU every part's compare is launched at the
+# destination scatters a span as soon as it has landed. On a GPU every span's compare is launched at the
 # push's start (back to back on a stream of lower priority, DeltaSender.prefetch) while the host decides
-# and encodes one part after another, so the compare overlaps the encode, transfer and apply of the parts
-# before; what follows the last span's compare is the one stretch nothing overlaps. The final part
+# and encodes one span after another, so the compare overlaps the encode, transfer and apply of the spans
+# before; what follows the last span's compare is the one stretch nothing overlaps. The final span
 # carries the staged writes and the tail and completes the version. At most 7
 # (weightsync.wire.delta_part_imm). Four was the fastest count measured (scripts/bench_delta.py): fewer
 # overlap less, more pay their fixed waits more often.
@@ -64,20 +64,20 @@ assert len(SPAN_SHARES) == SPANS
 MIN_SPAN_BYTES = 1 << 28
 
 
-def span_of(nbytes: np.ndarray, parts: int = SPANS, min_bytes: int | None = None,
+def span_of(nbytes: np.ndarray, spans: int = SPANS, min_bytes: int | None = None,
             shares: Sequence[int] | None = None) -> np.ndarray:
-    """Each tensor's part (``nbytes``: the tensors' bytes, in order): runs in order whose bytes are about
-    in proportion to ``shares`` (None: :data:`SPAN_SHARES`), as many as ``parts`` but none under
-    ``min_bytes`` (None: :data:`MIN_SPAN_BYTES`) where that can be (the rest empty, and the parts used
-    equal); a tensor goes with the part its first byte falls in (so one larger than a part has one to
-    itself, and the part after it may be empty)."""
+    """Each tensor's span (``nbytes``: the tensors' bytes, in order): runs in order whose bytes are about
+    in proportion to ``shares`` (None: :data:`SPAN_SHARES`), as many as ``spans`` but none under
+    ``min_bytes`` (None: :data:`MIN_SPAN_BYTES`) where that can be (the rest empty, and the spans used
+    equal); a tensor goes with the span its first byte falls in (so one larger than a span has one to
+    itself, and the span after it may be empty)."""
     nbytes = np.asarray(nbytes, np.int64)
     total = int(nbytes.sum())
     least = MIN_SPAN_BYTES if min_bytes is None else min_bytes
-    used = max(1, min(parts, total // max(least, 1)))
+    used = max(1, min(spans, total // max(least, 1)))
     want = list(SPAN_SHARES if shares is None else shares)
     w = np.asarray(want if len(want) == used else [1] * used, np.int64)
-    # part p starts at the first byte at or past its share of the total
+    # span p starts at the first byte at or past its share of the total
     starts = -(-np.cumsum(w)[:-1] * total // int(w.sum()))
     before = np.cumsum(nbytes) - nbytes
     return np.searchsorted(starts, before, side="right").astype(np.int64)
@@ -230,9 +230,9 @@ class _IndexWriter:
         else:
             raise WeightSyncError(f"internal: no sparse encoding {enc}")
 
-    def add(self, positions: Any, shift: int, span: tuple[int, int] | None = None) -> None:
+    def add(self, positions: Any, shift: int, within: tuple[int, int] | None = None) -> None:
         """The next positions: ``positions + shift`` (int32 or int64), all in the stream's words
-        ``span[0]:span[1]`` where given (only those blocks' counts are looked up)."""
+        ``within[0]:within[1]`` where given (only those blocks' counts are looked up)."""
         import torch
 
         if self.enc == ENC_IDX16:
@@ -246,7 +246,8 @@ class _IndexWriter:
             low = positions.view(torch.int16)[0::positions.element_size() // 2]
             torch.add(low, ((shift & 0xFFFF) ^ 0x8000) - 0x8000, out=self.low[self.done:self.done + m])
             # blocks b0:b1 may hold some of them; every one lies below the ends of the blocks after
-            b0, b1 = (span[0] // BLOCK, (span[1] - 1) // BLOCK + 1) if span is not None else (0, self.nb)
+            b0, b1 = ((within[0] // BLOCK, (within[1] - 1) // BLOCK + 1) if within is not None
+                      else (0, self.nb))
             ends = self.ends[b0:b1] - shift
             if positions.dtype != torch.int64:  # positions of int32 are in [0, 2**31 - 1)
                 ends = ends.clamp_(0, (1 << 31) - 1).to(positions.dtype)
@@ -353,12 +354,12 @@ def decode(buf: Any, enc: int, n: int, k: int, w: int) -> tuple[Any, Any]:
     elif enc == ENC_BITMAP:
         nbytes = -(-n // 8)
         shifts = torch.arange(8, dtype=torch.uint8, device=buf.device)
-        parts = []
+        spans = []
         # Bounded temporaries (one byte per word of a slice); each nonzero is one host synchronization.
         for lo in range(0, nbytes, BITMAP_SLICE // 8):
             bits = (buf[lo:min(lo + BITMAP_SLICE // 8, nbytes)].unsqueeze(1) >> shifts) & 1
-            parts.append(torch.nonzero(bits.reshape(-1)).reshape(-1) + 8 * lo)
-        local = parts[0] if len(parts) == 1 else torch.cat(parts)
+            spans.append(torch.nonzero(bits.reshape(-1)).reshape(-1) + 8 * lo)
+        local = spans[0] if len(spans) == 1 else torch.cat(spans)
     else:
         raise WeightSyncError(f"internal: no sparse encoding {enc}")
     o = _values_at(enc, n, k)
@@ -374,10 +375,10 @@ def placed(local: Any, base: int, row_words: int, pitch_words: int, rows: int) -
     return base + r * pitch_words + (local - r * row_words)
 
 
-def header_slot(rank: int, part: int | None = None) -> int:
-    """Where the header of source or destination ``rank`` lies in a header array: the final part's
-    first, then each early part's, MAX_HEADERS slots each."""
-    return (0 if part is None else 1 + part) * MAX_HEADERS + rank
+def header_slot(rank: int, span: int | None = None) -> int:
+    """Where the header of source or destination ``rank`` lies in a header array: the final span's
+    first, then each early span's, MAX_HEADERS slots each."""
+    return (0 if span is None else 1 + span) * MAX_HEADERS + rank
 
 
 def split_payload(total: int, sources: int) -> int:

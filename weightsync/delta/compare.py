@@ -4,10 +4,10 @@ reference (what it last pushed), and their new values.
 Everything here is torch ops on the tensors' own device (CPU or GPU), a few large ones per push rather
 than some per tensor or per write, and few host synchronizations (on a GPU each ``nonzero``, ``.cpu()``
 or plain host-to-device copy waits for the device; small tables go up pinned and non-blocking). The
-sender, per space (word size and part): per :data:`COMPARE_SLICE` words a change mask (one compare per
+sender, per space (word size and span): per :data:`COMPARE_SLICE` words a change mask (one compare per
 tensor in it) and one ``nonzero`` over it (the changed words' positions in the reference, sorted, into
 one buffer); one ``searchsorted`` of every tensor's and every compared direct write's bounds, and one
-copy of those counts to the host for the part's spaces at once; one gather of the new values per tensor.
+copy of those counts to the host for the span's spaces at once; one gather of the new values per tensor.
 Which writes go sparse is then decided on the host from the counts. A destination's stream is its writes'
 changed words, which for direct writes adjacent in the reference are one slice of those positions plus a
 constant: per such run of writes one copy of the values and the index section written from that slice and
@@ -21,11 +21,11 @@ one key and one placement with one indexed copy.
 On CUDA (unless ``WEIGHTSYNC_DELTA_KERNELS=0``) the sender's compare is device kernels instead: the
 changed words' positions and values found reading each tensor and the reference once. First choice, CUDA
 C++ compiled at run time with NVRTC (:mod:`weightsync.delta.cuda`: each tile's changes collected
-where an atomic counter puts them; one host synchronization per space). Every part's collect is
+where an atomic counter puts them; one host synchronization per space). Every span's collect is
 launched at the push's start; once the announces are out, the search of each one's bounds (how many
 changes lie before each) is queued too, on a stream of their own that waits for it on the device
-(:meth:`DeltaSender.search_ahead`), so the host only waits for each part's answers and launches nothing
-between the last compare and the last part's decisions. The changes are never put in order on that path:
+(:meth:`DeltaSender.search_ahead`), so the host only waits for each span's answers and launches nothing
+between the last compare and the last span's decisions. The changes are never put in order on that path:
 the encode (either encoding's index: an ENC_BITMAP's bits or-ed in, one atomic per 32-bit word a warp's
 changes fall in) and the reference's update read them where the collect left them (``ws_order`` runs only
 for what wants them in order: strided writes, a collect past its room). The reference is
@@ -48,10 +48,10 @@ updated in it, the sender's bitmap bits, and the receiver's scatter of an ENC_ID
 runs (of an ENC_BITMAP stream's too, its bits read into 16-bit indices first).
 
 Host synchronizations of a delta push on a GPU: the sender's ``nonzero`` (or the kernels' count) per
-:data:`COMPARE_SLICE` words of each space, per part one copy of the counts, two more when direct writes
-read strided source rows, and one wait before the engine reads each destination's part payload; one after
+:data:`COMPARE_SLICE` words of each space, per span one copy of the counts, two more when direct writes
+read strided source rows, and one wait before the engine reads each destination's span payload; one after
 the reference's update; per staged chunk one ``nonzero`` and one copy of counts per inbox destination.
-The receiver's, per part: one copy of the headers' entries, one wait after the scatters (and, where the
+The receiver's, per span: one copy of the headers' entries, one wait after the scatters (and, where the
 CUDA kernels scattered, a read of their refusal flags), and, for a bitmap stream the torch ops decode
 (without the CUDA kernels, or a strided write's), one ``nonzero`` per :data:`BITMAP_SLICE` words.
 """
@@ -83,11 +83,11 @@ class Compare:
     # -- one push ----------------------------------------------------------------------------------
     def start(self) -> None:
         """At the push's start: takes the first reference, or starts comparing the tensors with it. Where
-        the CUDA kernels run, every part's compare is only launched (back to back on a stream of their
+        the CUDA kernels run, every span's compare is only launched (back to back on a stream of their
         own, :meth:`prefetch`) and the host goes on: the device compares without a gap while the host
-        decides, encodes and posts each part in turn (their scratch is alive at once). Elsewhere nothing
-        is compared yet: :meth:`overlap_grants` compares the first part once the announces are out (the
-        others as their part is decided, :meth:`decide`)."""
+        decides, encodes and posts each span in turn (their scratch is alive at once). Elsewhere nothing
+        is compared yet: :meth:`overlap_grants` compares the first span once the announces are out (the
+        others as their span is decided, :meth:`decide`)."""
         import torch
 
         t0 = time.perf_counter()
@@ -114,19 +114,19 @@ class Compare:
                     sp.ref[a:b].copy_(self._views[key])
             self._spent("compare", t0)
         else:
-            for part in range(SPANS):
-                self.prefetch(part)
+            for span in range(SPANS):
+                self.prefetch(span)
 
-    def prefetch(self, part: int) -> bool:
-        """Launches the CUDA compare of ``part``'s spaces on the compare stream and returns without
-        waiting for the device, so that the GPU compares one part while the host decides, encodes and
+    def prefetch(self, span: int) -> bool:
+        """Launches the CUDA compare of ``span``'s spaces on the compare stream and returns without
+        waiting for the device, so that the GPU compares one span while the host decides, encodes and
         posts the one before (:meth:`compare` finishes it). The stream waits for everything queued on
         the current one first (the caller's updates of the tensors; the reference's update,
         :meth:`settle`). False where nothing was launched (no CUDA kernels here, or already)."""
         import torch
 
-        if not self.enabled or self.base < 0 or part >= SPANS or part in self._compared or \
-                part in self._launched or not self.use_kernels or self.device.type != "cuda":
+        if not self.enabled or self.base < 0 or span >= SPANS or span in self._compared or \
+                span in self._launched or not self.use_kernels or self.device.type != "cuda":
             return False
         t0 = time.perf_counter()
         if self._compare_stream is None:
@@ -135,18 +135,18 @@ class Compare:
         self._compare_stream.wait_stream(torch.cuda.current_stream(self.device))
         launched = False
         for sp in self._spaces.values():
-            if sp.part == part:
+            if sp.span == span:
                 launched |= self._compactor(sp).launch([self._views[k] for k in sp.keys], sp.ref, sp.hint,
                                                        self._compare_stream)
         if launched:
-            self._launched.add(part)
+            self._launched.add(span)
         self._spent("compare", t0)
         return launched
 
     def overlap_grants(self) -> None:
         """What the push does while its grants travel, once the announces are out: on a GPU, queues the
         launched compares' searches (:meth:`search_ahead`); where nothing was launched (CPU tensors, the
-        torch path), compares the first part, which the first grant's decisions need (on CPU that
+        torch path), compares the first span, which the first grant's decisions need (on CPU that
         compare is most of the push: the grants' round trip now overlaps it instead of following it)."""
         if self._launched:
             self.search_ahead()
@@ -156,7 +156,7 @@ class Compare:
     def search_ahead(self) -> None:
         """After :meth:`start` launched the compares: queues the searches of each one's space's query
         (where each key's and each inbox write's changes start) on a stream of their own, each waiting for
-        its compare on the device, so that :meth:`compare` waits for the device once per part and launches
+        its compare on the device, so that :meth:`compare` waits for the device once per span and launches
         nothing. Apart from start: these launches cost host time that the compares do not wait for (the
         announces go first)."""
         import torch
@@ -165,10 +165,10 @@ class Compare:
             return
         t0 = time.perf_counter()
         if self._order_stream is None:
-            # above the compares (priority 0): a part's searches run as soon as its compare is done
+            # above the compares (priority 0): a span's searches run as soon as its compare is done
             self._order_stream = torch.cuda.Stream(self.device, priority=-1)
         for s, sp in self._spaces.items():
-            if sp.part in self._launched and sp.compactor is not None:
+            if sp.span in self._launched and sp.compactor is not None:
                 sp.compactor.search_ahead(self._query_on_device(s, sp), self._order_stream)
         self._spent("compare", t0)
 
@@ -182,22 +182,22 @@ class Compare:
             self._ref_ready = None
 
     def compare_all(self) -> None:
-        """Every part compared (the reference must take all of this push's changes, whether or not a
+        """Every span compared (the reference must take all of this push's changes, whether or not a
         destination asked for them): before the push checks that its tensors did not change."""
-        for part in range(SPANS):
-            self.compare(part)
+        for span in range(SPANS):
+            self.compare(span)
 
-    def compare(self, part: int) -> None:
-        """The spaces of ``part`` compared with their reference (once a push): the changed positions (one
+    def compare(self, span: int) -> None:
+        """The spaces of ``span`` compared with their reference (once a push): the changed positions (one
         nonzero per slice of COMPARE_SLICE words, or the kernels), then where each key's and each inbox
         write's changes start among them (one searchsorted per space, one copy to the host for all), the
         new values (one gather per key) and the strided writes' own changes."""
         import torch
 
-        if not self.enabled or self.base < 0 or part in self._compared:
+        if not self.enabled or self.base < 0 or span in self._compared:
             return
         t0 = time.perf_counter()
-        spaces = {s: sp for s, sp in self._spaces.items() if sp.part == part}
+        spaces = {s: sp for s, sp in self._spaces.items() if sp.span == span}
         cuts: list[Any] = []  # per space its searches' answers: on the host (search_ahead), or a tensor
         for s, sp in spaces.items():
             sp.idx = sp.vals = sp.tiles = None
@@ -212,14 +212,14 @@ class Compare:
             query = self._query_on_device(s, sp)
             ahead = getattr(sp.compactor, "cuts", None) if found is not None else None
             cuts.append(ahead if ahead is not None else torch.searchsorted(sp.idx, query))
-        mark("source %d: part %d changes ordered", self.rank, part)
+        mark("source %d: span %d changes ordered", self.rank, span)
         on_device = [c for c in cuts if not isinstance(c, np.ndarray)]
         if on_device:  # one copy to the host for every space's
             read = iter(np.split(torch.cat(on_device).cpu().numpy(),
                                  np.cumsum([int(c.numel()) for c in on_device])[:-1]))
             cuts = [c if isinstance(c, np.ndarray) else next(read) for c in cuts]
         host = np.concatenate(cuts) if cuts else np.zeros(0, np.int64)
-        mark("source %d: part %d cuts read", self.rank, part)
+        mark("source %d: span %d cuts read", self.rank, span)
         at = 0
         for s, sp in spaces.items():
             w = sp.word
@@ -249,7 +249,7 @@ class Compare:
                 if f["strided"].any():
                     strided.append((rank, np.flatnonzero(f["strided"])))
             self._select_strided(s, sp, strided)
-        self._compared.add(part)
+        self._compared.add(span)
         self._spent("compare", t0)
 
     def _changed_words_kernels(self, sp: _Space) -> tuple[Any, Any] | Any | None:
@@ -282,7 +282,7 @@ class Compare:
     @property
     def scratch_bytes(self) -> int:
         """The kernels' scratch of the last push, every space's (slots and counts, from torch's caching
-        allocator on the device; not in ``ref_bytes``): a push launches every part's compare at its start,
+        allocator on the device; not in ``ref_bytes``): a push launches every span's compare at its start,
         so all of it is alive at once."""
         return sum(sp.compactor.scratch_bytes for sp in self._spaces.values() if sp.compactor is not None)
 
@@ -327,12 +327,12 @@ class Compare:
         """The positions whose place among the changed ones a push looks up: the keys' starts and the
         total, then per inbox (in order) each compared direct write's first word and the word after its
         last."""
-        parts = [sp.starts]
+        bounds = [sp.starts]
         for ib in self.inboxes.values():
             f = ib.flat.get(space)
             if f is not None:
-                parts.append(np.stack([f["start"], f["start"] + f["span"]], 1).reshape(-1))
-        return np.concatenate(parts).astype(np.int64)
+                bounds.append(np.stack([f["start"], f["start"] + f["extent"]], 1).reshape(-1))
+        return np.concatenate(bounds).astype(np.int64)
 
     def _query_on_device(self, space: int, sp: _Space) -> Any:
         """:meth:`_query` on the device, made once per plan (``load`` forgets it)."""
@@ -342,8 +342,8 @@ class Compare:
 
     def _select_strided(self, s: int, sp: _Space, strided: list[tuple[int, np.ndarray]]) -> None:
         """The changes of the strided direct writes (source rows with words between them that are not
-        theirs) among the changed words in their span, as indices into their own words, for all inboxes
-        at once: two host synchronizations when any such write has changes in its span."""
+        theirs) among the changed words in their extent, as indices into their own words, for all inboxes
+        at once: two host synchronizations when any such write has changes in its extent."""
         import torch
 
         sp.strided_local = sp.strided_vals = None
@@ -356,11 +356,11 @@ class Compare:
             tables.append(np.stack([h["lo"], h["hi"] - h["lo"], f["start"], f["row_words"],
                                     f["pitch_words"]]))
         t = np.concatenate(tables, 1)
-        spans = t[1]
-        total = int(spans.sum())
-        seg = np.concatenate([[0], np.cumsum(spans)]).astype(np.int64)
+        lengths = t[1]
+        total = int(lengths.sum())
+        seg = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         if total:
-            dev = _to_device(np.concatenate([t[0] - seg[:-1], t[2], t[3], t[4], spans]).reshape(5, -1),
+            dev = _to_device(np.concatenate([t[0] - seg[:-1], t[2], t[3], t[4], lengths]).reshape(5, -1),
                              self.device)
             n = t.shape[1]
             jid = torch.repeat_interleave(torch.arange(n, device=self.device), dev[4], output_size=total)

@@ -126,7 +126,7 @@ def _table(rows: Any, device: Any) -> Any:
 class Collect:
     """A space's ``ws_collect`` launched on a stream, its count not yet read: the tiles' counts and places,
     the scratch of (16-bit word, value) per change, the count copied to pinned host memory and an event
-    after that copy. The caller's host goes on (deciding and encoding another part) while the device
+    after that copy. The caller's host goes on (deciding and encoding another span) while the device
     compares; :func:`finish` reads the count. :meth:`search_ahead` queues the caller's searches too, so
     that the host waits once, for everything, and gets the changes as the collect left them
     (:class:`TileChanges`), never put in order on the push's path."""

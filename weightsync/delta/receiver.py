@@ -45,7 +45,7 @@ class DeltaReceiver:
         self.device = device
         self.rank = rank
         self.keys = sorted(buffers)
-        self.headers = np.full(MAX_HEADERS * (1 + SPANS), -1, HEADER_RECORD)  # header_slot(source, part)
+        self.headers = np.full(MAX_HEADERS * (1 + SPANS), -1, HEADER_RECORD)  # header_slot(source, span)
         self.header_region = engine.register(self.headers, name=f"destination {rank} delta headers")
         self.payload = torch.zeros(max(int(nbytes), ALIGN), dtype=torch.uint8, device=device)
         self.payload_region = engine.register(self.payload, name=f"destination {rank} delta payload")
@@ -54,11 +54,11 @@ class DeltaReceiver:
         # ENC_IDX16 streams' contiguous runs scattered by a device kernel (CUDA C++ or Triton)
         self.use_kernels = kernels_wanted(device)
         self.scatter_backend = ""  # the kernels of the last scatter by kernel
-        # CUDA: the entries are read on a stream of their own, so that reading a part's does not wait
-        # for the scatter of the part before it (queued on the current stream)
+        # CUDA: the entries are read on a stream of their own, so that reading a span's does not wait
+        # for the scatter of the span before it (queued on the current stream)
         self._read_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pinned: Any = None  # CUDA: the host memory the entries are read into
-        # this version's entries, streams and payload offset, per part read and source; those not yet
+        # this version's entries, streams and payload offset, per span read and source; those not yet
         # scattered
         self._entries: list[tuple[np.ndarray, np.ndarray, int]] = []
         self._pending: list[tuple[np.ndarray, np.ndarray, int]] = []
@@ -85,7 +85,7 @@ class DeltaReceiver:
         return version
 
     def granted(self, shadow: int) -> None:
-        # An early part's scatter of a version given up on may still run: it ends before a byte of the
+        # An early span's scatter of a version given up on may still run: it ends before a byte of the
         # new version can land (in the shadow or the payload it reads).
         self._sync_device()
         self.holds[shadow] = -1  # bytes of the new version may land in it from now on
@@ -96,23 +96,23 @@ class DeltaReceiver:
         self._refused_what = []
         self.apply_seconds = 0.0
 
-    def read_headers(self, sources: Sequence[int], epoch: int, version: int, part: int | None = None) -> int:
-        """The immediates the headers of the version's final part (``part`` None: its data immediates) or
-        of early part ``part`` (its payload's) announce (every one of those headers has arrived). Only
+    def read_headers(self, sources: Sequence[int], epoch: int, version: int, span: int | None = None) -> int:
+        """The immediates the headers of the version's final span (``span`` None: its data immediates) or
+        of early span ``span`` (its payload's) announce (every one of those headers has arrived). Only
         the header records are read: the entries and streams lie in the payload, which may land after
         its header (nothing orders two writes on the wire); :meth:`read_entries` takes them once the
         announced immediates, the payload's among them, have all arrived."""
         total = 0
         self._heads = []
-        what = "final part" if part is None else f"part {part}"
+        what = "final span" if span is None else f"span {span}"
         for r in sources:
-            h = self.headers[header_slot(r, part)]
+            h = self.headers[header_slot(r, span)]
             if int(h["version"]) != version or int(h["epoch"]) != epoch:
                 raise WeightSyncError(f"delta header ({what}) of source {r} names version "
                                       f"{int(h['version'])} of plan epoch {int(h['epoch'])}, not {version} "
                                       f"of {epoch}")
             total += int(h["imms"])
-            # entries, then (past the room for all of them) the streams; a part without entries has no
+            # entries, then (past the room for all of them) the streams; a span without entries has no
             # payload
             if int(h["entries"]) > 0:
                 self._heads.append((r, int(h["offset"]), int(h["entries"]), int(h["room"]),
@@ -120,7 +120,7 @@ class DeltaReceiver:
         return total
 
     def read_entries(self) -> None:
-        """The entries and streams of the part whose headers :meth:`read_headers` read, in one copy to
+        """The entries and streams of the span whose headers :meth:`read_headers` read, in one copy to
         the host: call it once every immediate the headers announce has arrived (the payloads are in
         place). They are scattered by the next :meth:`apply`."""
         import torch
@@ -131,12 +131,12 @@ class DeltaReceiver:
         # The payload was written by the sources (or copied in by this engine's landing copies, done
         # before their immediates count): nothing queued on this device precedes the read. On CUDA it is
         # copied by the copy engines, on a stream of its own: a kernel (a concatenation) would wait for
-        # the SMs that the last part's scatter fills.
+        # the SMs that the last span's scatter fills.
         total = sum(size for *_, size in heads)
         if self._read_stream is None:
             host = torch.cat([self.payload[off:off + size] for _, off, _, _, size in heads]).numpy()
         else:
-            # kept from part to part (the entries and streams are copied out of it before the next read)
+            # kept from span to span (the entries and streams are copied out of it before the next read)
             if self._pinned is None or int(self._pinned.numel()) < total:
                 self._pinned = torch.empty(max(total, 1 << 16), dtype=torch.uint8, pin_memory=True)
             pinned = self._pinned
@@ -184,7 +184,7 @@ class DeltaReceiver:
 
     def apply(self, shadow: int, wait: bool = True) -> None:
         """Scatters the sparse entries read since the last apply into buffer ``shadow``; ``wait``: until
-        the device has (an early part's need not: the next part's entries are read meanwhile, and the
+        the device has (an early span's need not: the next span's entries are read meanwhile, and the
         version's last apply waits for every scatter queued before it)."""
         t0 = time.perf_counter()
         pending, self._pending = self._pending, []
@@ -195,16 +195,16 @@ class DeltaReceiver:
         self.apply_seconds += time.perf_counter() - t0
 
     def _stream_name(self, off: int, word: int, enc: int) -> str:
-        """The ``word``-byte stream (encoding ``enc``) of the part at payload byte ``off``, by its source."""
+        """The ``word``-byte stream (encoding ``enc``) of the span at payload byte ``off``, by its source."""
         what = f"{word}-byte ENC_{ENCODINGS[enc].upper()} stream"
         heads = [o for _, _, o in self._entries]
         if off in heads and len(self._sources) == len(heads):
             return f"source {self._sources[heads.index(off)]}'s {what}"
-        return f"the {what} of the part at payload byte {off}"
+        return f"the {what} of the span at payload byte {off}"
 
     def _refusal_flag(self, off: int, word: int, enc: int) -> Any:
         """A zeroed device flag (int32) for the kernel that scatters the ``word``-byte stream (encoding
-        ``enc``) of the part at payload byte ``off`` to set where the stream does not match its entries.
+        ``enc``) of the span at payload byte ``off`` to set where the stream does not match its entries.
         Zeroed here, on the stream the kernel runs on: a version given up on may have left its flags set,
         unread."""
         import torch
@@ -235,7 +235,7 @@ class DeltaReceiver:
                                   "(its changed words are not as many as it says, or fall outside their "
                                   "writes)")
 
-    def _scatter_all(self, shadow: int, parts: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> None:
+    def _scatter_all(self, shadow: int, spans: Sequence[tuple[np.ndarray, np.ndarray, int]]) -> None:
         """Per source and word size: decodes its stream once, then scatters each run of its entries that
         go into one key with one placement (contiguous ones whose stream and destination offsets differ
         by the same amount, or strided ones) with one indexed copy. With the kernels, an ENC_IDX16
@@ -248,7 +248,7 @@ class DeltaReceiver:
 
         host = delta_host.wanted(self.device)
 
-        for entries, streams, off in parts:
+        for entries, streams, off in spans:
             for st in streams:
                 k, w = int(st["k"]), int(st["word"])
                 if k == 0:

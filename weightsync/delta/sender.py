@@ -71,37 +71,37 @@ class DeltaSender(Compare):
         self.inboxes: dict[int, _Inbox] = {}
         self.lead: int | None = None  # in a relay chain: the member whose inbox holds the push's work
         self._alias: dict[int, int] = {}  # a relay chain's head -> its lead (the staged writes name the head)
-        # header outbox: per part (the final one first) a slot per destination rank
+        # header outbox: per span (the final one first) a slot per destination rank
         self.headers = np.zeros(MAX_HEADERS * (1 + SPANS), HEADER_RECORD)
         self.header_region = engine.register(self.headers, name=f"source {rank} delta headers")
         self.words = {k: self._key_word(t) for k, t in locals_.items()}
         self._key_index = {k: i for i, k in enumerate(locals_)}
-        # Parts: the local tensors in order, cut into SPANS runs (span_of).
+        # Spans: the local tensors in order, cut into SPANS runs (span_of).
         nbytes = np.array([int(t.nbytes) if isinstance(t, np.ndarray) else
                            int(t.numel()) * int(t.element_size()) for t in locals_.values()], np.int64)
         self._key_span = span_of(nbytes)
-        # The reference's layout: per part and word size a space, its keys end to end (in the order of the
+        # The reference's layout: per span and word size a space, its keys end to end (in the order of the
         # local tensors).
         self._spaces: dict[int, _Space] = {}
         self._start = np.full(len(locals_), -1, np.int64)  # key index -> its first word in its space
         self._space_of = np.full(len(locals_), -1, np.int64)  # key index -> its space
-        for part in range(SPANS):
+        for span in range(SPANS):
             for w in WORDS:
                 keys = [k for k in locals_
-                        if self.words[k] == w and self._key_span[self._key_index[k]] == part]
+                        if self.words[k] == w and self._key_span[self._key_index[k]] == span]
                 if not keys:
                     continue
                 sizes = np.array([int(locals_[k].numel()) for k in keys], np.int64)
                 starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
                 s = len(self._spaces)
-                self._spaces[s] = _Space(w, keys, starts, part)
+                self._spaces[s] = _Space(w, keys, starts, span)
                 for k, a in zip(keys, starts[:-1].tolist(), strict=True):
                     self._start[self._key_index[k]] = a
                     self._space_of[self._key_index[k]] = s
         self._views = {k: words(locals_[k], sp.word) for sp in self._spaces.values() for k in sp.keys}
         self._referenced = False  # whether the reference holds a push's values (from the first push on)
-        self._compared: set[int] = set()  # the parts this push compared with it
-        self._launched: set[int] = set()  # the parts whose compare this push launched (CUDA kernels)
+        self._compared: set[int] = set()  # the spans this push compared with it
+        self._launched: set[int] = set()  # the spans whose compare this push launched (CUDA kernels)
         self._compare_stream: Any = None  # the CUDA stream the launched compares run on
         self._order_stream: Any = None  # the CUDA stream their searches run on (search_ahead)
         self._hits: dict[int, dict[int, np.ndarray]] = {}  # this push: rank -> space -> _HIT_DTYPE rows
@@ -144,7 +144,7 @@ class DeltaSender(Compare):
             self.engine.deregister(region)
         self.inboxes = {}
 
-    def load(self, part: Any, rounds: Sequence[Any], src_keys: Sequence[str], tails: Mapping[int, Any],
+    def load(self, plan_part: Any, rounds: Sequence[Any], src_keys: Sequence[str], tails: Mapping[int, Any],
              dests: Mapping[int, Any], dpos_keys: Mapping[int, Sequence[str]], sources: int) -> None:
         """A new plan part: the inboxes of this source's destinations and its writes into each. The
         staging chunks' references go (the chunks are cut anew); the tensors' stay, and so does their
@@ -158,15 +158,15 @@ class DeltaSender(Compare):
         self.chunk_refs = {}
         for sp in self._spaces.values():
             sp.query = None  # the writes' bounds change with the plan
-        keys = part.keys
+        keys = plan_part.keys
         # A staging chunk is compared in words of its smallest element (FP8 values: bytes).
-        cw = np.full(len(part.chunks), 8, np.int64)
-        for c in part.copies:
+        cw = np.full(len(plan_part.chunks), 8, np.int64)
+        for c in plan_part.copies:
             kind = int(c["kind"])
             if kind == C_RAW:
                 w = self.words.get(keys[int(c["key"])], 1) or 1
             elif kind == C_CAST:
-                w = DTYPE_SIZES[part.plan.dst_dtype[int(c["tensor"])]]
+                w = DTYPE_SIZES[plan_part.plan.dst_dtype[int(c["tensor"])]]
             elif kind == C_SCALE:
                 w = 4
             elif kind == C_FP8:
@@ -179,7 +179,7 @@ class DeltaSender(Compare):
         # entries and payload (one layout, and for a delta one version), straight from this source, into
         # its own inbox, and the writes sent as planned through the chain. The first such member (the
         # lead) holds the push's work, the others share it and its send buffer.
-        chain = list(part.relay)
+        chain = list(plan_part.relay)
         self.lead = None
         self._alias = {}
         members = [r for r in (chain or dests) if DELTA_KEY in dests[r].target.descriptors]
@@ -188,7 +188,7 @@ class DeltaSender(Compare):
             self._alias = {chain[0]: self.lead}
             shared = min(split_payload(struct.unpack("<q", dests[r].target.descriptors[DELTA_KEY][2])[0],
                                        sources) for r in members)
-        w = part.writes
+        w = plan_part.writes
         staged = w[(w["staged"] == 1) & (w["kind"] == K_DATA)]
         lead_keys: list[str] | None = None
         for rank in members:
@@ -209,7 +209,7 @@ class DeltaSender(Compare):
                 lead = self.inboxes[self.lead]
                 ib.fixed, ib.fixed_imms, ib.direct, ib.capacity = lead.fixed, lead.fixed_imms, lead.direct, \
                     lead.capacity
-                ib.part, ib.round_len, ib.tables = lead.part, lead.round_len, lead.tables
+                ib.span, ib.round_len, ib.tables = lead.span, lead.round_len, lead.tables
                 ib.send, ib.region = lead.send, lead.region  # the lead's work: nothing compared for this one
                 self.inboxes[rank] = ib
                 continue
@@ -241,11 +241,11 @@ class DeltaSender(Compare):
                                   self.engine.imm_count(rb, True, nr)))
             ib.direct = np.array(rows_, _DIRECT_DTYPE) if rows_ else np.zeros(0, _DIRECT_DTYPE)
             ib.flat = self._flat(ib.direct)
-            ib.part = self._key_span[ib.direct["key"]]
+            ib.span = self._key_span[ib.direct["key"]]
             slot = dests[into].target.slot
             ib.capacity = int((staged["dst_rank"] == slot).sum()) + len(ib.fixed)
-            # the entry and stream tables: every early part's, then the final one's
-            need = ib.tables = sum(data_at(int((ib.part == p).sum())) for p in range(SPANS)) + \
+            # the entry and stream tables: every early span's, then the final one's
+            need = ib.tables = sum(data_at(int((ib.span == p).sum())) for p in range(SPANS)) + \
                 data_at(ib.capacity)
             if need > share:
                 raise WeightSyncError(
@@ -270,7 +270,7 @@ class DeltaSender(Compare):
             f["row"] = rows
             f["start"] = self._start[e["key"]] + e["src_off"] // w
             f["strided"] = (e["rows"] > 1) & (e["src_pitch"] != e["row_bytes"])
-            f["span"] = np.where(f["strided"], (e["rows"] - 1) * e["src_pitch"] + e["row_bytes"],
+            f["extent"] = np.where(f["strided"], (e["rows"] - 1) * e["src_pitch"] + e["row_bytes"],
                                  e["rows"] * e["row_bytes"]) // w
             f["n"] = e["rows"] * e["row_bytes"] // w
             f["row_words"] = e["row_bytes"] // w
@@ -280,7 +280,7 @@ class DeltaSender(Compare):
 
     def begin(self, rank: int, base: int, dense_bytes: int) -> DeltaWork:
         """The work of a push to inbox destination ``rank``, which can take a delta on version ``base``
-        (-1: none): a delta if the reference holds that version. Its parts are decided one by one
+        (-1: none): a delta if the reference holds that version. Its spans are decided one by one
         (:meth:`decide`), the staged writes follow (:meth:`staged`), the final payload is encoded at
         :meth:`finalize`. No device work."""
         ib = self.inboxes[rank]
@@ -290,25 +290,25 @@ class DeltaSender(Compare):
         self._works[rank] = work
         return work
 
-    def decide(self, rank: int, part: int) -> dict[int, np.ndarray] | None:
-        """Part ``part`` of the push to ``rank`` (compared first if it was not): which of its direct writes
+    def decide(self, rank: int, span: int) -> dict[int, np.ndarray] | None:
+        """Span ``span`` of the push to ``rank`` (compared first if it was not): which of its direct writes
         go sparse (their changes smaller than the write, and within the room left in this source's share
         of the inbox) and which as planned. Returns the latter, round index -> mask over the round's
-        writes ({}: none; None: every write of every round, a dense push's first part). Once a push."""
+        writes ({}: none; None: every write of every round, a dense push's first span). Once a push."""
         work = self._works[rank]
-        if len(work.parts) > part:
-            return work.parts[part].keep
-        assert len(work.parts) == part, "parts are decided in order"
+        if len(work.spans) > span:
+            return work.spans[span].keep
+        assert len(work.spans) == span, "spans are decided in order"
         if work.delta:
-            self.compare(part)
+            self.compare(span)
         t0 = time.perf_counter()
         ib = self.inboxes[rank]
-        sel = np.flatnonzero(ib.part == part)  # its direct writes (rows of ib.direct)
+        sel = np.flatnonzero(ib.span == span)  # its direct writes (rows of ib.direct)
         d = ib.direct[sel]
         enc = np.full(len(sel), ENC_DENSE, np.int32)
         counts = np.zeros(len(sel), np.int64)
-        mine = {s: f for s, f in ib.flat.items() if self._spaces[s].part == part}
-        at = {s: np.searchsorted(sel, f["row"]) for s, f in mine.items()}  # their rows in the part's entries
+        mine = {s: f for s, f in ib.flat.items() if self._spaces[s].span == span}
+        at = {s: np.searchsorted(sel, f["row"]) for s, f in mine.items()}  # their rows in the span's entries
         direct: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         changed = 0
         if work.delta:
@@ -337,8 +337,8 @@ class DeltaSender(Compare):
         work.planned_imms += int(d["imms"][dense].sum())
         work.planned_bytes += int((d["rows"] * d["row_bytes"])[dense].sum())
         keep: dict[int, np.ndarray] | None
-        if not work.delta:  # every write as planned, all posted with the first part
-            keep = None if part == 0 else {}
+        if not work.delta:  # every write as planned, all posted with the first span
+            keep = None if span == 0 else {}
         else:
             keep = {}
             for ri in np.unique(d["round"][dense]).tolist():
@@ -346,14 +346,14 @@ class DeltaSender(Compare):
                 mask = np.zeros(ib.round_len[int(ri)], bool)
                 mask[d["pos"][m]] = True
                 keep[int(ri)] = mask
-        work.parts.append(_Span(rows, direct, keep, changed))
-        mark("source %d: part %d entries chosen", self.rank, part)
+        work.spans.append(_Span(rows, direct, keep, changed))
+        mark("source %d: span %d entries chosen", self.rank, span)
         self._spent("begin", t0)
         return keep
 
     def _fit(self, work: DeltaWork, mine: Mapping[int, np.ndarray], at: Mapping[int, np.ndarray],
              enc: np.ndarray) -> None:
-        """The streams of a part's sparse direct writes (``enc``; ``mine`` per space, ``at`` their rows in
+        """The streams of a span's sparse direct writes (``enc``; ``mine`` per space, ``at`` their rows in
         ``enc``), within the room left in this source's share of the inbox: where all of them do not fit,
         writes go as planned instead from the first that does not. Takes their room."""
         hits = self._hits.get(work.rank, {})
@@ -388,7 +388,7 @@ class DeltaSender(Compare):
         work.room -= size
 
     def _take(self, work: DeltaWork, piece: _Piece) -> int:
-        """Whether a staged write's changes travel in its word size's stream of the final part
+        """Whether a staged write's changes travel in its word size's stream of the final span
         (ENC_STREAM; ENC_EMPTY: none changed) or the write goes as planned (ENC_DENSE: its changes would
         not be smaller, or the streams would no longer fit the room left in this source's share)."""
         n, k, w = piece.n, piece.k, piece.word
@@ -457,13 +457,13 @@ class DeltaSender(Compare):
         self._spent("staged", t0)
         return keep
 
-    def encode_span(self, rank: int, part: int) -> _Span:
-        """Early part ``part`` of the push to ``rank`` (decided) encoded into the send buffer after the
-        parts before it; once a push (a relay chain's members share it)."""
+    def encode_span(self, rank: int, span: int) -> _Span:
+        """Early span ``span`` of the push to ``rank`` (decided) encoded into the send buffer after the
+        spans before it; once a push (a relay chain's members share it)."""
         import torch
 
         work = self._works[rank]
-        pt = work.parts[part]
+        pt = work.spans[span]
         if pt.at >= 0:
             return pt
         t0 = time.perf_counter()
@@ -475,23 +475,23 @@ class DeltaSender(Compare):
         work.at += _align(pt.nbytes)
         work.payload_bytes += pt.nbytes
         if self.device.type == "cuda" and pt.nbytes:
-            mark("source %d: part %d encode queued", self.rank, part)
+            mark("source %d: span %d encode queued", self.rank, span)
             torch.cuda.current_stream(self.device).synchronize()  # the engine reads the send buffer
         self._spent("finalize", t0)
         return pt
 
     def finalize(self, rank: int) -> DeltaWork:
-        """The final part of ``rank``'s push (every early part is decided and encoded by now): the staged
-        writes' streams, the entries (the tail's last) and the stream table, after the early parts;
+        """The final span of ``rank``'s push (every early span is decided and encoded by now): the staged
+        writes' streams, the entries (the tail's last) and the stream table, after the early spans;
         returns the work with its final figures."""
         import torch
 
         work = self._works[rank]
         if work.final:
             return work  # a relay chain member: the lead's payload, encoded once
-        for part in range(SPANS):  # parts no destination asked for (a push that posted none)
-            self.decide(rank, part)
-            self.encode_span(rank, part)
+        for span in range(SPANS):  # spans no destination asked for (a push that posted none)
+            self.decide(rank, span)
+            self.encode_span(rank, span)
         t0 = time.perf_counter()
         ib = self.inboxes[rank]
         work.final_at = work.at
@@ -512,11 +512,11 @@ class DeltaSender(Compare):
     def _encode(self, ib: _Inbox, at0: int, cap: int, blocks: list[np.ndarray],
                 direct: Mapping[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]], pieces: list[_Piece],
                 tail: np.ndarray) -> tuple[int, int]:
-        """One part's payload written at byte ``at0`` of the send buffer, with room for ``cap`` entries:
+        """One span's payload written at byte ``at0`` of the send buffer, with room for ``cap`` entries:
         per word size its stream (the sparse direct writes of ``direct``: space, _FLAT_DTYPE and _HIT_DTYPE
         rows by start, their entries' rows in ``blocks[0]``; then the sparse staged ``pieces``), the
         stream table and the entries (``blocks`` then ``tail``). Returns (bytes, entries); (0, 0) for a
-        part without entries (nothing is written or sent)."""
+        span without entries (nothing is written or sent)."""
         entries = np.concatenate([*blocks, tail]) if blocks or len(tail) else np.zeros(0, ENTRY_DTYPE)
         if len(entries) > cap:
             raise WeightSyncError(f"internal: {len(entries)} delta entries for destination {ib.rank}, room "
@@ -525,7 +525,7 @@ class DeltaSender(Compare):
             return 0, 0
         streams = np.zeros(len(WORDS), STREAM_DTYPE)
         streams["word"] = WORDS
-        at = data_at(cap)  # from the part's start
+        at = data_at(cap)  # from the span's start
         for j, w in enumerate(WORDS):
             s, f, h, pos = direct.get(w, (-1, np.zeros(0, _FLAT_DTYPE), np.zeros(0, _HIT_DTYPE),
                                           np.zeros(0, np.int64)))
@@ -588,7 +588,7 @@ class DeltaSender(Compare):
 
             mod = delta_cuda.module(sp.ref.device)
         # Groups in stream order: a strided write alone, or writes that follow each other in the reference
-        # (one slice of its changed positions); each group's changes, and where they start among the part's.
+        # (one slice of its changed positions); each group's changes, and where they start among the span's.
         m = len(f)
         strided = f["strided"]
         brk = np.ones(m, bool)
@@ -609,9 +609,9 @@ class DeltaSender(Compare):
             # ENC_BITMAP: bits or-ed into its section, nothing counted
             target, counts = (index.bits, None) if bitmap else (index.low, index.kernel_counts())
             if tiles is not None:
-                span = tiles.tile_range(int(f["start"][first[groups]].min()),
-                                        int((f["start"][last[groups]] + f["span"][last[groups]]).max()))
-                tiles.encode(runs, span, target, values, counts, bitmap)
+                tile_range = tiles.tile_range(int(f["start"][first[groups]].min()),
+                                        int((f["start"][last[groups]] + f["extent"][last[groups]]).max()))
+                tiles.encode(runs, tile_range, target, values, counts, bitmap)
             else:
                 delta_cuda.encode_runs(mod, sp.idx, sp.vals, runs, target, values, counts, bitmap)
 
@@ -658,45 +658,45 @@ class DeltaSender(Compare):
         for r in ranks:
             self._works[r] = work
 
-    def header(self, rank: int, epoch: int, version: int, work: DeltaWork, part: int | None = None) -> int:
-        """Fills the header record of ``rank``'s final part (``part`` None) or of early part ``part`` in
+    def header(self, rank: int, epoch: int, version: int, work: DeltaWork, span: int | None = None) -> int:
+        """Fills the header record of ``rank``'s final span (``span`` None) or of early span ``span`` in
         the outbox; returns its slot (the same slot of the destination's header array, less this
         source's rank plus ``rank``: :func:`header_slot`)."""
         ib = self.inboxes[rank]
-        slot = header_slot(rank, part)
-        if part is None:
+        slot = header_slot(rank, span)
+        if span is None:
             self.headers[slot] = (epoch, version, work.imms, ib.offset + work.final_at, work.final_bytes,
                                   work.entries, work.changed, ib.capacity)
         else:
-            pt = work.parts[part]
+            pt = work.spans[span]
             self.headers[slot] = (epoch, version, pt.imms, ib.offset + pt.at, pt.nbytes, len(pt.rows),
                                   pt.changed, len(pt.rows))
         return slot
 
     # -- the push's face (weightsync.runtime.source), in the protocol's order: load (a plan epoch), start
     # and overlap_grants (announce), has_inbox, lead, begin, share (grants), decide (rounds), chunk and
-    # staged (staging), post_span (parts), post_finals and compare_all (tails), finish (acks), stats and
+    # staged (staging), post_span (spans), post_finals and compare_all (tails), finish (acks), stats and
     # overflow_note (stats). The other members serve these and the tests.
     def has_inbox(self, rank: int) -> bool:
         """Whether destination ``rank`` takes deltas (has an inbox in this plan epoch)."""
         return rank in self.inboxes
 
-    def post_span(self, rank: int, epoch: int, version: int, part: int, peer: Any,
+    def post_span(self, rank: int, epoch: int, version: int, span: int, peer: Any,
                   failed: dict[int, str]) -> list[tuple[int, Any]]:
-        """Early part ``part`` of ``rank``'s delta: its payload (entries and encoded changes; none for a
-        part without writes), then its header, each with the part's own immediate. Nothing orders the
+        """Early span ``span`` of ``rank``'s delta: its payload (entries and encoded changes; none for a
+        span without writes), then its header, each with the span's own immediate. Nothing orders the
         two on the wire: the destination reads the payload only once the immediates the header
         announces are in. A failed post is recorded in ``failed``."""
-        pt = self.encode_span(rank, part)
-        self.header(rank, epoch, version, self._works[rank], part)
+        pt = self.encode_span(rank, span)
+        self.header(rank, epoch, version, self._works[rank], span)
         ib = self.inboxes[rank]
         out: list[tuple[int, Any]] = []
         try:
             if pt.nbytes:
-                imm = delta_part_imm(epoch, version, part, header=False)
+                imm = delta_part_imm(epoch, version, span, header=False)
                 out.append((rank, self.engine.write(ib.region, pt.at, peer, ib.payload, ib.offset + pt.at,
                                                     pt.nbytes, imm=imm)))
-            out.append((rank, self._post_header(rank, epoch, version, peer, part)))
+            out.append((rank, self._post_header(rank, epoch, version, peer, span)))
         except TransportError as exc:
             failed[rank] = str(exc)
         return out
@@ -724,13 +724,13 @@ class DeltaSender(Compare):
                 failed[rank] = str(exc)
         return out
 
-    def _post_header(self, rank: int, epoch: int, version: int, peer: Any, part: int | None = None) -> Any:
-        """Posts the header record of ``rank``'s final part (``part`` None) or early part ``part``."""
+    def _post_header(self, rank: int, epoch: int, version: int, peer: Any, span: int | None = None) -> Any:
+        """Posts the header record of ``rank``'s final span (``span`` None) or early span ``span``."""
         hdr = self.headers.itemsize
-        imm = delta_header_imm(epoch, version) if part is None else \
-            delta_part_imm(epoch, version, part, header=True)
-        return self.engine.write(self.header_region, header_slot(rank, part) * hdr, peer,
-                                 self.inboxes[rank].header, header_slot(self.rank, part) * hdr, hdr, imm=imm)
+        imm = delta_header_imm(epoch, version) if span is None else \
+            delta_part_imm(epoch, version, span, header=True)
+        return self.engine.write(self.header_region, header_slot(rank, span) * hdr, peer,
+                                 self.inboxes[rank].header, header_slot(self.rank, span) * hdr, hdr, imm=imm)
 
     def stats(self, works: Mapping[int, DeltaWork], sent: Sequence[int]) -> dict[str, Any]:
         """This push's delta figures for PushStats: ``works`` per inbox destination, ``sent`` the
@@ -779,7 +779,7 @@ class DeltaSender(Compare):
         for c, changed in self._chunk_changed.items():
             if changed is not None:
                 words(self.chunk_refs[c], int(self.chunk_words[c]))[changed[0]] = changed[1]
-        # A part left uncompared would leave its spaces' reference behind: the next push is then dense.
+        # A span left uncompared would leave its spaces' reference behind: the next push is then dense.
         whole = self.base < 0 or len(self._compared) == SPANS
         self._chunk_changed, self._hits, self._compared = {}, {}, set()
         if self.device.type == "cuda":

@@ -1,5 +1,5 @@
 """What a source keeps per plan epoch (per space of its reference, per inbox destination) and per push
-(per destination: its spans and final part) for its delta pushes."""
+(per destination: its spans and final span) for its delta pushes."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ _DIRECT_DTYPE = np.dtype([("round", "<i8"), ("pos", "<i8"), ("key", "<i4"), ("dk
                           ("src_off", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"), ("row_bytes", "<i8"),
                           ("src_pitch", "<i8"), ("dst_pitch", "<i8"), ("imms", "<i8")])
 # A compared direct write where its words lie in its word size's reference: its row in ``_Inbox.direct``,
-# its first word and the words from it to its last one (``span``; strided rows: the rows between count),
+# its first word and the words from it to its last one (``extent``; strided rows: the rows between count),
 # its own words ``n``, and for strided source rows their words and pitch in words.
-_FLAT_DTYPE = np.dtype([("row", "<i8"), ("start", "<i8"), ("span", "<i8"), ("n", "<i8"),
+_FLAT_DTYPE = np.dtype([("row", "<i8"), ("start", "<i8"), ("extent", "<i8"), ("n", "<i8"),
                         ("row_words", "<i8"), ("pitch_words", "<i8"), ("strided", "?")])
 # What one push found in a compared direct write: its changed words are positions ``lo:hi`` of the
 # reference's changed positions (contiguous writes) or ``at:at + k`` of the strided writes' selection.
@@ -32,7 +32,7 @@ class _Space:
     word: int
     keys: list[str]
     starts: np.ndarray  # first word of each key, then the total
-    part: int = 0  # the push part its keys are sent in
+    span: int = 0  # the push span its keys are sent in
     ref: Any = None  # the reference: the keys' words as last pushed (one flat tensor)
     query: Any = None  # on the device: the keys' starts and every inbox's compared direct writes' bounds
     # this push: the changed words' positions (sorted int64) and new values, where each key's start in
@@ -74,10 +74,10 @@ class _Inbox:
     flat: dict[int, np.ndarray] = field(default_factory=dict)  # word size -> its compared ones, by start
     fixed: np.ndarray = field(default_factory=lambda: np.zeros(0, ENTRY_DTYPE))  # the tail: as planned
     fixed_imms: int = 0
-    part: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per direct write: its part
+    span: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per direct write: its span
     round_len: dict[int, int] = field(default_factory=dict)  # round index -> writes in it
-    capacity: int = 0  # entries at most of the final part (staged, tail)
-    tables: int = 0  # bytes of every part's entry and stream tables (reserved at the push's start)
+    capacity: int = 0  # entries at most of the final span (staged, tail)
+    tables: int = 0  # bytes of every span's entry and stream tables (reserved at the push's start)
     relay: bool = False  # a relay chain member: the writes sent as planned reach it through the chain,
     # counted there, so its header announces the payload's immediates only
     send: Any = None  # the payload as sent (entries, then data), on this source's device
@@ -102,7 +102,7 @@ class _Piece:
 
 @dataclass
 class _Span:
-    """One early part of a push to one destination as decided: the entries of its direct writes, per
+    """One early span of a push to one destination as decided: the entries of its direct writes, per
     space its sparse ones (_FLAT_DTYPE and _HIT_DTYPE rows, by start, and their rows in ``rows``), which
     of its writes go as planned (round index -> mask over the round's writes; None: all of every round),
     and once encoded where its payload lies in the send buffer, its bytes and the immediates its write
@@ -119,16 +119,16 @@ class _Span:
 
 @dataclass
 class DeltaWork:
-    """What one push sends one inbox destination: its early parts (:class:`_Span`, decided one by one)
-    and the final part (staged writes and the tail), and once final the header figures."""
+    """What one push sends one inbox destination: its early spans (:class:`_Span`, decided one by one)
+    and the final span (staged writes and the tail), and once final the header figures."""
 
     rank: int
     delta: bool
     dense_bytes: int  # bytes a dense push sends it
-    parts: list[_Span] = field(default_factory=list)
-    at: int = 0  # where the next part's payload starts in the send buffer
-    room: int = 0  # bytes left for streams (every part's tables are reserved)
-    payload_bytes: int = 0  # bytes of every part's payload, the final one's included
+    spans: list[_Span] = field(default_factory=list)
+    at: int = 0  # where the next span's payload starts in the send buffer
+    room: int = 0  # bytes left for streams (every span's tables are reserved)
+    payload_bytes: int = 0  # bytes of every span's payload, the final one's included
     imms: int = 0  # data immediates of the final header (writes as planned, the final payload)
     entries: int = 0
     wire_bytes: int = 0  # bytes this source sends it this version (payloads, dense writes)
@@ -138,7 +138,7 @@ class DeltaWork:
     # source's share of the inbox: their bytes, and what their streams would have taken
     overflow_bytes: int = 0
     overflow_stream_bytes: int = 0
-    # the final part being built: entry rows of the staged writes (blocks), the sparse ones, per word size
+    # the final span being built: entry rows of the staged writes (blocks), the sparse ones, per word size
     # the words and changed words of its stream so far; the immediates and bytes of every write as planned
     rows: list[np.ndarray] = field(default_factory=list)
     pieces: list[_Piece] = field(default_factory=list)
