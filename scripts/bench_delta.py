@@ -42,9 +42,9 @@ over TCP loopback at least 5x faster than dense.
 ``--micro``: the source and the destination in this process (threads; only the coordinator is a Ray
 actor), one delta group, the same Adam steps (``--adam`` alike); it prints the sender's encode and the
 receiver's apply seconds per push (what ``PushStats`` reports) and checks the bytes after every push. It
-is the figure to watch while working on weightsync/runtime/delta.py: on a busy CPU the TCP pushes of the
+is the figure to watch while working on weightsync/delta/sender.py: on a busy CPU the TCP pushes of the
 full benchmark vary by more than the encode does. ``--baseline OLD_DELTA.py`` (for instance ``git show
-426276a:weightsync/runtime/delta.py > /tmp/delta_old.py``) adds a second group whose source and
+426276a:weightsync/delta/sender.py > /tmp/delta_old.py``) adds a second group whose source and
 destination use that file's delta classes, over the same tensors, pushed in alternating order after every
 step: a before/after comparison under the same load.
 
@@ -53,7 +53,7 @@ gathered and, on the kernel path, the reference updated; ``begin``, the host's c
 ``finalize``, the streams' index sections and values written; ``finish``, the torch path's reference
 update), beside ``transfer`` (the push's seconds less apply and the encode before ``finish``, which
 overlaps the apply: the wire, the grant and the acks) and ``apply`` (the receiver's scatter); each line
-names the compare path that ran: ``kernel`` (the Triton kernels of weightsync/runtime/delta_kernels.py,
+names the compare path that ran: ``kernel`` (the Triton kernels of weightsync/delta/triton_kernels.py,
 on CUDA with triton, unless WEIGHTSYNC_DELTA_KERNELS=0) or ``torch``. ``--ab`` adds a third group,
 ``delta-torch``: another delta source over the same tensors whose sender uses the torch path, into a
 third replica whose receiver scatters with torch ops too, pushed in alternating order with ``delta``
@@ -232,11 +232,11 @@ class Trainer:
         return out
 
     def compare_floor(self, repeat: int = 5) -> dict[str, Any]:
-        """CPU: the host compare (weightsync.runtime.delta_host, on its threads) of the weights against an
+        """CPU: the host compare (weightsync.delta.host, on its threads) of the weights against an
         unchanged copy, median of ``repeat``. Nothing changed, so nothing is written: only the reads of
         the tensors and the reference that every delta push's compare makes, whatever else it does."""
-        from weightsync.runtime import delta_host
-        from weightsync.runtime.delta import word_dtype
+        from weightsync.delta import host as delta_host
+        from weightsync.delta.units import word_dtype
 
         spaces: dict[int, list[torch.Tensor]] = {}
         for t in self.weights.values():
@@ -647,7 +647,7 @@ def check_replicas(trainer: Any, rollout: Any, groups: dict[str, str], lr: float
 
 
 def _delta_classes(path: str) -> tuple[Any, Any]:
-    """DeltaSender and DeltaReceiver of a delta module file (an older weightsync/runtime/delta.py)."""
+    """DeltaSender and DeltaReceiver of a delta module file (an older weightsync/delta/sender.py)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_delta_baseline", path)
@@ -783,7 +783,7 @@ def compare_only(args: argparse.Namespace) -> dict[str, Any]:
     scatter of it (one entry per tensor) into the previous version, by the kernels and the torch ops on
     alternate steps, timed and checked."""
     from scripts.bench_worker import DTYPE, checkpoint_tensors
-    from weightsync.runtime.delta import DeltaSender
+    from weightsync.delta.sender import DeltaSender
 
     dev = _device() if args.device == "cuda" else torch.device("cpu")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -893,19 +893,19 @@ def _apply_once(engine: Any, sender: Any, before: dict[int, torch.Tensor],
     own, as a push sends its parts), and of one receiver scatter (``DeltaReceiver._scatter_all``) of
     them into ``before`` (the previous version's words, one tensor per space), which must equal the
     sender's tensors after it."""
-    from weightsync.runtime.delta import (
+    from weightsync.delta.codec import (
         ENC_BITMAP,
         ENC_IDX16,
         ENC_STREAM,
         ENTRY_DTYPE,
         STREAM_DTYPE,
         WORDS,
-        DeltaReceiver,
-        _align,
         data_at,
         encode_into,
         sparse_sizes,
     )
+    from weightsync.delta.receiver import DeltaReceiver
+    from weightsync.delta.units import _align
 
     enc = {"idx16": ENC_IDX16, "bitmap": ENC_BITMAP}[encoding]
     spaces = sender._spaces
@@ -992,7 +992,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--micro", action="store_true",
                     help="source and destination in this process: encode and apply seconds only")
     ap.add_argument("--baseline", default="", help="--micro: also push through a second group using the "
-                    "delta classes of this file (an older weightsync/runtime/delta.py), interleaved")
+                    "delta classes of this file (an older weightsync/delta/sender.py), interleaved")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     for key, on_gpu, on_cpu in (("model", "llama-3-8b", "llama-small"), ("steps", 5, 3)):

@@ -35,13 +35,13 @@ sys.path.insert(0, ROOT)
 # delta_kernels imports nothing of the package at import time: loaded from its file so that this script
 # runs where the C++ engine is not built
 _spec = importlib.util.spec_from_file_location("delta_kernels",
-                                               os.path.join(ROOT, "weightsync/runtime/delta_kernels.py"))
+                                               os.path.join(ROOT, "weightsync/delta/triton_kernels.py"))
 assert _spec is not None and _spec.loader is not None
 dk = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dk)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
-BLOCK = 65536  # the idx16 stream's block (weightsync.runtime.delta.BLOCK)
+BLOCK = 65536  # the idx16 stream's block (weightsync.delta.sender.BLOCK)
 LLAMA_WORDS = 8_030_261_248
 _tile = dk._tile  # a JITFunction global: the compiled kernels below call it
 
@@ -540,7 +540,7 @@ def main() -> None:
 
         if not args.only:
             b.record("compare", "torch nonzero path", b.torch_compare, cmp_bytes, b.restore, b.check_compact)
-        # as a push runs it: the CUDA C++ kernels (weightsync.runtime.delta_cuda; the reference left to the
+        # as a push runs it: the CUDA C++ kernels (weightsync.delta.cuda; the reference left to the
         # caller: also timed with its update as DeltaSender.finish does it) and the Triton kernels (slices of
         # slots, the reference updated); hint = this push's count, as a push after one alike
         for backend in ("cuda", "triton"):
@@ -565,10 +565,11 @@ def main() -> None:
                          b.check_compact)
             del comp
         os.environ.pop("WEIGHTSYNC_DELTA_KERNELS", None)
-        # the CUDA kernels' compile-time choices (weightsync/runtime/delta_cuda.py's macros): rounds of
+        # the CUDA kernels' compile-time choices (weightsync/delta/cuda.py's macros): rounds of
         # 16-byte chunks per tile, blocks per SM the collect kernel's registers are limited for
         if gpu:
-            from weightsync.runtime import delta_cuda, nvrtc
+            from weightsync.delta import cuda as delta_cuda
+            from weightsync.delta import nvrtc
 
             for rounds, blocks in [(8, 0), (8, 3), (4, 0), (4, 4), (16, 0), (2, 0)]:
                 label = f"cuda compare ROUNDS={rounds} MIN_BLOCKS={blocks}"

@@ -45,3 +45,16 @@ def test_immediate_tags_never_collide() -> None:
              wire.gathered_imm(31, 5)]
     assert [k >> 29 for k in kinds] == [0b011, 0b100, 0b101, 0b110]
     assert wire.ANNOUNCE not in kinds and wire.ACK not in kinds
+
+
+def test_the_delta_kernels_source_ships_beside_its_module() -> None:
+    """The CUDA kernels are read from kernels.cu, which includes block.h (the ENC_IDX16 block the C++ host
+    kernels and the codec take too): both lie inside the package, so a wheel and an editable install carry
+    them (wheel.packages copies a package's data files)."""
+    from weightsync.delta import cuda, units
+
+    delta = ROOT / "weightsync" / "delta"
+    assert cuda.SOURCE == (delta / "kernels.cu").read_text()
+    assert '#include "block.h"' in cuda.SOURCE
+    assert "#define WS_DELTA_BLOCK_BITS 16" in (delta / "block.h").read_text()
+    assert units.BLOCK == 1 << 16

@@ -141,7 +141,7 @@ def gathered_imm(epoch: int, version: int) -> int:
 
 def delta_header_imm(epoch: int, version: int) -> int:
     """A source's delta header of ``version`` landed in a destination's delta inbox
-    (weightsync.runtime.delta): top bits 0b1110, never equal to any other kind (0xEFFFFFFF at most)."""
+    (weightsync.delta.sender): top bits 0b1110, never equal to any other kind (0xEFFFFFFF at most)."""
     return 0xE0000000 | ((epoch & 0xF) << 24) | (version & 0xFFFFFF)
 
 
@@ -149,7 +149,7 @@ DELTA_PARTS_MAX = 7  # early parts of a delta push at most (part 7 of a header c
 
 
 def delta_part_imm(epoch: int, version: int, part: int, header: bool) -> int:
-    """Early part ``part`` of a delta push of ``version`` (weightsync.runtime.delta): its header landed
+    """Early part ``part`` of a delta push of ``version`` (weightsync.delta.sender): its header landed
     (``header``) or a piece of its payload did. Top bits 0b11111, so above every grant immediate
     (0xF003FFFF at most) and, with ``part`` below :data:`DELTA_PARTS_MAX`, below ACK and ANNOUNCE
     (0xFF7FFFFF at most). The version's low 20 bits and the epoch's low 3: every part of every version

@@ -5,6 +5,7 @@
 // changed words found as one bit per word (no per-word compares), each change written out and into the
 // reference while its line is in cache.
 #include "delta/host_delta.hpp"
+#include "block.h"  // weightsync/delta/block.h: the ENC_IDX16 block, shared with the CUDA kernels
 
 #include <algorithm>
 #include <condition_variable>
@@ -38,7 +39,7 @@ using u8 = unsigned char;
 // Below this many words a thread costs more to start than it saves.
 constexpr int64_t kMinWordsPerThread = int64_t(1) << 18;
 constexpr int kMaxThreads = 256;
-constexpr int64_t kBlockWords = 65536;  // ENC_IDX16: words per block (weightsync.runtime.delta.BLOCK)
+constexpr int64_t kBlockWords = WS_DELTA_BLOCK_WORDS;  // ENC_IDX16: words per block
 
 inline uint64_t load64(const u8* p) {
   uint64_t v;
@@ -201,9 +202,8 @@ void scan(const u8* cur, u8* ref, int64_t pos, int64_t n, Sink& sink) {
 #if WS_HOST_DELTA_AVX2
 // The vector path (x86-64 CPUs with AVX2 and BMI1, chosen at run time). Its reason is branches: changes
 // fall at random, so any branch on "this block / lane / word changed" mispredicts about as often as it
-// is taken, and each mispredict throws away the loads in flight. At 2% of BF16 words changed, the scalar
-// path's branches made it three times slower than its reads (55 ms against 17 ms for 0.45 GB on a 2-core
-// EPYC VM). Here the words go in chunks of 64: a chunk's change mask (one bit per word) by vector
+// is taken, and each mispredict throws away the loads in flight: at a few percent of BF16 words changed a
+// branchy scalar path runs several times slower than its reads. Here the words go in chunks of 64: a chunk's change mask (one bit per word) by vector
 // compares, then its first kSlots changes written without a branch (positions from the mask's lowest
 // bits, each slot written whatever the count: the sink has room, and the count advances by the bits set),
 // the rest (a chunk with more than kSlots changes: rare at RL's rates) by a loop; the changed 32-byte
@@ -517,8 +517,8 @@ void scatter_w(const std::vector<int64_t>& ends, const uint16_t* low, const u8* 
         while (j >= ends[b + 1]) ++b;
         const int64_t e = std::min(stop, ends[b + 1]);
         const int64_t first = int64_t(b) * kBlockWords;  // the block's first stream position
-        // A block whose every position lies in the run and lands in the key needs no check per entry (a
-        // third less time than checking each: 2.1M entries into 0.225 GB, 2 threads, 9-10 ms against 12-17).
+        // A block whose every position lies in the run and lands in the key needs no check per entry
+        // (checking each costs a good share of the scatter's time).
         const bool inside = first >= run.pos_lo && first + kBlockWords <= run.pos_hi && first + run.shift >= 0 &&
                             first + kBlockWords + run.shift <= run.words;
         if (inside) {

@@ -1,4 +1,4 @@
-// The delta push's work on host memory (issue 18): the sender's compare of a word space with its
+// The delta push's work on host memory: the sender's compare of a word space with its
 // reference and the receiver's scatter of an ENC_IDX16 stream, for tensors in CPU memory. The CUDA
 // kernels of weightsync/runtime/delta_cuda.py do the same on a GPU; these follow their contracts
 // (weightsync/runtime/delta_host.py is the Python face). Nothing here depends on the engine.

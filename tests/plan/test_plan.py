@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.plan_executor import execute
 from weightsync.errors import LayoutError, PlanError
 from weightsync.plan import OP_DTYPE, Plan, plan
 from weightsync.plan.layout import Box, dtensor_box
 from weightsync.runtime.describe import Fused, Sharded, describe_tensors
-from weightsync.runtime.reference import execute
 
 DTYPES = [np.float32, np.float16, np.int8, np.int64, np.uint8]
 

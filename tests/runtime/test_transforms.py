@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import weightsync as ws
+from tests.support.plan_executor import byte_view
 from weightsync.plan import T_CAST, T_FP8, T_SCALE, plan
 from weightsync.plan.writes import K_GATHER, lower
 from weightsync.runtime.describe import describe_tensors
-from weightsync.runtime.reference import byte_view
 from weightsync.runtime.transforms import Preparer, quantize_fp8_blocks
 
 FP8 = torch.float8_e4m3fn

@@ -15,11 +15,11 @@ if importlib.util.find_spec("vllm") is None:
 
 import torch
 
+from tests.support.plan_executor import execute
 from tests.vllm import models
 from weightsync.integrations.vllm.layouts import checkpoint_of, derive_layout
 from weightsync.plan import plan
 from weightsync.runtime.describe import Sharded, describe_tensors
-from weightsync.runtime.reference import execute
 
 
 def fsdp_halves(sd: dict[str, Any]) -> list[dict[str, Sharded]]:

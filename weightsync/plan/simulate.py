@@ -16,7 +16,7 @@ Model (all figures per GPU):
   (``Plan.gathers``, over NVLink inside the node, before the sender's first quantization, as the
   executor waits for all of them), then quantization at ``quant_gbs`` GB/s of source bytes.
 
-Delta pushes (``changed_fraction`` set; weightsync/runtime/delta.py): every write carries only its
+Delta pushes (``changed_fraction`` set; weightsync/delta/): every write carries only its
 changed elements, encoded as the smaller of 16-bit block indices (``2 + e`` bytes per change for
 elements of ``e`` bytes) and a bitmap (``1/8`` byte per element plus ``e`` per change), never more than
 the write; each source first compares and encodes what it sends at ``encode_gbs`` GB/s (of the bytes it
@@ -392,7 +392,7 @@ def engine_nic_bytes(ops: np.ndarray, nbytes: np.ndarray, src: np.ndarray, nics:
 def delta_wire_ratio(changed: float, elem_bytes: np.ndarray) -> np.ndarray:
     """Bytes a delta push sends per byte of a dense one, for elements of ``elem_bytes`` bytes of which a
     fraction ``changed`` changed: the smaller of 16-bit block indices and a bitmap (plus the values),
-    never more than the write itself (weightsync/runtime/delta.py)."""
+    never more than the write itself (weightsync/delta/)."""
     e = np.asarray(elem_bytes, np.float64)
     per_element = np.minimum(changed * (2.0 + e), 1.0 / 8.0 + changed * e)
     return np.minimum(per_element / e, 1.0)

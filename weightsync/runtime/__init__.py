@@ -4,8 +4,9 @@
 * ``participant``: engine, mailbox and outbox, join and part fetch shared by both roles;
 * ``source``: ``Source`` and its ``push``, ``PushStats``; ``staging``: the staging pool, chunk
   preparation with CUDA graphs and the staged pipeline; ``transforms``: casts and FP8 quantization;
-* ``destination``: ``Destination`` (receiving thread, versions, acks); ``relay``: a chain member;
-* ``reference``: a plain executor of plans on CPU tensors, the oracle tests compare against.
+* ``destination``: ``Destination`` (receiving thread, versions, acks); ``relay``: a chain member.
+
+Delta pushes have a package of their own: weightsync.delta.
 """
 
 from weightsync.runtime.describe import Fused, Placed, Sharded, describe_tensors

@@ -16,7 +16,7 @@ local copy of the newest complete shadow into the live tensors) never reads a sh
 written and no two writers of a version can disagree. Inplace destinations receive straight into the
 live tensors.
 
-With a delta inbox (``delta_bytes``, weightsync.runtime.delta) a destination's grant also says which
+With a delta inbox (``delta_bytes``, weightsync.delta.sender) a destination's grant also says which
 version a delta may be taken on, and a version lands by the sources' headers: their data immediates,
 then the changes scattered into place, then the flip and the ack (from this thread). In a relay chain
 each member's header and payload come from the sources directly, and the writes the entries say went as
@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 
 from weightsync.control.client import ControlClient
+from weightsync.delta import DELTA_KEY, SPANS, DeltaReceiver
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import PlanError, TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.plan.parts import DESTINATION, DestinationPart
-from weightsync.runtime.delta import DELTA_KEY, PARTS, DeltaReceiver
 from weightsync.runtime.links import PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.relay import RelayMember, consumed
@@ -120,7 +120,7 @@ class Destination(Participant):
             self._regions += regs
             self._key_regions[key] = regs * (2 if mode == "inplace" else 1)
             descriptors[key] = [r.descriptor for r in regs] * (2 if mode == "inplace" else 1)
-        # Delta pushes (weightsync.runtime.delta): an inbox of ``delta_bytes`` for the sources' encoded
+        # Delta pushes (weightsync.delta.sender): an inbox of ``delta_bytes`` for the sources' encoded
         # changes; with it every version lands by the sources' headers, and sparse entries are scattered
         # into place before the version flips.
         self._delta: DeltaReceiver | None = None
@@ -572,7 +572,7 @@ class Destination(Participant):
         read, its data immediates (every write sent as planned, the final payloads) on ``counter``. Its
         entries are left to the caller's apply."""
         assert self._delta is not None
-        for part in range(PARTS):
+        for part in range(SPANS):
             headers = self.engine.counter(delta_part_imm(self.epoch, target, part, header=True))
             payloads = self.engine.counter(delta_part_imm(self.epoch, target, part, header=False))
             complete, reason = self._read_part(target, part, headers, payloads, deadline, between)
@@ -710,7 +710,7 @@ class Destination(Participant):
         counter.reset()
         if self._delta is not None:
             self.engine.counter(delta_header_imm(self.epoch, target)).reset()
-            for part in range(PARTS):
+            for part in range(SPANS):
                 for header in (True, False):
                     self.engine.counter(delta_part_imm(self.epoch, target, part, header)).reset()
         if self._relay is not None:

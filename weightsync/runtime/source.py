@@ -35,7 +35,7 @@ the destinations are stopped, not dead), so each silent destination gets one mor
 ``_probe``): a destination whose process died after its announce (or every write it granted) landed is
 reported once its probe fails; a stopped one's probe does not fail, and it is kept.
 
-Delta pushes (``Source(delta=True)``, weightsync.runtime.delta): the source keeps what it last pushed; a
+Delta pushes (``Source(delta=True)``, weightsync.delta.sender): the source keeps what it last pushed; a
 destination with a delta inbox whose grant says it holds that version gets, per planned write, either the
 write or only its changed words (encoded into the inbox, with a header posted like a tail); every other
 destination gets the push dense.
@@ -59,12 +59,12 @@ from typing import Any
 
 import numpy as np
 
+from weightsync.delta import SPANS, DeltaSender, DeltaWork
 from weightsync.engine import Region, TransferEngine
 from weightsync.errors import TimeoutError, TransportError, WeightSyncError  # noqa: A004
 from weightsync.plan.lower import ChunkGroup, Round, SourceProgram, source_program
 from weightsync.plan.parts import DESTINATION, SOURCE, EngineInfo, SourcePart
 from weightsync.plan.writes import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
-from weightsync.runtime.delta import PARTS, DeltaSender, DeltaWork, header_slot
 from weightsync.runtime.links import DestinationLink, PeerLink
 from weightsync.runtime.participant import Participant, contiguous
 from weightsync.runtime.push_handle import CLOSE_WAIT_S, PushHandle, PushWorker, watched_tensors
@@ -81,8 +81,6 @@ from weightsync.wire import (
     REFUSED_EPOCH,
     SLOT_BYTES,
     data_imm,
-    delta_header_imm,
-    delta_part_imm,
     gathered_imm,
     grant_imm,
     grant_slot,
@@ -138,7 +136,7 @@ class PushStats:
     chunks: int = 0                   # staged chunks written
     gather_bytes: int = 0             # FP8 tile rows this source received from other sources
     relayed: list[int] = field(default_factory=list)  # destinations reached through the relay chain
-    # Delta pushes (Source(delta=True), weightsync.runtime.delta). ``bytes`` stays what the destinations
+    # Delta pushes (Source(delta=True), weightsync.delta.sender). ``bytes`` stays what the destinations
     # received (the dense size); ``wire_bytes`` is what crossed the wire for it (encoded changes, entries,
     # writes sent as planned): equal to ``dense_bytes`` in a dense push.
     wire_bytes: int = 0
@@ -147,7 +145,7 @@ class PushStats:
     encode_seconds: float = 0.0       # compare, encode and reference update on this source
     apply_seconds: float = 0.0        # the slowest destination's scatter of the changes (its ack says)
     delta_ref_bytes: int = 0          # the reference this source keeps (what it last pushed)
-    # The compare's outputs and scratch of this push, beside the reference (on a GPU every part's compare
+    # The compare's outputs and scratch of this push, beside the reference (on a GPU every span's compare
     # is launched at the push's start: all of it alive at once; on CPU kept from push to push)
     delta_scratch_bytes: int = 0
     delta_destinations: list[int] = field(default_factory=list)  # destinations sent a delta this push
@@ -335,7 +333,7 @@ class _Grants:
     def staged(self, rank: int, chunk: int, src_off: np.ndarray, di: np.ndarray, dst_off: np.ndarray,
                nbytes: np.ndarray) -> np.ndarray | None:
         """Which of staged chunk ``chunk``'s writes into ``rank`` go as planned (None: all of them); the
-        others travel in its delta payload (weightsync.runtime.delta)."""
+        others travel in its delta payload (weightsync.delta.sender)."""
         return self.src._delta.staged(rank, chunk, src_off, di, dst_off, nbytes)
 
     def allowed(self, rank: int) -> bool:
@@ -400,8 +398,8 @@ class Source(Participant):
         self._push_worker: PushWorker | None = None  # background pushes' thread, from the first one on
         self._closing = False
         # Every push's own device work (the tails' snapshot, a delta's order and encode kernels) runs on
-        # this stream, at a higher priority than the delta compare's (weightsync.runtime.delta.
-        # DeltaSender.prefetch): a part's encode is not queued behind the next part's compare, whose
+        # this stream, at a higher priority than the delta compare's (weightsync.delta.sender.
+        # DeltaSender.prefetch): a span's encode is not queued behind the next span's compare, whose
         # blocks would otherwise fill the device first.
         self._push_stream = (torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda"
                              else None)
@@ -725,12 +723,12 @@ class Source(Participant):
         imm = data_imm(self.epoch, version)
         relay_bits = relay_version_bits(version)
 
-        chain = [r for r in self._relay if r in self._delta.inboxes]  # relay members with inboxes
+        chain = [r for r in self._relay if self._delta.has_inbox(r)]  # relay members with inboxes
 
         def post_rounds(ranks: set[int]) -> None:
             """The direct writes into ``ranks`` (just granted): those of destinations without an inbox at
-            once; for the inbox destinations part by part, each part compared, decided, its writes as
-            planned posted and its payload and header sent before the next part is compared (the
+            once; for the inbox destinations span by span, each span compared, decided, its writes as
+            planned posted and its payload and header sent before the next span is compared (the
             destination scatters it meanwhile)."""
             owner: dict[int, int] = {}  # destination whose direct rounds are posted -> whose work decides
             if chain:
@@ -746,27 +744,28 @@ class Source(Participant):
                     works.update(dict.fromkeys(chain, work))
                 if self._relay[0] in ranks:
                     owner[self._relay[0]] = lead
-                parted = [r for r in chain if r in ranks and r not in failed]
+                spanned = [r for r in chain if r in ranks and r not in failed]
                 deciders = [lead]
             else:
-                for r in sorted(ranks & set(self._delta.inboxes)):
+                for r in sorted(r for r in ranks if self._delta.has_inbox(r)):
                     if r not in failed:  # its changes encoded against the version its grant says it holds
                         works[r] = self._delta.begin(r, grants.bases.get(r, -1), self._dests[r].batch.bytes)
                         owner[r] = r
-                parted = deciders = sorted(owner)
+                spanned = deciders = sorted(owner)
             mark("source %d: granted by %s", self.rank, sorted(ranks))
-            plain = {r for r in ranks if r not in owner and r not in self._delta.inboxes}
+            plain = {r for r in ranks if r not in owner and not self._delta.has_inbox(r)}
             transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, plain))
-            for part in range(PARTS):
-                decided = {o: self._delta.decide(o, part) for o in deciders}
+            for span in range(SPANS):
+                decided = {o: self._delta.decide(o, span) for o in deciders}
                 keeps = {r: decided[o] for r, o in owner.items()}
                 if keeps:
                     transfers.extend(self._post_rounds(imm, relay_bits, deadline, failed, set(keeps), keeps))
-                mark("source %d: part %d decided", self.rank, part)
-                for r in parted:
+                mark("source %d: span %d decided", self.rank, span)
+                for r in spanned:
                     if r not in failed:
-                        transfers.extend(self._post_part(r, version, part, works[r], failed))
-                mark("source %d: part %d posted", self.rank, part)
+                        peer = self._dests[r].peer
+                        transfers.extend(self._delta.post_span(r, self.epoch, version, span, peer, failed))
+                mark("source %d: span %d posted", self.rank, span)
             # The reference takes every change of this push, asked for or not (before the tensors' check).
             self._delta.compare_all()
 
@@ -811,8 +810,9 @@ class Source(Participant):
             ready = (committed if self._relay[0] in committed else set()) if chain else ranks
             headed = [r for r in ready if r in works and r not in sent_headers]
             sent_headers.update(headed)
-            tails.extend(self._post_headers(version, imm, failed, headed, works))
-            mark("source %d: committed, tails and final parts posted to %s", self.rank, sorted(ranks))
+            tails.extend(self._delta.post_finals(headed, self.epoch, version, imm,
+                                                 {r: self._dests[r].peer for r in headed}, failed))
+            mark("source %d: committed, tails and final spans posted to %s", self.rank, sorted(ranks))
 
         grants = _Grants(self, version, deadline, announces, failed, post_rounds, commit)
         # The staged pipeline prepares its first chunks while the grants travel; its first post opens the
@@ -866,7 +866,6 @@ class Source(Participant):
         written = [r for r in self._dests if r not in failed and r not in grants.refused]
         nbytes = sum(self._dests[r].batch.bytes for r in written)
         delta_sent = [r for r in written if r in works and works[r].delta]
-        compared = sum(works[r].words for r in delta_sent)
         wire = sum(works[r].wire_bytes if r in works else self._dests[r].batch.bytes for r in written)
         if chain and works:  # one work for the chain: its writes as planned go once, the payload to each
             work = works[chain[0]]
@@ -881,13 +880,9 @@ class Source(Participant):
                           gather_bytes=int(self._staging.prep.received["nbytes"].sum()),
                           relayed=[r for r in self._relay[1:] if r in self._dests],
                           wire_bytes=wire, dense_bytes=nbytes,
-                          changed_fraction=sum(works[r].changed for r in delta_sent) / compared if compared
-                          else -1.0, encode_seconds=self._delta.encode_seconds,
                           apply_seconds=max([float(self._mailbox[r]["reserved"]) * 1e-6 for r in written
                                              if r in works] or [0.0]),
-                          delta_ref_bytes=self._delta.ref_bytes,
-                          delta_scratch_bytes=self._delta.scratch_bytes, delta_destinations=delta_sent,
-                          delta_overflow_bytes=sum(works[r].overflow_bytes for r in delta_sent))
+                          delta_destinations=delta_sent, **self._delta.stats(works, delta_sent))
         for r in delta_sent:
             note = self._delta.overflow_note(r) if r not in self._overflow_told else None
             if note is not None:
@@ -921,68 +916,6 @@ class Source(Participant):
             except TransportError as exc:
                 failed[rank] = str(exc)
         return transfers
-
-    def _post_headers(self, version: int, imm: int, failed: dict[int, str], ranks: list[int],
-                      works: dict[int, DeltaWork]) -> list[tuple[int, Any]]:
-        """Writes each delta inbox destination of ``ranks`` its payload (entries, encoded changes) into
-        its share, then its header: the data immediates of this version from this source and where its
-        entries are. Posted with the tails, once the tensors are checked. Nothing orders the two on the
-        wire: the destination reads the payload only once the immediates the header announces are in."""
-        out: list[tuple[int, Any]] = []
-        for rank in sorted(ranks):
-            if rank in failed:
-                continue
-            works[rank] = self._delta_header(rank, version)
-            try:
-                payload = self._post_payload(rank, imm, works[rank])
-                if payload is not None:
-                    out.append((rank, payload))
-                out.append((rank, self._post_header(rank, version)))
-            except TransportError as exc:
-                failed[rank] = str(exc)
-        return out
-
-    def _delta_header(self, rank: int, version: int) -> DeltaWork:
-        """Destination ``rank``'s payload encoded and its header record filled (nothing posted)."""
-        work = self._delta.finalize(rank)
-        self._delta.header(rank, self.epoch, version, work)
-        return work
-
-    def _post_payload(self, rank: int, imm: int, work: DeltaWork) -> Any:
-        """The final part's payload (None: it has none)."""
-        if not work.final_bytes:
-            return None
-        ib = self._delta.inboxes[rank]
-        return self.engine.write(ib.region, work.final_at, self._dests[rank].peer, ib.payload,
-                                 ib.offset + work.final_at, work.final_bytes, imm=imm)
-
-    def _post_header(self, rank: int, version: int, part: int | None = None) -> Any:
-        hdr = self._delta.headers.itemsize
-        imm = delta_header_imm(self.epoch, version) if part is None else \
-            delta_part_imm(self.epoch, version, part, header=True)
-        return self.engine.write(self._delta.header_region, header_slot(rank, part) * hdr,
-                                 self._dests[rank].peer, self._delta.inboxes[rank].header,
-                                 header_slot(self.rank, part) * hdr, hdr, imm=imm)
-
-    def _post_part(self, rank: int, version: int, part: int, work: DeltaWork, failed: dict[int, str]
-                   ) -> list[tuple[int, Any]]:
-        """Early part ``part`` of ``rank``'s delta: its payload (entries and encoded changes; none for a
-        part without writes), then its header, each with the part's own immediate. Nothing orders the
-        two on the wire: the destination reads the payload only once the immediates the header
-        announces are in."""
-        pt = self._delta.encode_part(rank, part)
-        self._delta.header(rank, self.epoch, version, work, part)
-        ib = self._delta.inboxes[rank]
-        out: list[tuple[int, Any]] = []
-        try:
-            if pt.nbytes:
-                imm = delta_part_imm(self.epoch, version, part, header=False)
-                out.append((rank, self.engine.write(ib.region, pt.at, self._dests[rank].peer, ib.payload,
-                                                    ib.offset + pt.at, pt.nbytes, imm=imm)))
-            out.append((rank, self._post_header(rank, version, part)))
-        except TransportError as exc:
-            failed[rank] = str(exc)
-        return out
 
     def _post_rounds(self, imm: int, relay_bits: int, deadline: float, failed: dict[int, str],
                      ranks: set[int], keeps: Mapping[int, dict[int, np.ndarray] | None] | None = None

@@ -1,10 +1,10 @@
-"""The delta sender's compare as Triton kernels (weightsync/runtime/delta_kernels.py) against its torch
+"""The delta sender's compare as Triton kernels (weightsync/delta/triton_kernels.py) against its torch
 path, bit for bit: the changed words' positions and values each push finds, and the reference after it.
 
 On CPU the kernels run under Triton's interpreter, in a subprocess (``TRITON_INTERPRET`` must be set
-before triton is imported), and so does tests/runtime/test_delta.py's every-case push test with the
+before triton is imported), and so does tests/delta/test_push.py's every-case push test with the
 kernels forced on; on a CUDA machine with triton, the same cases run compiled, in this process
-(``python3 -m pytest tests/runtime/test_delta_kernels.py -q``).
+(``python3 -m pytest tests/delta/test_kernels.py -q``).
 
 One sender holds keys of every word size (1, 2, 4, 8 bytes), several per space, sizes not multiples of a
 tile, and each push changes them in a chosen way: random odd positions, nothing, everything, one element,
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.support.delta_paths import push_both_ways
-from weightsync.runtime.delta import ENC_BITMAP, ENC_IDX16
+from weightsync.delta.codec import ENC_BITMAP, ENC_IDX16
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = ("odd", "none", "all", "one", "last", "special", "dense_tile")
@@ -84,11 +84,11 @@ def _change(tensors: dict[str, torch.Tensor], case: str, g: torch.Generator, til
 def check_cases(device: str, slice_tiles: int = 3, aligned: bool = False,
                 backend: str = "triton") -> list[str]:
     """Every case on ``device``; slices of ``slice_tiles`` tiles (several slices per space); the compares
-    must have run on ``backend`` (``cuda``: weightsync.runtime.delta_cuda, else the Triton kernels).
+    must have run on ``backend`` (``cuda``: weightsync.delta.cuda, else the Triton kernels).
     Returns what was checked, one line per push."""
     import weightsync as ws
-    import weightsync.runtime.delta_kernels as dk
-    from weightsync.runtime.delta import DeltaSender
+    import weightsync.delta.triton_kernels as dk
+    from weightsync.delta.sender import DeltaSender
 
     dev = torch.device(device)
     assert dk.enabled(dev), "the kernels are not enabled here"
@@ -134,7 +134,7 @@ def check_cases(device: str, slice_tiles: int = 3, aligned: bool = False,
 def check_overflow_leaves_reference(device: str) -> None:
     """The first kernel alone: a sparse tile's changes go into its slot and the reference, an overflowed
     tile's reference stays as it was (the second kernel compares it again)."""
-    import weightsync.runtime.delta_kernels as dk
+    import weightsync.delta.triton_kernels as dk
 
     dev = torch.device(device)
     n = 2 * dk.TILE + 100
@@ -170,15 +170,9 @@ def check_scatter(device: str, backend: str = "triton", enc: int = ENC_IDX16) ->
     import numpy as np
 
     import weightsync as ws
-    from weightsync.runtime.delta import (
-        BLOCK,
-        ENC_STREAM,
-        ENTRY_DTYPE,
-        STREAM_DTYPE,
-        DeltaReceiver,
-        encode_into,
-        sparse_sizes,
-    )
+    from weightsync.delta.codec import ENC_STREAM, ENTRY_DTYPE, STREAM_DTYPE, encode_into, sparse_sizes
+    from weightsync.delta.receiver import DeltaReceiver
+    from weightsync.delta.units import BLOCK
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(3)
@@ -233,7 +227,7 @@ def check_scatter(device: str, backend: str = "triton", enc: int = ENC_IDX16) ->
 def test_the_receivers_host_scatter_matches_the_torch_ops(enc: int) -> None:
     """On CPU the receiver's C++ scatter (an ENC_BITMAP stream's bits read into 16-bit indices first)
     against its torch ops, through DeltaReceiver."""
-    from weightsync.runtime import delta_host
+    from weightsync.delta import host as delta_host
 
     if not delta_host.available():
         pytest.skip("the compiled engine has no host delta kernels")
@@ -243,7 +237,7 @@ def test_the_receivers_host_scatter_matches_the_torch_ops(enc: int) -> None:
 _SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from tests.runtime.test_delta_kernels import check_cases, check_overflow_leaves_reference, check_scatter
+from tests.delta.test_kernels import check_cases, check_overflow_leaves_reference, check_scatter
 check_overflow_leaves_reference("cpu")
 print("scattered", check_scatter("cpu"))
 for aligned in (False, True):
@@ -278,7 +272,7 @@ _SUITE = """
 import sys
 sys.path.insert(0, {root!r})
 import pytest
-import weightsync.runtime.delta_kernels as dk
+import weightsync.delta.triton_kernels as dk
 
 calls = []
 compare = dk.Compactor.compare
@@ -301,7 +295,7 @@ def counted_scatter(*args, **kwargs):
 
 dk.Compactor.compare = counted
 dk.scatter_idx16 = counted_scatter
-rc = pytest.main(["tests/runtime/test_delta.py", "-q", "-x", "-p", "no:cacheprovider", "-k", {select!r}])
+rc = pytest.main(["tests/delta/test_push.py", "-q", "-x", "-p", "no:cacheprovider", "-k", {select!r}])
 print("kernel scatters", sum(1 for x in scatters if x))
 print("kernel compares", len(calls))
 sys.exit(rc)
@@ -338,7 +332,7 @@ def _cuda_triton() -> bool:
 @pytest.mark.parametrize("slice_tiles,aligned", [(3, False), (1 << 20, False), (3, True), (1 << 20, True)])
 def test_kernels_match_the_torch_path_on_cuda(slice_tiles: int, aligned: bool,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import weightsync.runtime.delta_kernels as dk
+    import weightsync.delta.triton_kernels as dk
 
     monkeypatch.setattr(dk, "COMPARE_SLICE", dk.COMPARE_SLICE)  # check_cases changes it: restored after
     monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "triton")
@@ -349,7 +343,7 @@ def test_kernels_match_the_torch_path_on_cuda(slice_tiles: int, aligned: bool,
 
 
 def _nvrtc() -> bool:
-    from weightsync.runtime import nvrtc
+    from weightsync.delta import nvrtc
 
     try:
         nvrtc.nvrtc_library()
@@ -363,7 +357,8 @@ def _nvrtc() -> bool:
 def test_the_cuda_compare_compiles(arch: str) -> None:
     """The CUDA C++ compare compiles (NVRTC needs no GPU): a source error shows on every CI run, not only
     on a GPU host."""
-    from weightsync.runtime import delta_cuda, nvrtc
+    from weightsync.delta import cuda as delta_cuda
+    from weightsync.delta import nvrtc
 
     image = nvrtc.compile_to_cubin(delta_cuda.SOURCE, arch, list(delta_cuda.SIGNATURES))
     assert image[:4] == b"\x7fELF"
@@ -381,8 +376,8 @@ def test_the_cuda_compare_matches_the_torch_path(slice_tiles: int, aligned: bool
     """Every case (hint 0: the first run's room is small, so the second run over the rest is taken in
     the cases that change much) against the torch ops, bit for bit, outputs poisoned first; and the
     receiver's scatter by the CUDA kernel against the torch ops."""
-    import weightsync.runtime.delta_kernels as dk
-    from weightsync.runtime import delta_cuda
+    import weightsync.delta.triton_kernels as dk
+    from weightsync.delta import cuda as delta_cuda
 
     monkeypatch.setattr(dk, "COMPARE_SLICE", dk.COMPARE_SLICE)
     monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "cuda")
@@ -404,9 +399,10 @@ def test_the_cuda_compare_over_many_tiles(word: int, aligned: bool) -> None:
     another. Searched within the room, the changes come as the collect left them: the search's answers
     (read with the count), their order, the reference's update and a stream's encode read from there
     must be what torch gives; past the room the host searches the ordered changes."""
-    from weightsync.runtime import delta_cuda
-    from weightsync.runtime.delta import _align, _IndexWriter, _values_at, decode, sparse_sizes, word_dtype
-    from weightsync.runtime.delta_kernels import Compactor
+    from weightsync.delta import cuda as delta_cuda
+    from weightsync.delta.codec import _IndexWriter, _values_at, decode, sparse_sizes
+    from weightsync.delta.triton_kernels import Compactor
+    from weightsync.delta.units import _align, word_dtype
 
     dev = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(word)
@@ -537,8 +533,9 @@ def test_the_cuda_encode_matches_the_index_writer(word: int, enc: int) -> None:
     between them by the index writer: an ENC_BITMAP's bits by a kernel too) equals the one the index
     writer's torch ops write, byte for byte, both buffers poisoned first: its block counts and low bits
     or its bits, and its values."""
-    from weightsync.runtime import delta_cuda
-    from weightsync.runtime.delta import _IndexWriter, _values_at, decode, sparse_sizes, word_dtype
+    from weightsync.delta import cuda as delta_cuda
+    from weightsync.delta.codec import _IndexWriter, _values_at, decode, sparse_sizes
+    from weightsync.delta.units import word_dtype
 
     dev = torch.device("cuda")
     mod = delta_cuda.module(dev)
@@ -605,7 +602,7 @@ def test_a_cuda_stream_that_does_not_match_its_entries_is_refused(enc: int, faul
 @pytest.mark.parametrize("enc", [ENC_IDX16, ENC_BITMAP])
 @pytest.mark.parametrize("fault", ["one_too_many", "moved"])
 def test_a_host_stream_that_does_not_match_its_entries_is_refused(enc: int, fault: str) -> None:
-    from weightsync.runtime import delta_host
+    from weightsync.delta import host as delta_host
 
     if not delta_host.available():
         pytest.skip("the compiled engine has no host delta kernels")
@@ -617,22 +614,15 @@ def check_refused(device: str, enc: int, fault: str) -> None:
     one change too many (an ENC_IDX16 block count one higher, an ENC_BITMAP bit more), where none is
     stored (a value past the stream's would be read); or the first entry's last change moved past the
     second entry's first word (the counts hold), where that change is not stored (it would land in the
-    first key past its end). Then, after the same stream scattered as an early part's (on CUDA queued,
+    first key past its end). Then, after the same stream scattered as an early span's (on CUDA queued,
     its flag unread; on CPU refused at once) and the version given up on, a good stream applies."""
     import numpy as np
 
     import weightsync as ws
+    from weightsync.delta.codec import ENC_STREAM, ENTRY_DTYPE, STREAM_DTYPE, encode_into, sparse_sizes
+    from weightsync.delta.receiver import DeltaReceiver
+    from weightsync.delta.units import BLOCK, _align
     from weightsync.errors import WeightSyncError
-    from weightsync.runtime.delta import (
-        BLOCK,
-        ENC_STREAM,
-        ENTRY_DTYPE,
-        STREAM_DTYPE,
-        DeltaReceiver,
-        _align,
-        encode_into,
-        sparse_sizes,
-    )
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(11)
@@ -690,7 +680,7 @@ def check_refused(device: str, enc: int, fault: str) -> None:
             assert all(torch.equal(bufs[key][0], start[key]) for key in start)
         else:  # that change is not stored (in key "a" it would lie past the end)
             assert int(bufs["b"][0][moved - half]) == int(start["b"][moved - half])
-        # queued as an early part's (its flag not read), then the version given up on: the next
+        # queued as an early span's (its flag not read), then the version given up on: the next
         # version's good stream applies, whatever flag the bad one left set
         recv._pending = [(entries, streams, 0)]
         if device == "cuda":
@@ -718,7 +708,7 @@ def check_refused(device: str, enc: int, fault: str) -> None:
 def test_the_cuda_block_ends_are_the_prefix_of_the_counts() -> None:
     """``ws_block_ends`` (one block's scan) against torch's cumsum: fewer counts than threads, a count
     per thread and some over, thousands, counts up to a whole block's 65536."""
-    from weightsync.runtime import delta_cuda
+    from weightsync.delta import cuda as delta_cuda
 
     dev = torch.device("cuda")
     mod = delta_cuda.module(dev)

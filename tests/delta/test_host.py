@@ -1,4 +1,4 @@
-"""The delta push's C++ host kernels (cpp/delta/, weightsync/runtime/delta_host.py) against torch, bit for
+"""The delta push's C++ host kernels (cpp/delta/, weightsync/delta/host.py) against torch, bit for
 bit: the compare's positions, values and reference update for every word size (random data, never zeros;
 NaN payloads, -0.0, denormals; the first and last word of every key; keys of odd lengths at unaligned
 addresses; nothing and everything changed; room for fewer changes than there are, one and several
@@ -16,16 +16,9 @@ import torch
 
 from tests.support.delta_paths import push_both_ways
 from weightsync._ext import _core
-from weightsync.runtime import delta_host
-from weightsync.runtime.delta import (
-    BLOCK,
-    ENC_BITMAP,
-    ENC_IDX16,
-    _align,
-    _values_at,
-    encode_into,
-    sparse_sizes,
-)
+from weightsync.delta import host as delta_host
+from weightsync.delta.codec import ENC_BITMAP, ENC_IDX16, _values_at, encode_into, sparse_sizes
+from weightsync.delta.units import BLOCK, _align
 
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FLOATS = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
@@ -166,7 +159,7 @@ def test_room_for_fewer_writes_exactly_the_first_and_a_second_run_the_rest(w: in
     """cap below the count, on one thread and on several (the cap falling in a later thread's range, whose
     changes were put into the reference before the counts were known and must be taken back); the later
     threads' changes in the caller's scratch (room for all of them, or for 4096 each: then grown into the
-    heap part way) or in the kernel's own memory."""
+    heap span way) or in the kernel's own memory."""
     g = torch.Generator().manual_seed(10 * w + threads)
     sizes = [THREAD_WORDS * 2 + 17, 5, THREAD_WORDS + 3]
     keys, ref = _space(sizes, w, 0.05, g)
@@ -354,7 +347,7 @@ def test_the_bitmap_encode_on_cpu_equals_the_torch_ops(monkeypatch: pytest.Monke
     """The sender's ENC_BITMAP index section set by C++ (``delta_bitmap_set``, the CPU path of the index
     writer) equals the one the torch ops write, byte for byte, from pieces of int64 and int32 positions
     with shifts, the buffers poisoned first; a position outside the stream is refused and sets nothing."""
-    from weightsync.runtime.delta import _IndexWriter
+    from weightsync.delta.codec import _IndexWriter
 
     g = torch.Generator().manual_seed(9)
     n = 5 * BLOCK + 3
@@ -460,7 +453,7 @@ def test_sender_on_cpu_compares_with_the_host_kernels_as_the_torch_ops_do() -> N
     compare: ref_done) and the torch path, from the same reference, find the same positions and values
     and leave the same reference; ``WEIGHTSYNC_DELTA_KERNELS=0`` keeps it on the torch ops."""
     import weightsync as ws
-    from weightsync.runtime.delta import DeltaSender
+    from weightsync.delta.sender import DeltaSender
 
     g = torch.Generator().manual_seed(5)
     shapes = {"emb": ((3, 4099), torch.bfloat16), "norm": ((5,), torch.bfloat16),
@@ -489,14 +482,14 @@ def test_sender_on_cpu_compares_with_the_host_kernels_as_the_torch_ops_do() -> N
 
 
 def test_the_environment_chooses_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightsync.runtime.delta import _kernels_wanted
+    from weightsync.delta.backend import kernels_wanted
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("WEIGHTSYNC_DELTA_KERNELS", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert delta_host.wanted(cpu) and _kernels_wanted(cpu)
+    assert delta_host.wanted(cpu) and kernels_wanted(cpu)
     monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "0")
-    assert not delta_host.wanted(cpu) and not _kernels_wanted(cpu)
+    assert not delta_host.wanted(cpu) and not kernels_wanted(cpu)
     monkeypatch.setenv("WEIGHTSYNC_DELTA_KERNELS", "1")
     assert delta_host.wanted(cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels under their interpreter (tests)

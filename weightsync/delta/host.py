@@ -1,16 +1,15 @@
-"""The delta push's compare and scatter for tensors in host memory, in C++ (issue 18; cpp/delta/): what
-:mod:`weightsync.runtime.delta_cuda`'s kernels do on a GPU, for a source or destination on CPU.
+"""The delta push's compare and scatter for tensors in host memory, in C++ (cpp/delta/): what
+:mod:`weightsync.delta.cuda`'s kernels do on a GPU, for a source or destination on CPU.
 
-Why not the torch ops (:meth:`weightsync.runtime.delta.DeltaSender._changed_words` and the per-key
-gathers, the reference's indexed update in ``finish``, the receiver's decode and indexed copies): they
-pass over the data several times (a byte mask, ``nonzero`` over it, the gathers, the update), and on a
-2-core VM a delta push spent 290 ms in them where reading the tensors and the reference once takes about
-20 ms. The C++ compare reads each current word and its reference word once, writes the changed words'
-sorted positions and values, and updates the reference in the same pass (so the sender's ``finish`` has
-nothing left to copy: ``ref_done``), on up to :func:`threads` threads without the GIL; its inner loop has
-no branch per change (cpp/delta/host_delta.cpp says why that matters). The scatter puts an ENC_IDX16
-stream's contiguous runs into their keys without decoding the positions into int64 first, checking every
-entry against its run and key (the stream came over the wire).
+Why not the torch ops (:meth:`weightsync.delta.sender.DeltaSender._changed_words` and the per-key gathers, the
+reference's indexed update in ``finish``, the receiver's decode and indexed copies): they pass over the data
+several times (a byte mask, ``nonzero`` over it, the gathers, the update), many times what reading the tensors
+and the reference once costs. The C++ compare reads each current word and its reference word once, writes the
+changed words' sorted positions and values, and updates the reference in the same pass (so the sender's
+``finish`` has nothing left to copy: ``ref_done``), on up to :func:`threads` threads without the GIL; its
+inner loop has no branch per change (cpp/delta/host_delta.cpp says why that matters). The scatter puts an
+ENC_IDX16 stream's contiguous runs into their keys without decoding the positions into int64 first, checking
+every entry against its run and key (the stream came over the wire).
 
 Both are used where :func:`wanted`: a CPU device, the compiled engine has them, and
 ``WEIGHTSYNC_DELTA_KERNELS`` is not ``0`` (the torch ops) nor ``1`` under Triton's interpreter
@@ -52,8 +51,7 @@ def threads() -> int:
     process may run on (its affinity), :data:`MAX_THREADS` at most. The compare and the scatter are on
     the push's critical path, which the trainer and the inference engine wait for; torch's intra-op
     thread count is not taken because launchers set ``OMP_NUM_THREADS=1`` for reasons of their own (Ray
-    does for every actor without CPUs of its own: the benchmark's trainer compared on one thread, 28 ms
-    where two took 17)."""
+    does for every actor without CPUs of its own, which would leave the compare on one thread)."""
     env = os.environ.get(THREADS_ENV, "")
     if env:
         if not env.isdigit() or int(env) < 1:
@@ -80,7 +78,7 @@ def _check_words(t: Any, what: str, dtype: Any | None = None) -> None:
 class SpaceCompare:
     """One word space's compare on the host, with its buffers kept from one push to the next: the outputs
     (positions, values) and the threads' scratch. Fresh memory costs a page fault per 4 KB page as it is
-    first written (on the 2-core VM, 24 MB of outputs made a 20 ms compare 32 ms); these are reused while
+    first written, a large share of a compare's time; these are reused while
     big enough and not twice too big (about 20 bytes a changed word of the last push held: 42 MB for
     0.225 GB of BF16 at 1.9% changed). What :meth:`compare` returns are views of them: valid until
     this space's next compare (the sender is done with them at ``finish``)."""
@@ -116,7 +114,7 @@ class SpaceCompare:
         import torch
 
         from weightsync._ext import _core
-        from weightsync.runtime.delta import first_room
+        from weightsync.delta.units import first_room
 
         _check_words(ref, "the reference")
         total = int(ref.numel())
@@ -191,14 +189,14 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Sequ
                   key_bytes: Sequence[int], nthreads: int | None = None) -> str:
     """Scatters the contiguous runs of an ENC_IDX16 stream (``payload``: uint8 on the CPU from the
     stream's start, ``n`` words of which ``k`` changed, ``w`` bytes a word, values at byte ``vals_at``)
-    into their keys: ``runs`` rows as :func:`weightsync.runtime.delta_kernels.scatter_idx16` takes them
+    into their keys: ``runs`` rows as :func:`weightsync.delta.triton_kernels.scatter_idx16` takes them
     (the key's address, shift from stream positions to its words, first and last+1 changed index, first
     and last+1 stream position), ``key_bytes`` each run's key's size (every store is checked to lie in
     it). Returns ``"host"`` (which kernels scattered)."""
     import torch
 
     from weightsync._ext import _core
-    from weightsync.runtime.delta import BLOCK, _align
+    from weightsync.delta.units import BLOCK, _align
 
     _check_words(payload, "the payload", torch.uint8)
     nb = -(-n // BLOCK)
@@ -218,12 +216,12 @@ def scatter_bitmap(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Seq
     changed word ``i``, then the values at byte ``vals_at``): its set bits read into what an ENC_IDX16
     stream holds (each position's low 16 bits, the count per 65536-word block) by C++, then the same
     C++ scatter, which checks every store. The torch ops before (every bit unpacked, ``nonzero``, an
-    indexed copy per run) took 0.54 s for 15M changes into 0.225 GB on two cores. Raises ValueError
+    indexed copy per run) pass over every bit several times. Raises ValueError
     where the bitmap does not set exactly ``k`` bits below ``n`` (no key is touched then)."""
     import torch
 
     from weightsync._ext import _core
-    from weightsync.runtime.delta import BLOCK
+    from weightsync.delta.units import BLOCK
 
     _check_words(payload, "the payload", torch.uint8)
     if int(payload.numel()) < vals_at + w * k or vals_at < -(-n // 8):

@@ -1,5 +1,5 @@
-"""The delta sender's compare and the receiver's scatter on a GPU as Triton kernels (issue 18): what
-:meth:`weightsync.runtime.delta.DeltaSender._changed_words` and the per-key value gathers produce (the
+"""The delta sender's compare and the receiver's scatter on a GPU as Triton kernels: what
+:meth:`weightsync.delta.sender.DeltaSender._changed_words` and the per-key value gathers produce (the
 sorted int64 positions of a space's changed words and their new values), reading each current tensor and
 the reference once, and updating the reference in the same pass.
 
@@ -34,8 +34,8 @@ decoding the positions into int64 first: per (run, 65536-word block) pair, the b
 cumsum of the block counts, each changed word stored at ``block * 65536 + low16 + shift`` of its key.
 Strided runs and bitmap streams keep the torch ops.
 
-The sender's compare runs here only where the CUDA C++ kernel (:mod:`weightsync.runtime.delta_cuda`,
-twice as fast) cannot be compiled, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``; the receiver's scatter runs
+The sender's compare runs here only where the CUDA C++ kernel (:mod:`weightsync.delta.cuda`,
+faster) cannot be compiled, or with ``WEIGHTSYNC_DELTA_KERNELS=triton``; the receiver's scatter runs
 here where ``triton`` imports. Both only on CUDA, unless ``WEIGHTSYNC_DELTA_KERNELS=0``. With Triton's
 interpreter (``TRITON_INTERPRET=1`` before triton is imported) and ``WEIGHTSYNC_DELTA_KERNELS=1`` the
 kernels also run on CPU tensors (the tests do that); without the interpreter they never run on CPU.
@@ -180,7 +180,7 @@ def _values_and_runs(payload: Any, vals_at: int, w: int, k: int, runs: Any) -> t
     """A stream's ``k`` values (``w``-byte words at byte ``vals_at`` of ``payload``) and ``runs`` as an
     int64 table; None where a run's target is not a whole number of words from the values (the kernels
     address targets in words)."""
-    from weightsync.runtime.delta import word_dtype
+    from weightsync.delta.units import word_dtype
 
     vals = payload[vals_at:vals_at + w * k].view(word_dtype(w))
     table = np.asarray(runs, np.int64).reshape(-1, 6)
@@ -192,7 +192,7 @@ def _values_and_runs(payload: Any, vals_at: int, w: int, k: int, runs: Any) -> t
 def scatter_bitmap(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any, device: Any,
                    refusal_flag: Callable[[], Any]) -> str:
     """:func:`scatter_idx16` for an ENC_BITMAP stream (bit ``i % 8`` of byte ``i // 8`` set for each
-    changed word ``i``): on CUDA by weightsync.runtime.delta_cuda's kernels straight from the bits
+    changed word ``i``): on CUDA by weightsync.delta.cuda's kernels straight from the bits
     (``cuda``); where the bits below ``n`` are not exactly ``k`` nothing is scattered, and a change outside
     its run is not stored; either sets the flag (a zeroed int32 on the device) ``refusal_flag()`` gives.
     "" (the caller's torch ops) elsewhere, or where a target is not a whole number of words from the
@@ -201,7 +201,7 @@ def scatter_bitmap(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any
 
     if device.type != "cuda":
         return ""
-    from weightsync.runtime import delta_cuda
+    from weightsync.delta import cuda as delta_cuda
 
     mod = delta_cuda.module(device)
     found = _values_and_runs(payload, vals_at, w, k, runs)
@@ -219,13 +219,13 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
     ``n`` words of which ``k`` changed, values at byte ``vals_at``) into their keys with one kernel:
     ``runs`` rows of (target: the address of the key's first byte, shift: the key's word of stream
     position 0, first and last+1 changed index, first and last+1 stream position). Returns which kernels
-    scattered (``cuda``: weightsync.runtime.delta_cuda's, else ``triton``), "" (nothing done) where a
+    scattered (``cuda``: weightsync.delta.cuda's, else ``triton``), "" (nothing done) where a
     target is not a whole number of words from the values or no kernel can run (the caller's torch ops
     scatter). The CUDA kernel checks the stream against its entries: what does not match is not stored
     and sets the flag (a zeroed int32 on the device) ``refusal_flag()`` gives."""
     import torch
 
-    from weightsync.runtime.delta import BLOCK, _align
+    from weightsync.delta.units import BLOCK, _align
 
     nb = -(-n // BLOCK)
     found = _values_and_runs(payload, vals_at, w, k, runs)
@@ -233,8 +233,8 @@ def scatter_idx16(payload: Any, n: int, k: int, w: int, vals_at: int, runs: Any,
         return ""
     vals, runs = found
     low = payload[_align(4 * nb):_align(4 * nb) + 2 * k].view(torch.int16)
-    if device.type == "cuda":  # the CUDA C++ scatter first (weightsync.runtime.delta_cuda)
-        from weightsync.runtime import delta_cuda
+    if device.type == "cuda":  # the CUDA C++ scatter first (weightsync.delta.cuda)
+        from weightsync.delta import cuda as delta_cuda
 
         mod = delta_cuda.module(device)
         if mod is not None:
@@ -283,7 +283,7 @@ def enabled(device: Any) -> bool:
     if flag == "0":
         return False
     if device.type == "cuda":  # the CUDA C++ kernels need no triton
-        from weightsync.runtime import delta_cuda
+        from weightsync.delta import cuda as delta_cuda
 
         return triton is not None or delta_cuda.wanted()
     return flag == "1" and os.environ.get("TRITON_INTERPRET", "") == "1" and triton is not None
@@ -307,7 +307,7 @@ class Compactor:
         self.keys: tuple[Any, ...] = ()
         self.cuda_tables: tuple[Any, ...] | None = None
         self.cuda_tile_starts: np.ndarray = np.zeros(0, np.int64)  # cuda_tables' tile starts on the host
-        # the kernels of the last compare: "cuda" (weightsync.runtime.delta_cuda), "triton" (these)
+        # the kernels of the last compare: "cuda" (weightsync.delta.cuda), "triton" (these)
         self.backend = ""
         # whether the last compare put the changed values into the reference (the Triton kernels do; the
         # CUDA ones leave it to the caller)
@@ -364,7 +364,7 @@ class Compactor:
 
         if self.device.type != "cuda":
             return None
-        from weightsync.runtime import delta_cuda
+        from weightsync.delta import cuda as delta_cuda
 
         mod = delta_cuda.module(self.device)
         if mod is not None and self.cuda_tables is None:  # its tiles are larger (32 KB)
@@ -387,7 +387,7 @@ class Compactor:
         nt = int(self.cuda_tables[3].numel()) if mod is not None else 0
         if not nt:
             return False
-        from weightsync.runtime import delta_cuda
+        from weightsync.delta import cuda as delta_cuda
 
         if self._host_count is None:
             self._host_count = torch.empty(1, dtype=torch.int64, pin_memory=True)
@@ -401,13 +401,13 @@ class Compactor:
         """Queues on ``stream`` the searches of ``query`` (int64 positions in the space) over the changes
         of the compare started by :meth:`launch`, so that :meth:`compare` waits for the device once, gives
         their answers in :attr:`cuts` and the changes as the collect left them
-        (:class:`weightsync.runtime.delta_cuda.TileChanges`). Nothing where no compare was launched."""
+        (:class:`weightsync.delta.cuda.TileChanges`). Nothing where no compare was launched."""
         if self.pending is not None:
             self.pending[2].search_ahead(query, stream)
             self.scratch_bytes += 8 * self.pending[2].ntiles  # the tiles' prefix
 
     def _note_cuda(self, nt: int, hint: int) -> None:
-        from weightsync.runtime.delta import first_room
+        from weightsync.delta.units import first_room
 
         self.backend = "cuda"
         self.ref_updated = False
@@ -417,7 +417,7 @@ class Compactor:
     def compare(self, views: Sequence[Any], ref: Any, hint: int) -> tuple[Any, Any] | Any | None:
         """The changed words of the space (``views``: its keys' word views in order, ``ref``: its
         reference) as (sorted int64 positions, values), or as the CUDA collect left them where
-        :meth:`search_ahead` was queued (:class:`weightsync.runtime.delta_cuda.TileChanges`, its
+        :meth:`search_ahead` was queued (:class:`weightsync.delta.cuda.TileChanges`, its
         searches' answers in :attr:`cuts`); the reference takes the values here where
         :attr:`ref_updated` says so after the call (the Triton kernels), else the caller copies them in
         (the CUDA kernels). ``hint``: how many changed words to make room for first. A compare started
@@ -437,7 +437,7 @@ class Compactor:
         total = int(self.starts[-1])
         mod = self._cuda()
         if mod is not None:
-            from weightsync.runtime import delta_cuda
+            from weightsync.delta import cuda as delta_cuda
 
             nt = int(self.cuda_tables[3].numel())
             self._note_cuda(nt, hint)

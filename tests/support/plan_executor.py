@@ -1,4 +1,4 @@
-"""A reference executor: runs a plan over in-memory arrays, byte for byte as the data plane would.
+"""A plan executor for tests: runs a plan over in-memory arrays, byte for byte as the data plane would.
 
 It is slow on purpose (one numpy copy per block row group) and exists to check plans: the tests build
 random layouts, fill the sources with a known global tensor, execute the plan and compare every
@@ -27,7 +27,7 @@ def byte_view(t: Any) -> np.ndarray:
         ptr = t.__array_interface__["data"][0]
     else:
         if t.device.type != "cpu":
-            raise PlanError("the reference executor runs on CPU tensors only")
+            raise PlanError("the plan executor runs on CPU tensors only")
         ptr = t.data_ptr()
     buf = (ctypes.c_uint8 * span).from_address(ptr)
     return np.frombuffer(buf, dtype=np.uint8)

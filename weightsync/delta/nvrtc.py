@@ -85,6 +85,9 @@ def _check_cuda(rc: int, what: str) -> None:
         raise NvrtcUnavailable(f"{what}: CUDA driver error {rc} ({s.value.decode() if s.value else '?'})")
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # the kernels' headers (block.h) lie beside this module
+
+
 def compile_to_cubin(source: str, arch: str, names: Sequence[str], options: Sequence[str] = ()) -> bytes:
     """``source`` compiled for ``arch`` (e.g. ``sm_90``) into a cubin; ``names``: its ``extern "C"``
     kernels (checked to exist). Raises :class:`NvrtcUnavailable` with the compiler's log on failure."""
@@ -93,7 +96,8 @@ def compile_to_cubin(source: str, arch: str, names: Sequence[str], options: Sequ
     _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"weightsync.cu", 0, None,
                                              None), "nvrtcCreateProgram")
     try:
-        opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *options]
+        opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", f"--include-path={HERE}",
+                *options]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         if rc != 0:

@@ -1,8 +1,8 @@
 """Delta pushes into GPU destinations (issue 18): a trainer actor on one GPU pushes every change case of
-tests/runtime/test_delta.py into a TP rank (inplace) and a staged full replica on the other GPU, over the
+tests/delta/test_push.py into a TP rank (inplace) and a staged full replica on the other GPU, over the
 cuda lane (CUDA IPC: the two sides must be separate processes). On a host of one GPU the two actors share
-it (half a GPU each, still two processes). On a GPU destination an early part's
-scatter is only queued while the next part's entries are read on a stream of their own; the version's
+it (half a GPU each, still two processes). On a GPU destination an early span's
+scatter is only queued while the next span's entries are read on a stream of their own; the version's
 last apply waits for every scatter, so a reader never sees a version before all of it is in place.
 After every push every destination byte must equal what a dense push gives (bitwise)."""
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import weightsync as ws
-from tests.runtime.test_delta import CASES, bits, initial, named, step, view
+from tests.delta.test_push import CASES, bits, initial, named, step, view
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 GPUS_EACH = 1 if torch.cuda.device_count() >= 2 else 0.5  # the trainer's and the rollout's
@@ -30,11 +30,11 @@ class DeltaTrainer:
     """One source holding the whole model on its GPU, updated in place before each push."""
 
     def __init__(self, group: str, min_part_bytes: int) -> None:
-        import weightsync.runtime.delta as delta_module
+        import weightsync.delta.codec as delta_module
 
-        # Every part filled: a kilobyte model would otherwise fill one part, and the early parts'
-        # queued scatters would go untested (the source cuts the parts).
-        delta_module.MIN_PART_BYTES = min_part_bytes
+        # Every span filled: a kilobyte model would otherwise fill one span, and the early spans'
+        # queued scatters would go untested (the source cuts the spans).
+        delta_module.MIN_SPAN_BYTES = min_part_bytes
         self.full = initial()
         self.local = {k: v.clone().cuda() for k, v in self.full.items()}
         self.src = ws.Source(group, rank=0, tensors=dict(self.local), timeout=60, delta=True)

@@ -1,4 +1,4 @@
-"""Delta pushes (issue 18, weightsync/runtime/delta.py) on CPU over TCP loopback.
+"""Delta pushes (issue 18, weightsync/delta/sender.py) on CPU over TCP loopback.
 
 Two trainer ranks hold shards of a small model (a bf16 embedding by columns, fp32 projections by rows, a
 replicated fp32 norm) and push into three destinations: two vLLM-style TP ranks (fused ``qkv_proj`` and
@@ -24,9 +24,8 @@ import pytest
 import torch
 
 import weightsync as ws
-import weightsync.runtime.delta as delta_module
-from weightsync.runtime.delta import (
-    BLOCK,
+import weightsync.delta.codec as delta_codec
+from weightsync.delta.codec import (
     ENC_BITMAP,
     ENC_DENSE,
     ENC_EMPTY,
@@ -36,9 +35,10 @@ from weightsync.runtime.delta import (
     encode_into,
     placed,
     sparse_sizes,
-    word_dtype,
     write_word,
 )
+from weightsync.delta.sender import DeltaSender
+from weightsync.delta.units import BLOCK, word_dtype
 
 SHAPES = {"emb": (520, 136), "q": (16, 8), "k": (8, 8), "v": (8, 8), "gate": (12, 8), "up": (12, 8),
           "down": (8, 12), "norm": (8,), "x": (4, 8), "y": (6, 8)}
@@ -70,7 +70,7 @@ def test_codec_round_trip(n: int, k: int, w: int) -> None:
 def test_bitmap_built_and_read_in_slices(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     # Read in slices of 128 words (a model's stream is read in slices of BITMAP_SLICE words): words changed
     # at both ends of slices, a slice with none, and the last word; the bytes do not depend on the slice.
-    import weightsync.runtime.delta as delta
+    import weightsync.delta.codec as delta
 
     local = torch.tensor(sorted({0, 1, 127, 128, 129, 255, 640, n - 2, n - 1} & set(range(n))),
                          dtype=torch.int64)
@@ -90,7 +90,7 @@ def test_bitmap_built_and_read_in_slices(monkeypatch: pytest.MonkeyPatch, n: int
 def test_encoding_built_a_few_positions_at_a_time(monkeypatch: pytest.MonkeyPatch, enc: int) -> None:
     # The index section is built SCRATCH positions at a time (2**25 in a push): 3 at a time, across block
     # and bitmap-word ends, gives the same bytes.
-    import weightsync.runtime.delta as delta
+    import weightsync.delta.codec as delta
 
     n = BLOCK * 2 + 100
     local = torch.tensor([0, 1, 31, 32, 63, BLOCK - 1, BLOCK, BLOCK + 31, 2 * BLOCK + 99], dtype=torch.int64)
@@ -113,7 +113,7 @@ def test_idx16_from_pieces_with_shifts(dtype: torch.dtype, spans: bool) -> None:
     # writes): the low 16 bits and block counts are written from the pieces and shifts without widening
     # them (with ``spans``: only the blocks of each piece's stream words looked up), and must equal the
     # encoding of the shifted positions written at once.
-    from weightsync.runtime.delta import _IndexWriter
+    from weightsync.delta.codec import _IndexWriter
 
     g = torch.Generator().manual_seed(5)
     # each piece: its words' place in the stream (lengths across block edges) and in its own space
@@ -153,7 +153,7 @@ def test_choose_break_even() -> None:
         enc, _ = choose(n, k, w)
         assert (enc == ENC_DENSE) == (min(sparse_sizes(n, k, w).values()) >= n * w)
     # the push decides for all its writes at once: the same choice
-    from weightsync.runtime.delta import ENC_STREAM, _choose_many
+    from weightsync.delta.codec import ENC_STREAM, _choose_many
 
     rng = np.random.default_rng(3)
     for w in (1, 2, 4, 8):
@@ -164,26 +164,26 @@ def test_choose_break_even() -> None:
         assert _choose_many(ns, ks, w).tolist() == want
 
 
-def test_parts_cut_in_order() -> None:
-    from weightsync.runtime.delta import PART_SHARES, PARTS, part_of
+def test_spans_cut_in_order() -> None:
+    from weightsync.delta.codec import SPAN_SHARES, SPANS, span_of
 
     ten = np.full(10, 100)
-    assert part_of(ten, 2, 1).tolist() == [0] * 5 + [1] * 5
-    assert part_of(ten, 4, 1, (1, 1, 1, 1)).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
-    assert part_of(ten, PARTS, 1).tolist() == part_of(ten, PARTS, 1, PART_SHARES).tolist()
-    assert part_of(ten, 1, 1).tolist() == [0] * 10
-    # a tensor goes with the part its first byte falls in: a dominant one alone in its part
-    assert part_of(np.array([1, 1000, 1, 1]), 2, 1).tolist() == [0, 0, 1, 1]
-    assert part_of(np.zeros(3, np.int64), 3, 1).tolist() == [0, 0, 0]
-    # no part under min_bytes where that can be: fewer parts, the last ones empty
-    assert part_of(ten, 4, 300).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert part_of(ten, 4, 250).tolist() == part_of(ten, 4, 1).tolist()
-    assert part_of(ten, 4, 10_000).tolist() == [0] * 10
-    # parts in proportion to their shares: the last one smaller
-    assert part_of(ten, 4, 1, (3, 3, 3, 1)).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
-    assert part_of(ten, 2, 1, (4, 1)).tolist() == [0] * 8 + [1] * 2
-    # shares for another count of parts than are used: equal ones
-    assert part_of(ten, 4, 300, (3, 3, 3, 1)).tolist() == part_of(ten, 3, 1).tolist()
+    assert span_of(ten, 2, 1).tolist() == [0] * 5 + [1] * 5
+    assert span_of(ten, 4, 1, (1, 1, 1, 1)).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert span_of(ten, SPANS, 1).tolist() == span_of(ten, SPANS, 1, SPAN_SHARES).tolist()
+    assert span_of(ten, 1, 1).tolist() == [0] * 10
+    # a tensor goes with the span its first byte falls in: a dominant one alone in its span
+    assert span_of(np.array([1, 1000, 1, 1]), 2, 1).tolist() == [0, 0, 1, 1]
+    assert span_of(np.zeros(3, np.int64), 3, 1).tolist() == [0, 0, 0]
+    # no span under min_bytes where that can be: fewer spans, the last ones empty
+    assert span_of(ten, 4, 300).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert span_of(ten, 4, 250).tolist() == span_of(ten, 4, 1).tolist()
+    assert span_of(ten, 4, 10_000).tolist() == [0] * 10
+    # spans in proportion to their shares: the last one smaller
+    assert span_of(ten, 4, 1, (3, 3, 3, 1)).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert span_of(ten, 2, 1, (4, 1)).tolist() == [0] * 8 + [1] * 2
+    # shares for another count of spans than are used: equal ones
+    assert span_of(ten, 4, 300, (3, 3, 3, 1)).tolist() == span_of(ten, 3, 1).tolist()
 
 
 def test_placed_and_word() -> None:
@@ -357,9 +357,9 @@ class Team:
 
 @pytest.fixture(autouse=True)
 def every_part_filled(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The models here are kilobytes: left to MIN_PART_BYTES every source would fill one part, and the
-    # early parts' paths (scattered while the next is compared and sent) would go untested.
-    monkeypatch.setattr(delta_module, "MIN_PART_BYTES", 1)
+    # The models here are kilobytes: left to MIN_SPAN_BYTES every source would fill one span, and the
+    # early spans' paths (scattered while the next is compared and sent) would go untested.
+    monkeypatch.setattr(delta_codec, "MIN_SPAN_BYTES", 1)
 
 
 @pytest.fixture
@@ -463,12 +463,12 @@ def test_every_case_bitwise_on_inplace_and_staged_with_a_reader(team_factory) ->
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_factory, monkeypatch) -> None:
-    # The sources' tensors on the GPU: every part's CUDA compare is launched on a stream of its own at the
+    # The sources' tensors on the GPU: every span's CUDA compare is launched on a stream of its own at the
     # push's start, and a launched compare must see the tensors as the caller last updated them on its
     # stream. (GPU destinations cannot share this process: it cannot open its own CUDA IPC handles; the
     # replica of scripts/bench_delta.py is one, its bytes checked after every push.)
-    from weightsync.runtime import delta_cuda
-    from weightsync.runtime.delta_kernels import Compactor
+    from weightsync.delta import cuda as delta_cuda
+    from weightsync.delta.triton_kernels import Compactor
 
     if delta_cuda.module(torch.device("cuda")) is None:
         pytest.skip(f"no CUDA compare here: {delta_cuda.unavailable(torch.device('cuda'))}")
@@ -497,9 +497,9 @@ def test_every_case_from_gpu_sources_with_the_compares_launched_ahead(team_facto
 
 
 def test_a_small_model_fills_one_part_and_sends_the_others_empty(team_factory, monkeypatch) -> None:
-    monkeypatch.setattr(delta_module, "MIN_PART_BYTES", 1 << 28)  # as shipped: these kilobytes, one part
-    team = team_factory("delta-one-part", ["tp0", "replica"], ["inplace", "staged"])
-    assert all(int(s._delta._key_part.max()) == 0 for s in team.srcs)
+    monkeypatch.setattr(delta_codec, "MIN_SPAN_BYTES", 1 << 28)  # as shipped: these kilobytes, one span
+    team = team_factory("delta-one-span", ["tp0", "replica"], ["inplace", "staged"])
+    assert all(int(s._delta._key_span.max()) == 0 for s in team.srcs)
     team.push()
     team.check()
     for v, case in enumerate(("odd", "none", "one", "all"), start=1):
@@ -516,7 +516,7 @@ def test_strided_source_rows_written_directly_and_compared_in_slices(team_factor
     # which cut tensors anywhere.
     import dataclasses
 
-    import weightsync.runtime.delta as delta
+    import weightsync.delta.compare as delta
     from weightsync.runtime.source import Source
 
     info = Source._engine_info
@@ -543,20 +543,23 @@ def test_a_header_that_lands_before_its_payload_waits_for_it(team_factory, monke
     # finishes first: seen on 4 x H100, where a destination applied the previous version's entries and
     # flipped with the changes missing). Here every header lands, and is seen, before its payload is
     # even posted: each destination must still end every version with exactly its bytes.
-    from weightsync.runtime.source import Source
-
-    def header_first(self: Source, version: int, imm: int, failed: dict[int, str], ranks: list[int],
-                     works: dict[int, Any]) -> list[tuple[int, Any]]:
+    def header_first(self: DeltaSender, ranks: list[int], epoch: int, version: int, imm: int,
+                     peers: dict[int, Any], failed: dict[int, str]) -> list[tuple[int, Any]]:
         out: list[tuple[int, Any]] = []
         for rank in sorted(r for r in ranks if r not in failed):
-            works[rank] = self._delta_header(rank, version)
-            header = self._post_header(rank, version)
+            work = self.finalize(rank)
+            self.header(rank, epoch, version, work)
+            header = self._post_header(rank, epoch, version, peers[rank])
             header.wait(10.0)
             time.sleep(0.2)  # the destination has the header now, and none of the payload's bytes
-            out += [(rank, header), (rank, self._post_payload(rank, imm, works[rank]))]
+            out.append((rank, header))
+            if work.final_bytes:
+                ib = self.inboxes[rank]
+                out.append((rank, self.engine.write(ib.region, work.final_at, peers[rank], ib.payload,
+                                                    ib.offset + work.final_at, work.final_bytes, imm=imm)))
         return out
 
-    monkeypatch.setattr(Source, "_post_headers", header_first)
+    monkeypatch.setattr(DeltaSender, "post_finals", header_first)
     team = team_factory("delta-late-payload", ["tp0", "replica"], ["inplace", "staged"])
     team.push()
     team.check()
@@ -567,29 +570,27 @@ def test_a_header_that_lands_before_its_payload_waits_for_it(team_factory, monke
         assert all(s.delta_destinations == [0, 1] for s in stats), (case, stats)
 
 
-def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, monkeypatch) -> None:
-    # A push sends its direct writes in parts, each scattered by the destination as soon as it has landed
-    # (weightsync.runtime.delta.PARTS): with every source's final part held back, each destination has
-    # read the early parts' entries already, the inplace one shows their changes in its live tensors,
-    # and none has taken the version yet (the final part completes it).
-    from weightsync.runtime.source import Source
-
-    team = team_factory("delta-parts", ["tp0", "replica"], ["inplace", "staged"])
-    sends = Source._post_headers
+def test_early_spans_are_scattered_before_the_final_span_is_sent(team_factory, monkeypatch) -> None:
+    # A push sends its direct writes in spans, each scattered by the destination as soon as it has landed
+    # (weightsync.delta.sender.SPANS): with every source's final span held back, each destination has
+    # read the early spans' entries already, the inplace one shows their changes in its live tensors,
+    # and none has taken the version yet (the final span completes it).
+    team = team_factory("delta-spans", ["tp0", "replica"], ["inplace", "staged"])
+    sends = DeltaSender.post_finals
     seen: list[tuple[list[int], list[int]]] = []
 
-    def held_back(self: Source, version: int, imm: int, failed: dict[int, str], ranks: list[int],
-                  works: dict[int, Any]) -> list[tuple[int, Any]]:
+    def held_back(self: DeltaSender, ranks: list[int], epoch: int, version: int, imm: int,
+                  peers: dict[int, Any], failed: dict[int, str]) -> list[tuple[int, Any]]:
         if ranks:
             time.sleep(0.5)
             seen.append(([len(d._delta._entries) for d in team.dsts], [d.version for d in team.dsts]))
-        return sends(self, version, imm, failed, ranks, works)
+        return sends(self, ranks, epoch, version, imm, peers, failed)
 
     team.push()
     team.check()
-    assert all(len({sp.part for sp in s._delta._spaces.values()}) > 1 for s in team.srcs), \
-        "every tensor in one part: the test misses its point"
-    monkeypatch.setattr(Source, "_post_headers", held_back)
+    assert all(len({sp.span for sp in s._delta._spaces.values()}) > 1 for s in team.srcs), \
+        "every tensor in one span: the test misses its point"
+    monkeypatch.setattr(DeltaSender, "post_finals", held_back)
     old = {k: v.clone() for k, v in team.dtensors[0].items()}
     team.set(step(team.full, "odd", seed=41))
     team.push()
@@ -599,28 +600,26 @@ def test_early_parts_are_scattered_before_the_final_part_is_sent(team_factory, m
 
 
 def test_a_part_header_that_lands_before_its_payload_waits_for_it(team_factory, monkeypatch) -> None:
-    # As for the final part: each early part's header lands, and is seen, before its payload is posted.
-    from weightsync.runtime.source import Source
-
-    def header_first(self: Source, rank: int, version: int, part: int, work: Any,
+    # As for the final span: each early span's header lands, and is seen, before its payload is posted.
+    def header_first(self: DeltaSender, rank: int, epoch: int, version: int, span: int, peer: Any,
                      failed: dict[int, str]) -> list[tuple[int, Any]]:
-        pt = self._delta.encode_part(rank, part)
-        self._delta.header(rank, self.epoch, version, work, part)
-        header = self._post_header(rank, version, part)
+        pt = self.encode_span(rank, span)
+        self.header(rank, epoch, version, self._works[rank], span)
+        header = self._post_header(rank, epoch, version, peer, span)
         header.wait(10.0)
         time.sleep(0.05)
         out = [(rank, header)]
         if pt.nbytes:
             from weightsync.wire import delta_part_imm
 
-            ib = self._delta.inboxes[rank]
-            out.append((rank, self.engine.write(ib.region, pt.at, self._dests[rank].peer, ib.payload,
-                                                ib.offset + pt.at, pt.nbytes,
-                                                imm=delta_part_imm(self.epoch, version, part, header=False))))
+            ib = self.inboxes[rank]
+            out.append((rank, self.engine.write(ib.region, pt.at, peer, ib.payload, ib.offset + pt.at,
+                                                pt.nbytes, imm=delta_part_imm(epoch, version, span,
+                                                                              header=False))))
         return out
 
-    monkeypatch.setattr(Source, "_post_part", header_first)
-    team = team_factory("delta-late-part", ["tp1", "replica"], ["staged", "inplace"])
+    monkeypatch.setattr(DeltaSender, "post_span", header_first)
+    team = team_factory("delta-late-span", ["tp1", "replica"], ["staged", "inplace"])
     team.push()
     team.check()
     for v, case in enumerate(["odd", "strided", "one"], start=1):
@@ -908,8 +907,8 @@ def test_a_payload_that_does_not_apply_abandons_its_version(team_factory) -> Non
     scatter = receiver._scatter_all
     failures: list[int] = []
 
-    def scatter_then_fail(shadow: int, parts: Any) -> None:
-        scatter(shadow, parts)  # the changes land in the live tensors, then the stream turns out corrupt
+    def scatter_then_fail(shadow: int, spans: Any) -> None:
+        scatter(shadow, spans)  # the changes land in the live tensors, then the stream turns out corrupt
         if not failures:
             failures.append(shadow)
             raise ValueError("delta_scatter_idx16: entry 3 lies outside its run (a test's corrupt stream)")
