@@ -95,12 +95,15 @@ class Trainer:
         self.trainer: Any = None
 
     def _distribute(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """Each rank's Shard(0) piece of every tensor, cut locally (every rank holds the same state dict):
+        no collective, so one rank alone may call it."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in sd.items()}
+        if not hasattr(self, "mesh"):
+            self.mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        return {k: distribute_tensor(v, self.mesh, [Shard(0)], src_data_rank=None) for k, v in sd.items()}
 
     def init(self, group: str, workers: list[Any], verify: bool = True) -> None:
         from weightsync.integrations.sglang.trainer import SglangTrainer
@@ -108,6 +111,19 @@ class Trainer:
         engine = FanOut(workers) if self.rank == 0 else None
         self.trainer = SglangTrainer(group, self.rank, self.tensors, engine, num_workers=len(workers),
                                      verify=verify, timeout=300, push_timeout=120)
+
+    def init_expecting_refusal(self, group: str, workers: list[Any], truncated: str) -> str:
+        """The sender's init with ``truncated`` two rows short of the model's shape."""
+        from weightsync.integrations.sglang.trainer import SglangTrainer
+
+        short = models.hf_state_dict(self.config)[truncated][:-2]
+        self.tensors[truncated] = self._distribute({truncated: short})[truncated]
+        try:
+            SglangTrainer(group, self.rank, self.tensors, FanOut(workers), num_workers=len(workers),
+                          timeout=60)
+        except Exception as err:
+            return str(err)
+        return ""
 
     def step(self, seed: int, version: int) -> dict[str, Any]:
         """Takes the state dict of ``seed`` into the registered shards and pushes it as ``version``."""

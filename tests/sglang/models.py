@@ -104,7 +104,7 @@ def build(server_args: Any = None) -> Any:
         compute_initial_expert_location_metadata,
         set_global_expert_location_metadata,
     )
-    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.runtime_context import get_parallel
 
@@ -113,8 +113,10 @@ def build(server_args: Any = None) -> Any:
     metadata = compute_initial_expert_location_metadata(model_config=model_config,
                                                         moe_ep_rank=get_parallel().moe_ep_rank)
     set_global_expert_location_metadata(metadata, allow_overwrite=True)
+    load_config = LoadConfig()
     with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
-        return _initialize_model(model_config, LoadConfig(), quant_config=None)
+        return _initialize_model(model_config, load_config,
+                                 quant_config=_get_quantization_config(model_config, load_config))
 
 
 def loaded_by_sglang(config: dict[str, Any], seed: int) -> Any:

@@ -77,3 +77,16 @@ def test_verification_names_a_tensor_in_the_wrong_place(ray_cluster: Any) -> Non
         assert "model.layers.0.input_layernorm.weight" in errors[0], errors
     finally:
         _stop([*workers, *trainers], group)
+
+
+def test_a_refused_model_fails_the_trainers_init_naming_the_tensor(ray_cluster: Any) -> None:
+    """The workers read their layouts before anything joins: the sender's init fails at once with the
+    worker's reason (here a checkpoint tensor SGLang's loader does not take), not after a timeout."""
+    group = ws.Group.create("sglang-refused", num_sources=2, num_destinations=2)
+    workers, trainers = _start(models.LLAMA, 2)
+    try:
+        bad = "model.layers.1.mlp.up_proj.weight"
+        error = ray.get(trainers[0].init_expecting_refusal.remote(group.name, workers, bad), timeout=300)
+        assert "refused weightsync command 'init'" in error and bad in error, error
+    finally:
+        _stop([*workers, *trainers], group)

@@ -18,7 +18,7 @@ from typing import Any
 from weightsync.errors import WeightSyncError
 
 PREFIX = "weightsync."
-OPS = ("init", "update", "finish", "close")
+OPS = ("init", "join", "update", "finish", "close")
 _KV_NAMESPACE = "weightsync-sglang"
 
 

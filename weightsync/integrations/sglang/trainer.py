@@ -71,28 +71,31 @@ class SglangTrainer:
         self._checkpoint = [[name, list(g), str(local.dtype).removeprefix("torch.")]
                             for name, (local, g, _, _) in self._boxes.items()]
         connect(ray_address, ray_namespace, timeout=timeout)
+        if engine is not None:
+            # The workers read their layouts first: a model they refuse fails here, naming the parameter,
+            # before any rank waits for the group to form.
+            self.command("init", {"checkpoint": self._checkpoint, "ray_address": worker_ray_address,
+                                  "ray_namespace": worker_ray_namespace, "timeout": timeout})
         failure: list[BaseException] = []
         helper: threading.Thread | None = None
         if engine is not None:
-            args = {"group": group, "checkpoint": self._checkpoint, "ray_address": worker_ray_address,
-                    "ray_namespace": worker_ray_namespace, "secret": secret, "timeout": timeout,
-                    "push_timeout": push_timeout}
+            args = {"group": group, "secret": secret, "timeout": timeout, "push_timeout": push_timeout}
 
-            def init_workers() -> None:
+            def join_workers() -> None:
                 try:
-                    self.command("init", args)
+                    self.command("join", args)
                 except BaseException as exc:  # re-raised in the caller's thread below
                     failure.append(exc)
 
             # The workers' join returns once the plan exists, which needs this rank's join too.
-            helper = threading.Thread(target=init_workers, name="weightsync-sglang-init", daemon=True)
+            helper = threading.Thread(target=join_workers, name="weightsync-sglang-join", daemon=True)
             helper.start()
         try:
             self.src: Source | None = Source(group, rank, dict(tensors), timeout=timeout, secret=secret)
         except BaseException as exc:
             if helper is not None:
                 helper.join(timeout)
-            if failure:  # the workers' refusal says why the group never formed
+            if failure:  # the workers' failure says why the group never formed
                 raise WeightSyncError(f"the SGLang workers did not join group {group!r}: {failure[0]}") \
                     from failure[0]
             raise exc
@@ -113,7 +116,7 @@ class SglangTrainer:
         answer = self.engine.update_weights_from_tensor(named_tensors=named, load_format=LOAD_FORMAT)
         if isinstance(answer, tuple) and len(answer) >= 2 and answer[0] is False:
             raise WeightSyncError(f"SGLang refused weightsync command {op!r}: {answer[1]}")
-        wait = self.timeout if op == "init" else self.push_timeout
+        wait = self.timeout if op in ("init", "join") else self.push_timeout
         outcomes = protocol.collect(reply_to, self.workers, wait)
         protocol.raise_failures(op, outcomes)
         return outcomes

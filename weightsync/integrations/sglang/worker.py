@@ -4,10 +4,11 @@ SGLang runs the custom loader in its scheduler's event loop, between forward pas
 :func:`handle` runs the command there:
 
 * ``init``: connects to the group's Ray cluster (explicit address and namespace, or the environment's:
-  weightsync.control.rendezvous), reads this rank's layout off the live model's own ``load_weights``
+  weightsync.control.rendezvous) and reads this rank's layout off the live model's own ``load_weights``
   with recording tensors (weightsync.integrations.recording: fused qkv/gate_up rows, each expert's
-  ``w13``/``w2``, vocabulary padding, as SGLang's loaders place them on the platform the server runs on)
-  and joins the group as an ``inplace`` Destination; the join returns once every trainer rank joined.
+  ``w13``/``w2``, vocabulary padding, as SGLang's loaders place them in this very server, so with the
+  switches it chose for its platform); a model it cannot update is refused here, naming the parameter.
+* ``join``: joins the group as an ``inplace`` Destination; returns once every trainer rank joined.
 * ``update``: waits until version ``v`` has landed whole in the parameters and, in verification mode,
   compares per-tensor checksums of what landed with the trainers' (weightsync.integrations.vllm.verify).
 * ``finish``: checks that no update is landing and that the model holds a whole version.
@@ -38,9 +39,9 @@ log = logging.getLogger("weightsync.sglang")
 def worker_rank() -> int:
     """This worker's rank among the TP workers of its SGLang instance (0 without SGLang's groups)."""
     try:
-        from sglang.srt.distributed.parallel_state import get_world_group
+        from sglang.srt.runtime_context import get_parallel
 
-        return int(get_world_group().rank_in_group)
+        return int(get_parallel().world_group.rank_in_group)
     except Exception:  # SGLang's process groups not set up: a single worker
         return 0
 
@@ -84,19 +85,31 @@ class SglangDestination:
                 "into them would not be what the kernels read")
         return layout
 
-    def init(self, args: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    def init(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Reads the layout for the trainers' checkpoint off the live model: everything that can refuse
+        the model runs here, before anything joins the group."""
         if self.destination is not None:
             raise WeightSyncError(f"this SGLang worker already joined group {self.destination.group!r}")
         checkpoint = [CheckpointTensor(str(n), tuple(int(x) for x in s), str(d).removeprefix("torch."))
                       for n, s, d in args["checkpoint"]]
         self.layout = self.derive(checkpoint)
         self.checkpoint = {ct.name: ct for ct in checkpoint}
+        return {"pieces": sum(len(p) for p in self.layout.pieces.values()), "unused": self.layout.unused,
+                "unloaded": self.layout.unloaded}
+
+    def join(self, args: Mapping[str, Any], rank: int) -> dict[str, Any]:
+        """Joins the group as an ``inplace`` Destination over the layout :meth:`init` derived; returns
+        once every participant joined."""
+        if self.layout is None:
+            raise WeightSyncError("weightsync join before init on this SGLang worker")
+        if self.destination is not None:
+            raise WeightSyncError(f"this SGLang worker already joined group {self.destination.group!r}")
         self.layout.apply_fills(self.model)
         self.destination = Destination(str(args["group"]), rank, self.layout.tensors(self.model),
                                        mode="inplace", timeout=float(args["timeout"]),
                                        push_timeout=float(args["push_timeout"]), secret=args.get("secret"))
         self.version = self.destination.version
-        return {"pieces": sum(len(p) for p in self.layout.pieces.values()), "unused": self.layout.unused}
+        return {"version": self.version}
 
     def _dst(self) -> Destination:
         if self.destination is None:
@@ -191,7 +204,9 @@ def handle(model: Any, named_tensors: Sequence[tuple[str, Any]]) -> None:
             connect(args.get("ray_address"), args.get("ray_namespace"), timeout=float(args["timeout"]))
         state = _destinations.setdefault(id(model), SglangDestination(model))
         if op == "init":
-            outcome = {"result": state.init(args, rank)}
+            outcome = {"result": state.init(args)}
+        elif op == "join":
+            outcome = {"result": state.join(args, rank)}
         elif op == "update":
             outcome = {"result": state.update(args)}
         elif op == "finish":
