@@ -55,6 +55,12 @@ class SglangWorker:
         parameter ``name``: what a layout putting bytes in the wrong place leaves."""
         self.swap_before_update = name
 
+    def replace_memory(self, name: str) -> None:
+        """Gives parameter ``name`` new storage, as a quantization method's repacking or a memory release
+        and resume may."""
+        p = dict(self.model.named_parameters())[name]
+        p.data = p.data.clone()
+
     def swap_rows(self, name: str) -> None:
         import torch
 

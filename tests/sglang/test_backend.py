@@ -79,6 +79,20 @@ def test_verification_names_a_tensor_in_the_wrong_place(ray_cluster: Any) -> Non
         _stop([*workers, *trainers], group)
 
 
+def test_a_parameter_sglang_moved_fails_the_update_naming_it(ray_cluster: Any) -> None:
+    group = ws.Group.create("sglang-moved", num_sources=2, num_destinations=1)
+    workers, trainers = _start(models.LLAMA, 1)
+    try:
+        ray.get([t.init.remote(group.name, workers) for t in trainers], timeout=300)
+        ray.get([t.step.remote(1, 0) for t in trainers], timeout=300)
+        ray.get(workers[0].replace_memory.remote("model.layers.1.mlp.down_proj.weight"))
+        errors = ray.get([t.push_expecting_refusal.remote(1) for t in trainers], timeout=300)
+        assert "model.layers.1.mlp.down_proj.weight" in errors[0], errors
+        assert "replaced the memory" in errors[0], errors
+    finally:
+        _stop([*workers, *trainers], group)
+
+
 def test_a_refused_model_fails_the_trainers_init_naming_the_tensor(ray_cluster: Any) -> None:
     """The workers read their layouts before anything joins: the sender's init fails at once with the
     worker's reason (here a checkpoint tensor SGLang's loader does not take), not after a timeout."""

@@ -60,11 +60,18 @@ def _quantized(model: Any) -> dict[str, str]:
     return out
 
 
+def _fingerprint(t: Any) -> tuple[Any, ...]:
+    storage = t.untyped_storage()
+    return (int(t.data_ptr()), int(storage.data_ptr()), int(storage.nbytes()), tuple(t.shape),
+            tuple(t.stride()), str(t.dtype))
+
+
 class SglangDestination:
     """weightsync's state in one SGLang TP worker, for one model (``id(model)``)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self._registered: dict[str, tuple[Any, ...]] = {}
         self.destination: Destination | None = None
         self.layout: RecordedLayout | None = None
         self.checkpoint: dict[str, CheckpointTensor] = {}
@@ -109,7 +116,17 @@ class SglangDestination:
                                        mode="inplace", timeout=float(args["timeout"]),
                                        push_timeout=float(args["push_timeout"]), secret=args.get("secret"))
         self.version = self.destination.version
+        self._registered = {name: _fingerprint(placed.local_tensor)
+                            for name, placed in self.layout.tensors(self.model).items()}
         return {"version": self.version}
+
+    def moved(self) -> list[str]:
+        """Registered parameters whose memory SGLang replaced since the join (a quantization method's
+        ``restore_weights_before_loading``/``process_weights_after_loading`` in a weight-update session,
+        a memory release and resume): writes aimed at the registered memory would miss the model."""
+        assert self.layout is not None
+        now = self.layout.data(self.model)
+        return sorted(n for n, was in self._registered.items() if n not in now or _fingerprint(now[n]) != was)
 
     def _dst(self) -> Destination:
         if self.destination is None:
@@ -122,6 +139,13 @@ class SglangDestination:
         if version <= self.version:
             raise WeightSyncError(f"version {version} is not newer than the version this worker holds "
                                   f"({self.version})")
+        moved = self.moved()
+        if moved:
+            raise WeightSyncError(f"SGLang replaced the memory of {len(moved)} registered parameters since "
+                                  f"this worker joined group {dst.group!r} (e.g. {moved[:3]}): version "
+                                  f"{version} was written where the model no longer reads; re-create the "
+                                  "trainer side (close, then a new SglangTrainer) so the workers register "
+                                  "the new memory")
         got = dst.wait(version, timeout=float(args["timeout"]))
         if got != version:
             raise WeightSyncError(f"waited for version {version}, the model holds {got}: a newer push "
