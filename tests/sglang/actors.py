@@ -55,6 +55,9 @@ class SglangWorker:
         parameter ``name``: what a layout putting bytes in the wrong place leaves."""
         self.swap_before_update = name
 
+    def shapes(self) -> dict[str, list[int]]:
+        return {k: list(v.shape) for k, v in self.model.named_parameters()}
+
     def replace_memory(self, name: str) -> None:
         """Gives parameter ``name`` new storage, as a quantization method's repacking or a memory release
         and resume may."""

@@ -49,6 +49,9 @@ def test_trainer_pushes_into_sglang_workers_bit_identically(ray_cluster: Any, co
     group = ws.Group.create(name, num_sources=2, num_destinations=tp)
     workers, trainers = _start(config, tp, ep)
     try:
+        if ep > 1:  # each worker holds its share of the experts, each whole
+            w13 = ray.get(workers[0].shapes.remote())["model.layers.0.mlp.experts.w13_weight"]
+            assert w13[:2] == [config["num_experts"] // ep, 2 * config["moe_intermediate_size"]], w13
         ray.get([t.init.remote(group.name, workers) for t in trainers], timeout=300)
         for version, seed in enumerate([1, 2]):
             outcomes = ray.get([t.step.remote(seed, version) for t in trainers], timeout=300)[0]
