@@ -18,3 +18,8 @@ fi
 if [ $# -eq 0 ] && [ -x .venv-vllm/bin/python ]; then
   .venv-vllm/bin/python -m pytest -q -ra -p no:cacheprovider tests/vllm
 fi
+# The SGLang backend's tests (tests/sglang) in SGLang's own environment, where scripts/setup_sglang.sh made
+# it; likewise only for a full run.
+if [ $# -eq 0 ] && [ -x .venv-sglang/bin/python ]; then
+  .venv-sglang/bin/python -m pytest -q -ra -p no:cacheprovider tests/sglang
+fi
