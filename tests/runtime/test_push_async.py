@@ -534,7 +534,6 @@ def test_an_in_place_op_racing_a_push_never_publishes_a_torn_version(racing: tup
         from_after = int((got.view(torch.int32) == r["after"].view(torch.int32)).sum())
         outcomes.append("before" if from_before == BIG else "after" if from_after == BIG else
                         f"TORN ({from_before} words from before, {from_after} from after)")
-    print("outcomes:", outcomes)
     assert not [o for o in outcomes if o.startswith("TORN")], outcomes
 
 
@@ -637,7 +636,13 @@ def test_a_source_dropped_after_a_non_blocking_push_is_collected(ray_cluster) ->
                 ray.get(probe.push_and_drop.remote(version, how), timeout=120)
             assert collected(), f"the source dropped after {how!r} (version {version}) was not collected"
             ray.get(rollout.wait.remote(version), timeout=60)
-            threads, fds = ray.get(probe.resources.remote(), timeout=30)
+            # The push thread ends once it runs again after the collection: a moment later.
+            deadline = time.monotonic() + 10
+            while True:
+                threads, fds = ray.get(probe.resources.remote(), timeout=30)
+                if (threads <= base[0] and fds <= base[1]) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             grown[f"{how} {version}"] = (threads - base[0], fds - base[1])
         assert all(t <= 0 and f <= 0 for t, f in grown.values()), grown
     finally:
