@@ -398,3 +398,269 @@ def test_cast_destination_staged_writes_hold_their_tail(ray_cluster) -> None:
         t.check(4)
     finally:
         t.stop()
+
+
+# -- what a push publishes when the tensors change under it, and what a dropped source leaves behind ----
+
+BIG = 1 << 22  # words of the racing tensor: its in-place op (one thread, about 1 s) outlasts the push
+
+
+def big_values(version: int) -> torch.Tensor:
+    """Positive random words (the racing op, ``polygamma_(3)``, is finite on them)."""
+    g = torch.Generator().manual_seed(7919 * version + 1)
+    return torch.rand(BIG, generator=g) + 0.5
+
+
+class RacingTrainer:
+    """One source holding one large CPU tensor; ``race`` runs an in-place op on it from another thread
+    while a non-blocking push reads it (what ``guard`` exists to prevent, here on purpose)."""
+
+    def __init__(self, group: str) -> None:
+        torch.set_num_threads(1)  # the racing op writes the tensor in one sweep, and takes its time
+        self.w = big_values(0)
+        self.src = ws.Source(group, rank=0, tensors={"w": self.w}, timeout=60)
+
+    def set_version(self, version: int) -> None:
+        self.w.copy_(big_values(version))
+
+    def push(self, version: int) -> None:
+        ws.push(self.src, version, timeout=30.0)
+
+    def race(self, version: int, lead: float) -> dict[str, Any]:
+        """Pushes ``version`` while another thread runs ``w.polygamma_(3)``: started ``lead`` seconds before
+        ``push_async`` (negative: right after it). Returns whether the push succeeded, its error, and
+        the tensor's bytes before and after the op."""
+        before = self.w.clone()
+        go = threading.Event()
+
+        def writer() -> None:
+            go.wait()
+            with torch.no_grad():
+                self.w.polygamma_(3)
+
+        th = threading.Thread(target=writer)
+        th.start()
+        if lead >= 0:
+            go.set()
+            time.sleep(lead)
+            h = ws.push_async(self.src, version, timeout=30.0)
+        else:
+            h = ws.push_async(self.src, version, timeout=30.0)
+            go.set()
+        th.join()
+        try:
+            h.wait()
+            error = ""
+        except ws.WeightSyncError as exc:
+            error = str(exc)
+        return {"ok": not error, "error": error, "before": before, "after": self.w.clone()}
+
+    def change_unseen(self) -> None:
+        """Changes the bytes without moving the tensor's version counter (``.data`` is another tensor
+        object with a counter of its own): what the push's check sees of an in-place op that has not
+        returned yet."""
+        self.w.data.mul_(3.0)
+
+    def push_async(self, version: int, timeout: float = 30.0) -> None:
+        self.handle = ws.push_async(self.src, version, timeout=timeout)
+
+    def wait(self) -> dict[str, Any]:
+        return self.handle.wait().__dict__
+
+    def tensor(self) -> torch.Tensor:
+        return self.w.clone()
+
+
+class RacingRollout:
+    def __init__(self, group: str) -> None:
+        self.w = torch.full((BIG,), float("nan"))
+        self.dst = ws.Destination(group, rank=0, tensors={"w": self.w}, mode="staged", timeout=60,
+                                  push_timeout=30)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def version(self) -> int:
+        return self.dst.version
+
+    def take(self, version: int) -> torch.Tensor:
+        """Waits for ``version``, makes it live, returns its bytes."""
+        assert self.dst.wait(version, timeout=30.0) == version
+        self.dst.apply()
+        assert self.dst.live_version == version
+        return self.w.clone()
+
+
+@pytest.fixture(scope="module")
+def racing(ray_cluster) -> Iterator[tuple[Any, Any, int]]:
+    name = "push-async-race"
+    group = ws.Group.create(name, num_sources=1, num_destinations=1)
+    rollout = ray.remote(num_cpus=0)(RacingRollout).remote(name)
+    trainer = ray.remote(num_cpus=0)(RacingTrainer).remote(name)
+    try:
+        ray.get([trainer.__ray_ready__.remote(), rollout.__ray_ready__.remote()], timeout=120)
+        yield trainer, rollout, ray.get(rollout.pid.remote(), timeout=30)
+    finally:
+        ray.kill(trainer)
+        ray.kill(rollout)
+        group.shutdown()
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_an_in_place_op_racing_a_push_never_publishes_a_torn_version(racing: tuple[Any, Any, int]) -> None:
+    """Issue 41, item 1: an in-place op on another thread overlapping a non-blocking push. On CPU torch
+    moves the version counter only when the op returns, so the counters alone cannot see an op still
+    writing at the push's check. Every push either fails (and the destination keeps what it had) or
+    the destination makes live exactly the bytes from before the op or from after it.
+
+    The destination is stopped for the first moments of each push (the push waits for its grant), so
+    the op is still writing while the push is in flight however the machine schedules the writer: what
+    the push's check must not miss. (A writer descheduled for a whole push writes nothing the push
+    could see; push_handle's doc says what the push publishes then.)"""
+    trainer, rollout, pid = racing
+    version = 1
+    ray.get(trainer.set_version.remote(version), timeout=30)
+    ray.get(trainer.push.remote(version), timeout=60)
+    assert _same_bytes(ray.get(rollout.take.remote(version), timeout=60), big_values(version))
+    outcomes = []
+    for lead in (0.0, 0.002, 0.01, 0.03, -1.0, 0.0, 0.005, -1.0):
+        version += 1
+        ray.get(trainer.set_version.remote(version), timeout=30)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            call = trainer.race.remote(version, lead)
+            time.sleep(0.3)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        r = ray.get(call, timeout=120)
+        if not r["ok"]:
+            assert "changed while the push read them" in r["error"], r["error"]
+            assert ray.get(rollout.version.remote(), timeout=30) < version
+            outcomes.append("failed")
+            continue
+        got = ray.get(rollout.take.remote(version), timeout=60)
+        from_before = int((got.view(torch.int32) == r["before"].view(torch.int32)).sum())
+        from_after = int((got.view(torch.int32) == r["after"].view(torch.int32)).sum())
+        outcomes.append("before" if from_before == BIG else "after" if from_after == BIG else
+                        f"TORN ({from_before} words from before, {from_after} from after)")
+    assert not [o for o in outcomes if o.startswith("TORN")], outcomes
+
+
+def test_a_change_the_counters_do_not_show_fails_the_push(racing: tuple[Any, Any, int]) -> None:
+    """The same situation made deterministic: the bytes change while the push waits for its grant (the
+    destination is stopped), and the tensor's counter does not move (a write through ``.data``; an
+    in-place op that has not returned yet looks the same to the counter). The push fails, the
+    destination keeps its version, and the next push lands whole."""
+    trainer, rollout, pid = racing
+    ray.get(trainer.set_version.remote(100), timeout=30)
+    ray.get(trainer.push.remote(100), timeout=60)
+    assert _same_bytes(ray.get(rollout.take.remote(100), timeout=60), big_values(100))
+    ray.get(trainer.set_version.remote(101), timeout=30)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        ray.get(trainer.push_async.remote(101, 10.0), timeout=30)
+        time.sleep(0.2)
+        ray.get(trainer.change_unseen.remote(), timeout=30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(trainer.wait.remote(), timeout=60)
+    err = _cause(info)
+    assert isinstance(err, ws.WeightSyncError) and "changed while the push read them" in str(err), err
+    assert ray.get(rollout.version.remote(), timeout=30) == 100
+    now = ray.get(trainer.tensor.remote(), timeout=30)
+    ray.get(trainer.push.remote(102), timeout=60)
+    assert _same_bytes(ray.get(rollout.take.remote(102), timeout=60), now)
+
+
+class DroppedSource:
+    """Creates a Source under rank 0 of a one-source group, pushes, and drops it without close()."""
+
+    def __init__(self, group: str) -> None:
+        self.group = group
+        self.ref: Any = None
+
+    def resources(self) -> tuple[int, int]:
+        """This process's weightsync threads (the push and watcher threads) and open file descriptors
+        (every engine holds some: its sockets and event descriptors). Ray's own thread pools grow and
+        shrink on their own, so the process's native thread count is no measure."""
+        return (sum(t.name.startswith("weightsync") for t in threading.enumerate()),
+                len(os.listdir("/proc/self/fd")))
+
+    def push_and_drop(self, version: int, how: str) -> None:
+        """``how``: "push" (blocking), "async" (push_async, waited for) or "mid" (push_async, dropped
+        with the push in flight, its handle too)."""
+        import weakref
+
+        src = ws.Source(self.group, rank=0, tensors={k: values(k, version) for k in SHAPES}, timeout=60)
+        self.ref = weakref.ref(src)
+        if how == "push":
+            ws.push(src, version, timeout=30.0)
+        else:
+            h = ws.push_async(src, version, timeout=30.0)
+            if how == "async":
+                h.wait()
+            del h
+        del src
+
+    def collected(self) -> bool:
+        import gc
+
+        gc.collect()
+        return self.ref() is None
+
+
+def test_a_source_dropped_after_a_non_blocking_push_is_collected(ray_cluster) -> None:
+    """Issue 41, item 5: a Source dropped without close() after ``push_async`` (waited for, or still in
+    flight) is collected like one dropped after ``push``, and leaves no thread or descriptor behind."""
+    name = "push-async-drop"
+    group = ws.Group.create(name, num_sources=1, num_destinations=1)
+    rollout = ray.remote(num_cpus=0)(AsyncRollout).remote(name, 0, "staged")
+    probe = ray.remote(num_cpus=0)(DroppedSource).remote(name)
+    try:
+        # The rollout's join waits for a source: the first one comes with the first cycle.
+        version = 1
+        first = probe.push_and_drop.remote(version, "push")
+        ray.get([rollout.__ray_ready__.remote(), first], timeout=120)
+        pid = ray.get(rollout.pid.remote(), timeout=30)
+
+        def collected() -> bool:
+            deadline = time.monotonic() + 30
+            while not ray.get(probe.collected.remote(), timeout=30):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.2)
+            return True
+
+        assert collected()  # the first cycle also warmed up what stays (Ray's and torch's threads)
+        base = ray.get(probe.resources.remote(), timeout=30)
+        grown = {}
+        for how in ("push", "async", "mid", "async", "mid"):
+            version += 1
+            if how == "mid":
+                os.kill(pid, signal.SIGSTOP)  # the push cannot complete until the rollout continues
+                try:
+                    ray.get(probe.push_and_drop.remote(version, how), timeout=120)
+                    time.sleep(0.3)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+            else:
+                ray.get(probe.push_and_drop.remote(version, how), timeout=120)
+            assert collected(), f"the source dropped after {how!r} (version {version}) was not collected"
+            ray.get(rollout.wait.remote(version), timeout=60)
+            # The push thread ends once it runs again after the collection: a moment later.
+            deadline = time.monotonic() + 10
+            while True:
+                threads, fds = ray.get(probe.resources.remote(), timeout=30)
+                if (threads <= base[0] and fds <= base[1]) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            grown[f"{how} {version}"] = (threads - base[0], fds - base[1])
+        assert all(t <= 0 and f <= 0 for t, f in grown.values()), grown
+    finally:
+        ray.kill(probe)
+        ray.kill(rollout)
+        group.shutdown()

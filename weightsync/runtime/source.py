@@ -381,16 +381,15 @@ class Source(Participant):
         import torch
 
         super().__init__(group, rank, tensors, timeout, engine, secret)
-        self._regions: dict[str, Region] = {}
-        self._locals: dict[str, Any] = {}
-        for key in self.tensors:
-            local = contiguous(self._local_tensor(key), key)
-            self._locals[key] = local
-            self._regions[key] = self.engine.register(local, name=key)
+        live = {key: contiguous(self._local_tensor(key), key) for key in self.tensors}
+        # What a push checks, and what it sends: host tensors from a private copy (push_handle's doc).
+        self._watched = watched_tensors(self.tensors, live)
+        self._locals: dict[str, Any] = self._watched.sent(live)
+        self._regions: dict[str, Region] = {key: self.engine.register(local, name=key)
+                                            for key, local in self._locals.items()}
         first = next(iter(self._locals.values()))
         self.device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
         self._bytes = {key: _byte_view(local) for key, local in self._locals.items()}
-        self._watched = watched_tensors(self.tensors, self._locals)
         # Pushes: one at a time (``_last_push`` until it is done); a background push's staging kernels run
         # on a stream of its own, not on the trainer's.
         self._push_lock = threading.Lock()
@@ -669,7 +668,7 @@ class Source(Participant):
                 h._ready.record(torch.cuda.current_stream(self.device))
             self._last_push = h
             if background and self._push_worker is None:
-                self._push_worker = PushWorker(f"weightsync-{self.group}-push{self.rank}")
+                self._push_worker = PushWorker(f"weightsync-{self.group}-push{self.rank}", self)
         h.start(self._push_worker)
         return h
 
