@@ -7,7 +7,9 @@ admission check, then tries to join the group as source 0 with each thing it kep
     python -m tests.security._ray_call_thief ADDRESS VICTIM GROUP DUMP_PATH
 
 It writes every value it collected (the members' presented credentials and the coordinator's own
-attributes) to DUMP_PATH, and prints one JSON line: what it found and what each join attempt got.
+attributes) to DUMP_PATH, and prints one JSON line: what it found and what each join attempt got. Last,
+it joins as source 0 with the key the coordinator checks members with (code inside the coordinator can
+always do what the coordinator does) and pushes, to show what that key is worth to the engines.
 """
 
 from __future__ import annotations
@@ -61,8 +63,12 @@ def _collect(coord: Any) -> dict[str, list[str]]:
         return [repr(value)]
 
     presented = [x for v in coord._kept_by_thief for x in flat(v)]
-    attributes = [x for v in vars(coord).values() if isinstance(v, (str, bytes)) for x in flat(v)]
-    return {"presented": presented, "attributes": attributes}
+    # Its own attributes and those of the objects it holds (one level down).
+    values = list(vars(coord).values())
+    values += [x for v in list(values) if hasattr(v, "__dict__") for x in vars(v).values()]
+    attributes = [x for v in values if isinstance(v, (str, bytes)) for x in flat(v)]
+    keys = [v.hex() for v in values if isinstance(v, bytes) and len(v) == 32]
+    return {"presented": presented, "attributes": attributes, "keys": keys}
 
 
 def main(address: str, victim: str, group: str, dump: str) -> None:
@@ -92,6 +98,16 @@ def main(address: str, victim: str, group: str, dump: str) -> None:
         return repr(ws.push(src, version=1000, timeout=10))
 
     result["joins"] = [_attempt(lambda s=s: join_and_push(s)) for s in candidates]
+
+    # With a key the coordinator holds (it checks members with it), join as source 0: the coordinator
+    # admits that, but the engine it joins with has no key the destination's engine accepts.
+    import weightsync.control.client as client
+
+    stolen = [bytes.fromhex(k) for k in loot["keys"]]
+    result["key_joins"] = []
+    for key in stolen:
+        client.admission_key = lambda secret, group, key=key: key  # type: ignore[assignment]
+        result["key_joins"].append(_attempt(lambda: join_and_push("thief-does-not-know-it-" + "0" * 9)))
     print(json.dumps(result), flush=True)
     ray.shutdown()
 

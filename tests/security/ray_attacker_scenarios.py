@@ -269,9 +269,16 @@ def test_code_another_job_runs_inside_the_coordinator_gets_no_credential(cluster
         assert got["joins"], got
         for answer in got["joins"]:
             assert not answer.startswith("accepted"), answer
-        # The rollout never took the thief's version; the members keep working.
+        # With the coordinator's own key it was admitted as source 0 (taking the trainer's place: it can
+        # stop pushes), but the destination's engine refused its engine: no write landed.
+        assert got["key_joins"], got
+        for answer in got["key_joins"]:
+            assert answer.startswith("TimeoutError") and "engine key proof failed" in answer, answer
+        # The rollout never took the thief's version; a trainer that joins again pushes as before.
         assert ray.get(rollout.state.remote(-1), timeout=30) == (1, [1.0])
-        assert ray.get(trainer.push.remote(2), timeout=60) == []
+        ray.kill(trainer)
+        trainer = ray.remote(num_cpus=0)(Trainer).remote("robbed", secret)
+        assert ray.get(trainer.push.remote(2), timeout=90) == []
         assert ray.get(rollout.state.remote(2), timeout=60) == (2, [2.0])
     finally:
         for a in (trainer, rollout):
