@@ -18,8 +18,14 @@ import torch
 import weightsync as ws
 import weightsync.control.coordinator as coordinator
 from tests import ROOT
+from weightsync.control.admission import Proof, admission_key, prove
 from weightsync.control.coordinator import DESTINATION, SOURCE, Coordinator
 from weightsync.runtime.describe import describe_tensors
+
+
+def _p(method: str) -> Proof:
+    """A fresh proof of the secret "s" of group "unit" for one call of ``method``."""
+    return prove(admission_key("s", "unit"), "unit", method)
 
 # -- the coordinator alone -----------------------------------------------------------------------------
 _LAYOUT = describe_tensors({"w": torch.zeros(4, 4)}).to_msgpack()
@@ -27,7 +33,8 @@ _ENGINE = {"nics": 1, "stripe_threshold": 1 << 20, "max_piece": 1 << 20}
 
 
 def _join(c: Coordinator, role: str, rank: int) -> int:
-    return c.join("s", role, rank, _LAYOUT, b"addr%d" % rank, "host", _ENGINE, {"w": [b"d", b"d"]}, b"mbox")
+    return c.join(_p("join"), role, rank, _LAYOUT, b"addr%d" % rank, "host", _ENGINE, {"w": [b"d", b"d"]},
+                  b"mbox")
 
 
 def _planned() -> Coordinator:
@@ -51,7 +58,7 @@ class _FakeWatcher:
 
     def _run(self) -> None:
         while not self.stop:
-            epoch = self.c.wait_epoch("s", self.rank, "tok", self.heard, 0.2)
+            epoch = self.c.wait_epoch(_p("wait_epoch"), self.rank, "tok", self.heard, 0.2)
             time.sleep(self.delay)
             self.heard = max(self.heard, epoch)
 
@@ -69,10 +76,11 @@ class _FakeWatcher:
 def test_wait_epoch_answers_at_once_on_a_replan_and_at_timeout() -> None:
     c = _planned()
     t = time.monotonic()
-    assert c.wait_epoch("s", 0, "tok", 0, 5.0) == 1  # already newer: at once
+    assert c.wait_epoch(_p("wait_epoch"), 0, "tok", 0, 5.0) == 1  # already newer: at once
     assert time.monotonic() - t < 0.5
     t = time.monotonic()
-    assert c.wait_epoch("s", 0, "tok", 1, 0.3) == 1  # nothing new: the current epoch at the timeout
+    # nothing new: the current epoch at the timeout
+    assert c.wait_epoch(_p("wait_epoch"), 0, "tok", 1, 0.3) == 1
     assert time.monotonic() - t >= 0.3
     with pytest.raises(ws.WeightSyncError, match="wrong secret"):
         c.wait_epoch("not the secret", 0, "tok", 1, 0.1)
@@ -81,10 +89,10 @@ def test_wait_epoch_answers_at_once_on_a_replan_and_at_timeout() -> None:
     got: list[tuple[int, float]] = []
 
     def poll(after: int) -> None:
-        got.append((c.wait_epoch("s", 0, "tok", after, 10.0), time.monotonic()))
+        got.append((c.wait_epoch(_p("wait_epoch"), 0, "tok", after, 10.0), time.monotonic()))
 
     for after, change in ((1, lambda: _join(c, DESTINATION, 1)),
-                          (2, lambda: c.report_dead("s", "test", DESTINATION, [1], 2))):
+                          (2, lambda: c.report_dead(_p("report_dead"), "test", DESTINATION, [1], 2))):
         th = threading.Thread(target=poll, args=(after,))
         th.start()
         time.sleep(0.2)  # the poll is waiting
@@ -106,9 +114,9 @@ def test_membership_change_returns_once_every_watcher_heard_it() -> None:
         # Returned only once the watcher held the new epoch: a push started now would use the new plan.
         assert slow.heard == c.epoch == 2
         assert 0.3 <= time.monotonic() - t < coordinator.WATCHER_ACK_TIMEOUT
-        assert c.status("s")["watchers"] == {0: 2}
+        assert c.status(_p("status"))["watchers"] == {0: 2}
         t = time.monotonic()
-        assert c.report_dead("s", "test", DESTINATION, [1], 2) == 3
+        assert c.report_dead(_p("report_dead"), "test", DESTINATION, [1], 2) == 3
         assert slow.heard == 3
         assert 0.3 <= time.monotonic() - t < coordinator.WATCHER_ACK_TIMEOUT
     finally:
@@ -119,31 +127,31 @@ def test_silent_closed_or_replaced_watchers_are_not_waited_for(monkeypatch: pyte
     monkeypatch.setattr(coordinator, "WATCHER_ACK_TIMEOUT", 0.4)
     c = _planned()
     # Registered by one long-poll, then silent (its process hangs): waited for at most the timeout, once.
-    c.wait_epoch("s", 0, "tok", 1, 0.0)
+    c.wait_epoch(_p("wait_epoch"), 0, "tok", 1, 0.0)
     t = time.monotonic()
     _join(c, DESTINATION, 1)
     assert 0.4 <= time.monotonic() - t < 1.5
-    assert c.status("s")["watchers"] == {}
+    assert c.status(_p("status"))["watchers"] == {}
     t = time.monotonic()
-    c.report_dead("s", "test", DESTINATION, [1], c.epoch)
+    c.report_dead(_p("report_dead"), "test", DESTINATION, [1], c.epoch)
     assert time.monotonic() - t < 0.2
 
     # Closed: unwatch with its own token forgets it (another token does not).
-    c.wait_epoch("s", 0, "tok", c.epoch, 0.0)
-    c.unwatch("s", 0, "another")
-    assert c.status("s")["watchers"] == {0: c.epoch}
-    c.unwatch("s", 0, "tok")
-    assert c.status("s")["watchers"] == {}
+    c.wait_epoch(_p("wait_epoch"), 0, "tok", c.epoch, 0.0)
+    c.unwatch(_p("unwatch"), 0, "another")
+    assert c.status(_p("status"))["watchers"] == {0: c.epoch}
+    c.unwatch(_p("unwatch"), 0, "tok")
+    assert c.status(_p("status"))["watchers"] == {}
     t = time.monotonic()
     _join(c, DESTINATION, 2)
     assert time.monotonic() - t < 0.2
 
     # A source rank joining again is a new process: its old watcher is not waited for.
-    c.wait_epoch("s", 0, "tok", c.epoch, 0.0)
+    c.wait_epoch(_p("wait_epoch"), 0, "tok", c.epoch, 0.0)
     t = time.monotonic()
     _join(c, SOURCE, 0)
     assert time.monotonic() - t < 0.2
-    assert c.status("s")["watchers"] == {}
+    assert c.status(_p("status"))["watchers"] == {}
 
 
 # -- sources in Ray actors -------------------------------------------------------------------------------

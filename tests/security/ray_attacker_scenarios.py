@@ -232,3 +232,55 @@ def test_the_default_secret_is_this_process_own(cluster: dict[str, Any]) -> None
         assert group.status()["destinations"] == []
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_code_another_job_runs_inside_the_coordinator_gets_no_credential(cluster: dict[str, Any],
+                                                                         tmp_path: Path) -> None:
+    """A second job runs its own code in the coordinator (``__ray_call__``), keeps what the members
+    present for 12 s (every watcher calls at least every 10 s) and tries to join as source 0 with each
+    thing it kept: it learns neither the secret nor the engine key, and no version of its lands."""
+    from weightsync.control.engine_key import engine_key
+
+    group = ws.Group.create("robbed", num_sources=1, num_destinations=1)
+    secret = group.secret
+    trainer = ray.remote(num_cpus=0)(Trainer).remote("robbed", secret)
+    rollout = ray.remote(num_cpus=0)(Rollout).remote("robbed", secret)
+    try:
+        ray.get([trainer.__ray_ready__.remote(), rollout.__ray_ready__.remote()], timeout=120)
+        assert ray.get(trainer.push.remote(1), timeout=60) == []
+        assert ray.get(rollout.state.remote(1), timeout=60) == (1, [1.0])
+
+        dump = tmp_path / "loot.json"
+        out = subprocess.run([sys.executable, "-m", "tests.security._ray_call_thief", cluster["address"],
+                              VICTIM_NS, "robbed", str(dump)], env=cluster["env"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        # Its code did run inside the coordinator and saw the members' calls ...
+        assert got["installed"].startswith("accepted"), got["installed"]
+        loot = json.loads(dump.read_text())
+        assert loot["presented"], "the members made no call while the thief listened"
+        # ... but nothing it saw there is the secret or the engine key,
+        seen = "\n".join(loot["presented"] + loot["attributes"])
+        assert secret not in seen
+        assert engine_key(secret, "robbed").hex() not in seen
+        # and no join with anything it kept was admitted.
+        assert got["joins"], got
+        for answer in got["joins"]:
+            assert not answer.startswith("accepted"), answer
+        # With the coordinator's own key it was admitted as source 0 (taking the trainer's place: it can
+        # stop pushes), but the destination's engine refused its engine: no write landed.
+        assert got["key_joins"], got
+        for answer in got["key_joins"]:
+            assert answer.startswith("TimeoutError") and "engine key proof failed" in answer, answer
+        # The rollout never took the thief's version; a trainer that joins again pushes as before.
+        assert ray.get(rollout.state.remote(-1), timeout=30) == (1, [1.0])
+        ray.kill(trainer)
+        trainer = ray.remote(num_cpus=0)(Trainer).remote("robbed", secret)
+        assert ray.get(trainer.push.remote(2), timeout=90) == []
+        assert ray.get(rollout.state.remote(2), timeout=60) == (2, [2.0])
+    finally:
+        for a in (trainer, rollout):
+            ray.kill(a)
+        group.shutdown()

@@ -27,4 +27,4 @@ def test_ray_attacker_scenarios_in_a_fresh_process() -> None:
                           "tests/security/ray_attacker_scenarios.py"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=580)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
-    assert "2 passed" in out.stdout, out.stdout[-2000:]
+    assert "3 passed" in out.stdout, out.stdout[-2000:]

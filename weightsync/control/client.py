@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from weightsync.control.admission import Proof, admission_key, prove
 from weightsync.control.engine_key import engine_key
 from weightsync.control.group import actor_name, participant_secret
 from weightsync.control.watcher import DROPPED, MEMBER, SUPERSEDED, EpochWatcher, MembershipWatcher
@@ -56,14 +57,22 @@ class ControlClient:
                 f"group {group!r} does not exist in Ray namespace {namespace!r}: create it with "
                 f"ws.Group.create({group!r}, ...) before its sources and destinations (or it was shut "
                 "down)") from None
-        self._secret = participant_secret(group, secret)
+        secret = participant_secret(group, secret)
+        # Only the two keys derived from the secret are kept: proofs made with the admission key are all
+        # the coordinator gets from this participant; the engine key only its transfer engine gets.
+        self._admission_key = admission_key(secret, group)
+        self._engine_key = engine_key(secret, group)
         self._reported: Any = None  # the last report_dead, not yet known to have re-planned
         self._metrics: Any = None
 
     def engine_key(self) -> bytes:
         """The key this participant's transfer engine proves to other members' engines (and demands of
         them): weightsync.control.engine_key, from the group's secret."""
-        return engine_key(self._secret, self.group)
+        return self._engine_key
+
+    def _prove(self, method: str) -> Proof:
+        """A fresh proof of the group's secret for one call of the coordinator's ``method``."""
+        return prove(self._admission_key, self.group, method)
 
     def _get(self, ref: Any, timeout: float, what: str) -> Any:
         """``ray.get`` of a coordinator call, with weightsync errors only: the coordinator's own error
@@ -97,14 +106,14 @@ class ControlClient:
         ``rejoin``: this process was dropped and asks to be taken back (refused with a WeightSyncError if
         another process holds its rank by then)."""
         return self._get(self._coord.join.remote(
-            self._secret, self.role, self.rank, layout, address, host_id(), engine.to_dict(),
+            self._prove("join"), self.role, self.rank, layout, address, host_id(), engine.to_dict(),
             dict(descriptors), mailbox, rejoin), timeout, "its join")
 
     def membership(self, address: bytes, timeout: float) -> tuple[str, int]:
         """What this process (its engine ``address``) is to the group now and the plan epoch:
         ("member" | "dropped" | "superseded", epoch) (weightsync.control.watcher)."""
         state, epoch = self._get(self._coord.wait_member.remote(
-            self._secret, self.role, self.rank, address, "", 0.0), timeout,
+            self._prove("wait_member"), self.role, self.rank, address, "", 0.0), timeout,
             "what this process is to the group")
         return str(state), int(epoch)
 
@@ -112,7 +121,7 @@ class ControlClient:
                              on_answer: Callable[[str, int], None]) -> MembershipWatcher:
         """Starts this participant's membership watcher (``on_answer(state, epoch)`` on every answer, from
         its thread); it stops when ``owner`` is collected without close()."""
-        watcher = MembershipWatcher(self._coord, self._secret, self.group, self.role, self.rank, address,
+        watcher = MembershipWatcher(self._coord, self._prove, self.group, self.role, self.rank, address,
                                     on_answer)
         weakref.finalize(owner, watcher.stop, 0.0)
         return watcher
@@ -121,18 +130,20 @@ class ControlClient:
         """This participant's part of the first plan newer than ``after_epoch``. A failed planning
         comes back as a PlanFailure (its ``error()`` is what to raise)."""
         # The coordinator itself waits up to ``timeout`` for the plan (and says so): Ray gets a margin.
-        blob = self._get(self._coord.part.remote(self._secret, self.role, self.rank, after_epoch, timeout),
+        blob = self._get(self._coord.part.remote(self._prove("part"), self.role, self.rank, after_epoch,
+                                                 timeout),
                          timeout + 10, f"a plan newer than epoch {after_epoch}")
         return unpack_part(blob)
 
     def current_epoch(self, timeout: float) -> int:
         """The coordinator's plan epoch (a round trip: sources use their watcher first)."""
-        return int(self._get(self._coord.current_epoch.remote(self._secret), timeout, "the plan epoch"))
+        return int(self._get(self._coord.current_epoch.remote(self._prove("current_epoch")), timeout,
+                             "the plan epoch"))
 
     def report_dead(self, role: str, ranks: list[int], epoch: int) -> None:
         """Reports peers that failed during plan ``epoch``; not awaited here (see ``reported_epoch``)."""
-        self._reported = self._coord.report_dead.remote(self._secret, f"{self.role} {self.rank}", role, ranks,
-                                                        epoch)
+        self._reported = self._coord.report_dead.remote(self._prove("report_dead"),
+                                                        f"{self.role} {self.rank}", role, ranks, epoch)
 
     def reported_epoch(self, timeout: float) -> int:
         """The epoch after the last report (-1: none pending); a lost report is logged, not raised."""
@@ -149,21 +160,22 @@ class ControlClient:
 
     def start_watcher(self, owner: object) -> EpochWatcher:
         """Starts this source's epoch watcher; it stops when ``owner`` is collected without close()."""
-        watcher = EpochWatcher(self._coord, self._secret, self.group, self.rank)
+        watcher = EpochWatcher(self._coord, self._prove, self.group, self.rank)
         weakref.finalize(owner, watcher.stop, 0.0)
         return watcher
 
     # -- FP8 gathers -------------------------------------------------------------------------------
     def publish_receive(self, epoch: int, descriptor: bytes, timeout: float) -> None:
         """Publishes this source's FP8 receive buffer for plan ``epoch``."""
-        self._get(self._coord.publish_receive.remote(self._secret, self.rank, epoch, descriptor), timeout,
+        self._get(self._coord.publish_receive.remote(self._prove("publish_receive"), self.rank, epoch,
+                                                     descriptor), timeout,
                   f"publishing its receive buffer of plan epoch {epoch}")
 
     def receive_buffers(self, epoch: int, ranks: list[int], deadline: float) -> dict[int, bytes]:
         """The receive-buffer descriptors of source ``ranks`` for plan ``epoch`` (by a monotonic deadline)."""
         left = max(deadline - time.monotonic(), 0.1)
-        return self._get(self._coord.receive_buffers.remote(self._secret, epoch, ranks, left), left + 10,
-                         f"the receive buffers of source ranks {ranks}")
+        ref = self._coord.receive_buffers.remote(self._prove("receive_buffers"), epoch, ranks, left)
+        return self._get(ref, left + 10, f"the receive buffers of source ranks {ranks}")
 
     # -- metrics -----------------------------------------------------------------------------------
     def record_push(self, seconds: float, nbytes: int) -> None:

@@ -15,23 +15,25 @@ from its own long-poll (``wait_member``, weightsync.control.watcher.MembershipWa
 under its rank (``join(..., rejoin=True)``, refused if another process holds the rank by then); the
 re-plan gives it the next version whole.
 
-Every method called remotely takes the group's secret first and answers nothing, changes nothing, to a
-caller that presents a wrong one: the actor is reachable by name from any Ray namespace and job. The
-coordinator keeps only a verifier of the secret (see ``verifier``); refused calls are counted per
-method (``status()["rejected"]``) and logged with the caller's claimed identity, never with what it
-presented.
+Every method called remotely takes a proof that the caller knows the group's secret first and answers
+nothing, changes nothing, to a caller without a fresh valid one: the actor is reachable by name from any
+Ray namespace and job. Members never send the secret itself, and the coordinator keeps only the
+admission key it checks proofs with (weightsync.control.admission): another job that runs code inside
+this actor learns no secret and no engine key from it, so it can stop pushes but cannot read or write
+weights. Refused calls are counted per method (``status()["rejected"]``) and logged with the caller's
+claimed identity, never with what it presented.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.control.admission import ProofChecker
+from weightsync.control.admission import admission_key as _admission_key
 from weightsync.control.watcher import DROPPED, MEMBER, SUPERSEDED
 from weightsync.errors import LayoutError, PlanError, WeightSyncError
 from weightsync.plan.lower import RELAY_CHUNK_BYTES, GroupOptions, lower_group
@@ -57,17 +59,6 @@ WATCHER_ACK_TIMEOUT = 2.0
 _WATCHER_GRACE = 5.0
 
 
-def verifier(secret: str, group: str) -> str:
-    """What the coordinator keeps instead of the group's secret: HMAC-SHA256 keyed by the secret over a
-    label naming the group. One-way, so the actor's creation arguments and memory do not hold the
-    secret; a presented secret is checked by computing the same and comparing in constant time."""
-    return hmac.new(secret.encode(), f"weightsync group verifier:{group}".encode(),
-                    hashlib.sha256).hexdigest()
-
-
-_make_verifier = verifier  # its name inside Coordinator, whose keyword argument ``verifier`` shadows it
-
-
 def _claimed(who: object) -> str:
     """A caller-supplied identity as it may appear in a log line: bounded, printable, quoted."""
     text = repr(who)
@@ -90,14 +81,15 @@ class Coordinator:
                  allow_cast: bool = False, fp8_block: tuple[int, int] | None = (128, 128),
                  relay: bool | None = None, relay_chunk_bytes: int = RELAY_CHUNK_BYTES,
                  round_bytes: int = ROUND_BYTES, local_round_bytes: int = LOCAL_ROUND_BYTES, *,
-                 verifier: str | None = None) -> None:
+                 admission_key: bytes | None = None) -> None:
         """``secret`` or, as ``Group.create`` passes it so that the secret never reaches the actor,
-        ``verifier`` (``verifier(secret, name)``): exactly one of them."""
-        if (secret is None) == (verifier is None):
-            raise WeightSyncError(f"group {name!r}: the coordinator needs the secret or its verifier")
+        ``admission_key`` (weightsync.control.admission.admission_key): exactly one of them."""
+        if (secret is None) == (admission_key is None):
+            raise WeightSyncError(f"group {name!r}: the coordinator needs the secret or its admission key")
         self.name = name
-        self._verifier = (verifier if verifier is not None else _make_verifier(str(secret), name)).encode()
-        self._rejected: dict[str, int] = {}  # method -> calls refused for a wrong secret
+        key = admission_key if admission_key is not None else _admission_key(str(secret), name)
+        self._proofs = ProofChecker(bytes(key), name)
+        self._rejected: dict[str, int] = {}  # method -> calls refused (no valid proof)
         self._rejected_lock = threading.Lock()
         # relay None: relay when destinations outnumber sources and all hold the same layout (full
         # replicas); True: relay whenever the destinations' layouts are identical; False: never.
@@ -123,29 +115,28 @@ class Coordinator:
         self._ack_waiters = 0  # membership changes waiting for watchers to hear their epoch
 
     # -- access ------------------------------------------------------------------------------------
-    def _admit(self, secret: object, method: str, who: object) -> None:
-        """Raises unless ``secret`` is the group's; counts and logs a refusal (the method and the
-        caller's claimed identity ``who``, never what it presented). Constant time in the secret."""
-        presented = secret.encode() if isinstance(secret, str) else b""
-        computed = _make_verifier(presented.decode(errors="replace"), self.name).encode()
-        # Compared even for a non-string, so that the refusal costs the same whatever came in.
-        if hmac.compare_digest(computed, self._verifier) and isinstance(secret, str):
+    def _admit(self, proof: object, method: str, who: object) -> None:
+        """Raises unless ``proof`` is a fresh proof of the group's secret for ``method``
+        (weightsync.control.admission); counts and logs a refusal (the method and the caller's claimed
+        identity ``who``, never what it presented)."""
+        why = self._proofs.check(proof, method)
+        if why is None:
             return
         with self._rejected_lock:
             self._rejected[method] = self._rejected.get(method, 0) + 1
             count = self._rejected[method]
-        log.warning("group %s: %s refused: wrong secret (caller says %s; %d refused %s calls so far)",
-                    self.name, method, "nothing" if who is None else _claimed(who), count, method)
-        raise WeightSyncError(f"group {self.name!r}: {method} refused: wrong secret")
+        log.warning("group %s: %s refused: %s (caller says %s; %d refused %s calls so far)",
+                    self.name, method, why, "nothing" if who is None else _claimed(who), count, method)
+        raise WeightSyncError(f"group {self.name!r}: {method} refused: {why}")
 
     # -- membership ----------------------------------------------------------------------------------
-    def join(self, secret: str, role: str, rank: int, layout: bytes, address: bytes, host: str,
+    def join(self, proof: object, role: str, rank: int, layout: bytes, address: bytes, host: str,
              engine: dict[str, int], descriptors: dict[str, list[bytes]], mailbox: bytes,
              rejoin: bool = False) -> int:
         """Adds (or replaces: a new process under the same rank) a member and re-plans once every rank is
         present. ``rejoin``: a process that was dropped asks to be taken back; refused if another process
         holds its rank by then (the newer process wins, the old one stops)."""
-        self._admit(secret, "join", f"{role} {rank}")
+        self._admit(proof, "join", f"{role} {rank}")
         if role not in (SOURCE, DESTINATION):
             raise WeightSyncError(f"group {self.name!r}: unknown role {role!r}")
         # Destinations may grow the group (a new replica); sources are fixed at create time.
@@ -179,11 +170,11 @@ class Coordinator:
             # The epoch before this join: the member's first part is the first plan newer than it.
             return before
 
-    def report_dead(self, secret: str, reporter: str, role: str, ranks: list[int], epoch: int) -> int:
+    def report_dead(self, proof: object, reporter: str, role: str, ranks: list[int], epoch: int) -> int:
         """A participant saw these ranks fail during plan ``epoch``: drop them and re-plan.
 
         A rank that (re)joined after that epoch is a new process and is left alone."""
-        self._admit(secret, "report_dead", reporter)
+        self._admit(proof, "report_dead", reporter)
         with self._cv:
             changed = False
             for r in ranks:
@@ -206,13 +197,13 @@ class Coordinator:
             return DROPPED
         return MEMBER if joined.member.address == address else SUPERSEDED
 
-    def wait_member(self, secret: str, role: str, rank: int, address: bytes, known: str,
+    def wait_member(self, proof: object, role: str, rank: int, address: bytes, known: str,
                     timeout: float) -> tuple[str, int]:
         """Long-poll of a participant's membership watcher: what the process with engine ``address`` is
         to the group (``member``; ``dropped``: reported dead and not joined since; ``superseded``:
         another process holds the rank) and the plan epoch, as soon as that differs from ``known``, else
         after ``timeout`` s. A dropped destination that is alive joins again when it hears it."""
-        self._admit(secret, "wait_member", f"{role} {rank}")
+        self._admit(proof, "wait_member", f"{role} {rank}")
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
@@ -260,10 +251,10 @@ class Coordinator:
         self._cv.notify_all()
 
     # -- participants fetch their part ------------------------------------------------------------
-    def part(self, secret: str, role: str, rank: int, after_epoch: int, timeout: float) -> bytes:
+    def part(self, proof: object, role: str, rank: int, after_epoch: int, timeout: float) -> bytes:
         """This participant's part of the first plan newer than ``after_epoch`` (waits up to timeout): a
         packed SourcePart / DestinationPart, or a PlanFailure (weightsync.plan.parts.unpack_part)."""
-        self._admit(secret, "part", f"{role} {rank}")
+        self._admit(proof, "part", f"{role} {rank}")
         deadline = time.monotonic() + timeout
         with self._cv:
             while self.epoch <= after_epoch:
@@ -282,17 +273,17 @@ class Coordinator:
                                       f"epoch {self.epoch} (reported dead?)")
             return part
 
-    def current_epoch(self, secret: str) -> int:
-        self._admit(secret, "current_epoch", None)
+    def current_epoch(self, proof: object) -> int:
+        self._admit(proof, "current_epoch", None)
         return self.epoch
 
     # -- sources' epoch watchers: the plan epoch without a round trip on the push's path ---------------
-    def wait_epoch(self, secret: str, rank: int, token: str, after_epoch: int, timeout: float) -> int:
+    def wait_epoch(self, proof: object, rank: int, token: str, after_epoch: int, timeout: float) -> int:
         """Long-poll of source ``rank``'s epoch watcher: returns the epoch as soon as it is newer than
         ``after_epoch``, or the current one after ``timeout`` s. A call says that the watcher already
         holds ``after_epoch`` (it sets it before calling again), which is what ``_await_watchers`` waits
         for."""
-        self._admit(secret, "wait_epoch", f"source {rank}")
+        self._admit(proof, "wait_epoch", f"source {rank}")
         deadline = time.monotonic() + timeout
         with self._cv:
             self._watchers[int(rank)] = (token, int(after_epoch), deadline + _WATCHER_GRACE)
@@ -305,9 +296,9 @@ class Coordinator:
                 self._cv.wait(left)
             return self.epoch
 
-    def unwatch(self, secret: str, rank: int, token: str) -> None:
+    def unwatch(self, proof: object, rank: int, token: str) -> None:
         """Source ``rank``'s watcher stopped (the source closed): membership changes no longer wait for it."""
-        self._admit(secret, "unwatch", f"source {rank}")
+        self._admit(proof, "unwatch", f"source {rank}")
         with self._cv:
             w = self._watchers.get(int(rank))
             if w is not None and w[0] == token:
@@ -340,18 +331,19 @@ class Coordinator:
                 self._ack_waiters -= 1
 
     # -- FP8 gathers: sources expose a receive buffer to each other ---------------------------------
-    def publish_receive(self, secret: str, rank: int, epoch: int, descriptor: bytes) -> None:
+    def publish_receive(self, proof: object, rank: int, epoch: int, descriptor: bytes) -> None:
         """Source ``rank`` registered its receive buffer for plan ``epoch`` (sized by that plan)."""
-        self._admit(secret, "publish_receive", f"source {rank}")
+        self._admit(proof, "publish_receive", f"source {rank}")
         with self._cv:
             self._recv.setdefault(epoch, {})[rank] = descriptor
             for e in [e for e in self._recv if e < epoch - 1]:
                 del self._recv[e]
             self._cv.notify_all()
 
-    def receive_buffers(self, secret: str, epoch: int, ranks: list[int], timeout: float) -> dict[int, bytes]:
+    def receive_buffers(self, proof: object, epoch: int, ranks: list[int],
+                        timeout: float) -> dict[int, bytes]:
         """The receive-buffer descriptors of ``ranks`` for plan ``epoch`` (waits until all published)."""
-        self._admit(secret, "receive_buffers", None)
+        self._admit(proof, "receive_buffers", None)
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
@@ -375,8 +367,8 @@ class Coordinator:
             parts.append(f"destination ranks {md}")
         return ", ".join(parts)
 
-    def status(self, secret: str) -> dict[str, Any]:
-        self._admit(secret, "status", None)
+    def status(self, proof: object) -> dict[str, Any]:
+        self._admit(proof, "status", None)
         with self._rejected_lock:
             rejected = dict(self._rejected)
         with self._cv:
@@ -392,6 +384,6 @@ class Coordinator:
                 "chain": list(self._chain),  # relay: destination ranks in forwarding order (head first)
                 # sources' epoch watchers: rank -> the newest epoch each has heard
                 "watchers": {r: seen for r, (_, seen, _) in sorted(self._watchers.items())},
-                # calls refused for a wrong secret, per method
+                # calls refused for want of a valid proof, per method
                 "rejected": rejected,
             }

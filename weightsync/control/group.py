@@ -17,8 +17,9 @@ It comes, in this order, from:
 4. nothing: ``Group.create`` makes a fresh random secret that only this process knows (hand it on as
    ``group.secret``); a participant raises an error that says how to share it.
 
-The coordinator never holds the secret itself, only a verifier (an HMAC of a fixed label keyed by the
-secret), so neither the actor's creation arguments nor its memory give the secret away.
+The coordinator never holds the secret itself, only the admission key it checks members' proofs with,
+and members never send it the secret (weightsync.control.admission): neither the actor's creation
+arguments nor its memory nor anything presented to it gives away the secret or the engines' key.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import secrets
 import threading
 from typing import Any
 
-from weightsync.control.coordinator import Coordinator, verifier
+from weightsync.control.admission import admission_key, prove
+from weightsync.control.coordinator import Coordinator
 from weightsync.control.rendezvous import ensure_ray
 from weightsync.errors import LayoutError, PlanError, WeightSyncError
 from weightsync.plan.lower import RELAY_CHUNK_BYTES
@@ -180,15 +182,16 @@ class Group:
             # Not this process's earlier group of the same name: a new group gets the environment's
             # secret or a new one.
             secret = _environment_secret(name) or new_secret()
-        # The actor is created with the verifier only: its creation arguments and memory hold no secret.
+        # The actor is created with the admission key only: its creation arguments and memory hold no
+        # secret and no engine key.
         actor = (
             ray.remote(num_cpus=0, max_concurrency=1024)(Coordinator)
             .options(name=actor_name(name))
             .remote(name, num_sources, num_destinations, None, allow_cast, fp8_block, relay,
                     int(relay_chunk_bytes), int(round_bytes), int(local_round_bytes),
-                    verifier=verifier(secret, name))
+                    admission_key=admission_key(secret, name))
         )
-        ray.get(actor.status.remote(secret))
+        ray.get(actor.status.remote(prove(admission_key(secret, name), name, "status")))
         with _local_lock:
             _local_secrets[(_namespace(), name)] = secret
         return cls(name, actor, secret)
@@ -199,7 +202,8 @@ class Group:
         for a wrong secret (per method)."""
         import ray
 
-        return ray.get(self._actor.status.remote(self.secret))
+        return ray.get(self._actor.status.remote(prove(admission_key(self.secret, self.name), self.name,
+                                                       "status")))
 
     def shutdown(self) -> None:
         """Ends the group: forgets this process's copy of its secret and kills the coordinator actor."""

@@ -42,9 +42,10 @@ class _LongPoll:
     GRACE_S = 5.0  # a Ray round trip under load, on top of POLL_S
     RETRY_S = 1.0  # after a failed call; doubled per failure up to POLL_S (a group shut down stays so)
 
-    def __init__(self, coord: Any, secret: str, group: str, what: str, thread_name: str) -> None:
+    def __init__(self, coord: Any, prove: Callable[[str], Any], group: str, what: str,
+                 thread_name: str) -> None:
         self._coord = coord
-        self._secret = secret
+        self._prove = prove  # method -> a fresh proof of the group's secret for one call of it
         self._group = group
         self._what = what  # "source 3": who watches, for log lines
         self.token = secrets.token_hex(8)
@@ -128,8 +129,8 @@ class EpochWatcher(_LongPoll):
 
     KIND = "epoch"
 
-    def __init__(self, coord: Any, secret: str, group: str, rank: int) -> None:
-        super().__init__(coord, secret, group, f"source {rank}", f"weightsync-{group}-src{rank}-epoch")
+    def __init__(self, coord: Any, prove: Callable[[str], Any], group: str, rank: int) -> None:
+        super().__init__(coord, prove, group, f"source {rank}", f"weightsync-{group}-src{rank}-epoch")
         self._rank = rank
         # (epoch, monotonic time heard) as one attribute: push() reads both without a lock
         self._heard: tuple[int, float] | None = None
@@ -147,7 +148,8 @@ class EpochWatcher(_LongPoll):
         return epoch
 
     def _submit(self) -> Any:
-        return self._coord.wait_epoch.remote(self._secret, self._rank, self.token, self._after, self.POLL_S)
+        return self._coord.wait_epoch.remote(self._prove("wait_epoch"), self._rank, self.token, self._after,
+                                             self.POLL_S)
 
     def _take(self, answer: Any) -> None:
         self._after = max(self._after, int(answer))
@@ -166,7 +168,7 @@ class EpochWatcher(_LongPoll):
                 import ray
 
                 if ray.is_initialized():
-                    self._coord.unwatch.remote(self._secret, self._rank, self.token)
+                    self._coord.unwatch.remote(self._prove("unwatch"), self._rank, self.token)
             except Exception:  # best effort: the coordinator forgets a silent watcher after its poll anyway
                 pass
 
@@ -183,9 +185,9 @@ class MembershipWatcher(_LongPoll):
 
     KIND = "membership"
 
-    def __init__(self, coord: Any, secret: str, group: str, role: str, rank: int, address: bytes,
-                 on_answer: Callable[[str, int], None]) -> None:
-        super().__init__(coord, secret, group, f"{role} {rank}",
+    def __init__(self, coord: Any, prove: Callable[[str], Any], group: str, role: str, rank: int,
+                 address: bytes, on_answer: Callable[[str, int], None]) -> None:
+        super().__init__(coord, prove, group, f"{role} {rank}",
                          f"weightsync-{group}-{role[:3]}{rank}-member")
         self._role, self._rank, self._address = role, rank, address
         self._on_answer = weakref.WeakMethod(on_answer) if hasattr(on_answer, "__self__") else (
@@ -194,8 +196,8 @@ class MembershipWatcher(_LongPoll):
         self._start()
 
     def _submit(self) -> Any:
-        return self._coord.wait_member.remote(self._secret, self._role, self._rank, self._address, self.state,
-                                              self.POLL_S)
+        return self._coord.wait_member.remote(self._prove("wait_member"), self._role, self._rank,
+                                              self._address, self.state, self.POLL_S)
 
     def _take(self, answer: Any) -> None:
         state, epoch = str(answer[0]), int(answer[1])
