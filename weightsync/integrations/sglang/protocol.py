@@ -4,7 +4,10 @@ Commands go through SGLang's ``update_weights_from_tensor``: one named tensor wh
 (``weightsync.<op>``) and whose bytes are its arguments as JSON, which SGLang hands unchanged to the
 custom weight loader of every TP worker. SGLang reports nothing back from a custom loader (it answers
 success whenever the loader returns), so each worker puts its outcome under the command's reply key in
-the group's Ray cluster (internal key-value store), where the trainer side reads one per worker.
+the group's Ray cluster (internal key-value store, weightsync.control.kv), where the trainer side reads
+one per worker. Any job of the cluster can write that store, so an outcome is a report, not a proof: a
+job that forges one can make the trainer believe a command succeeded or failed, never put bytes into a
+model (weights arrive only through the group's authenticated engines).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from weightsync.control import kv
 from weightsync.errors import WeightSyncError
 
 PREFIX = "weightsync."
@@ -50,27 +54,21 @@ def parse(named_tensors: Sequence[tuple[str, Any]]) -> tuple[str, dict[str, Any]
 
 def reply(reply_to: str, rank: int, outcome: dict[str, Any]) -> None:
     """Puts this worker's ``outcome`` of a command where the trainer side looks for it."""
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(f"{reply_to}/{rank}", json.dumps(outcome).encode(), overwrite=True,
-                                 namespace=_KV_NAMESPACE)
+    kv.put(f"{reply_to}/{rank}", json.dumps(outcome).encode(), _KV_NAMESPACE)
 
 
 def collect(reply_to: str, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
     """Every worker's outcome of a command (``{rank: outcome}``), removed from the store; raises naming
     the ranks that did not answer within ``timeout`` seconds."""
-    from ray.experimental import internal_kv
-
     deadline = time.monotonic() + timeout
     got: dict[int, dict[str, Any]] = {}
     while True:
         for r in ranks:
             if r in got:
                 continue
-            raw = internal_kv._internal_kv_get(f"{reply_to}/{r}", namespace=_KV_NAMESPACE)
+            raw = kv.take(f"{reply_to}/{r}", _KV_NAMESPACE)
             if raw is not None:
                 got[r] = json.loads(raw)
-                internal_kv._internal_kv_del(f"{reply_to}/{r}", namespace=_KV_NAMESPACE)
         if len(got) == len(ranks):
             return got
         if time.monotonic() > deadline:
