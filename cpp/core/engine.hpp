@@ -46,7 +46,7 @@ struct EngineConfig {
   int cuda_device = -1;          // >= 0: add a cuda lane (copy engines) for same-host GPU peers
   // cuda lane: a 1-D write is cut into copies of this size (0: one copy per write), spread over
   // `cuda_streams` streams. Copy engines need no NIC-sized pieces; fewer, larger copies cost less.
-  uint64_t cuda_piece = 0;  // one copy per write: measured best on H100 (docs/BENCHMARKS.md)
+  uint64_t cuda_piece = 0;  // one copy per write: each extra copy costs a launch and an event
   int cuda_streams = 1;
   // cuda lane: 1-D copies smaller than this, posted together, go to the driver as one batched copy of at
   // most this many bytes (0: one call per copy). The copy engines then skip their per-copy gap.

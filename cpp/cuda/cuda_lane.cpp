@@ -248,7 +248,7 @@ int CudaLane::post_write(const WriteRequest& req) {
   const uint64_t bytes = contiguous_bytes(req);
   if (batch_bytes_ > 0 && bytes > 0 && bytes < batch_bytes_) {
     // Into the batch: the copy engines then take the copies back to back, without the few
-    // microseconds each separate copy costs them (docs/BENCHMARKS.md).
+    // microseconds each separate copy costs them.
     if (batched_ + bytes > batch_bytes_) flush_batch();
     batch_dst_.push_back(static_cast<CUdeviceptr>(req.remote_addr));
     batch_src_.push_back(reinterpret_cast<CUdeviceptr>(req.src));

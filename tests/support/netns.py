@@ -138,8 +138,7 @@ class Cluster:
     else waits in a ``latency_ms`` byte FIFO. A real fabric's reverse traffic does not sit behind
     megabytes of data (switch buffers hold microseconds at line rate; RDMA ACKs come from the NIC, and
     RoCE fabrics give ACK/CNP traffic a class of its own); this kernel has no per-flow qdisc (sfq,
-    fq_codel, fq are not built), so the small packets get the class (docs/BENCHMARKS.md, "Emulated
-    cluster vs simulator").
+    fq_codel, fq are not built), so the small packets get the class.
 
     All NICs of a host are in one subnet, so each gets a routing table of its own, chosen by source
     address (``ip rule from``), and ARP answers only on the NIC that holds the address: a socket bound

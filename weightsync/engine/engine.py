@@ -308,7 +308,7 @@ class TransferEngine:
     ``provider``: e.g. "efa", "verbs;ofi_rxm", "tcp;ofi_rxm"; ``None``
     picks the first of those available (or ``$WEIGHTSYNC_PROVIDER``). ``cuda_device``: the process-local
     ordinal of this engine's GPU (default: torch's current device). ``cuda_piece``: bytes per copy on the
-    cuda lane (0, the default: one copy per write, which measured best: see docs/BENCHMARKS.md);
+    cuda lane (0, the default: one copy per write, since each extra copy costs the copy engines a launch);
     ``cuda_streams``: streams the copies are spread over (1, the default: copies run in the order they
     are posted, which keeps the plan's schedule); ``cuda_batch_bytes``: 1-D copies smaller than this
     that are posted together go to the driver as one batched copy (``cuMemcpyBatchAsync``, CUDA >= 12.8)

@@ -40,9 +40,8 @@ from weightsync.wire import RELAY_MAX_CHUNKS, relay_imm
 
 # Relay: the largest write a chain member forwards at once. Each relay chunk is forwarded as soon as it
 # has landed, so a chunk is the pipeline's step: smaller chunks shorten the chain's fill time (64 MiB:
-# about 170 us per hop on NVLink), larger ones cost fewer copies and triggers (the cuda lane reached
-# 0.89-0.92 of the copy bound with 16 MiB copies, 0.96-0.97 with 64 MiB, 0.99 from 256 MiB:
-# docs/BENCHMARKS.md).
+# about 170 us per hop on NVLink), larger ones cost fewer copies and triggers (the cuda lane comes
+# closer to the copy bound the larger each copy is).
 RELAY_CHUNK_BYTES = 64 << 20
 
 

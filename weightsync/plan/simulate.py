@@ -24,8 +24,8 @@ sends, each block once however many destinations take it),
 and each destination scatters the changes at ``apply_gbs`` GB/s of the bytes it receives (after its last
 write: added to the simulated time).
 
-Checked against a push through the real runtime over emulated hosts (scripts/emulated_cluster.py;
-docs/BENCHMARKS.md, "Emulated cluster vs simulator"), three corrections, off by default so the
+Checked against a push through the real runtime over emulated hosts (scripts/emulated_cluster.py), three
+corrections, off by default so the
 cluster-scale figures keep their model:
 
 - ``striping="engine"``: a GPU's NICs are separate ports, and each write lands on them as the engine
@@ -75,8 +75,8 @@ class CostModel:
     changed_fraction: float | None = None  # delta pushes: elements changed since the last push (None: dense)
     encode_gbs: float = 1000.0     # delta: GB/s of sent (dense) bytes one source GPU compares and encodes
     apply_gbs: float = 1000.0      # delta: GB/s of received (dense) bytes one destination GPU applies
-    # Measured against an emulated cluster (scripts/emulated_cluster.py, docs/BENCHMARKS.md "Emulated
-    # cluster vs simulator"); the defaults keep the ideal model of the cluster-scale figures.
+    # What the emulated cluster (scripts/emulated_cluster.py) showed real ports do; the defaults keep
+    # the ideal model of the cluster-scale figures.
     striping: str = "ideal"        # "ideal": a GPU's NICs are one port; "engine": each NIC its own port,
     stripe_threshold: int = 1 << 20  # ... every write cut into the engine's pieces (a write up to this
     max_piece: int = 16 << 20      # ... stays whole), each piece on the least loaded NIC
