@@ -29,12 +29,13 @@ LISTEN_S = 12.0  # past one poll of every member's watcher
 
 
 def _attempt(fn: Any) -> str:
-    """'accepted: <value>' or the error's type and message."""
+    """'accepted: <value>' or the error's type and message (whole enough to hold the reason at the end of
+    a refusal, after a peer description that names the GPU where there is one)."""
     try:
-        return f"accepted: {fn()!r}"[:300]
+        return f"accepted: {fn()!r}"[:2000]
     except Exception as exc:  # every refusal is recorded, whatever its type
         cause = getattr(exc, "cause", None) or exc
-        return f"{type(cause).__name__}: {cause}"[:300]
+        return f"{type(cause).__name__}: {cause}"[:2000]
 
 
 def _install(coord: Any) -> list[str]:

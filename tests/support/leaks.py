@@ -11,8 +11,13 @@ from pathlib import Path
 NETNS_DIR = Path("/run/netns")
 
 
+# Helpers multiprocessing starts once and keeps for the interpreter's life, whichever test uses it first.
+INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def children() -> set[int]:
-    """The running (not zombie) child processes of this process, from every thread's children list."""
+    """The running (not zombie) child processes of this process, from every thread's children list,
+    less multiprocessing's own helpers."""
     pids: set[int] = set()
     task = Path(f"/proc/{os.getpid()}/task")
     for t in task.iterdir() if task.exists() else ():
@@ -20,7 +25,14 @@ def children() -> set[int]:
             pids.update(int(p) for p in (t / "children").read_text().split())
         except OSError:
             continue
-    return {p for p in pids if _running(p)}
+    return {p for p in pids if _running(p) and not any(h in _cmdline(p) for h in INTERPRETER_HELPERS)}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
 
 
 def _running(pid: int) -> bool:
@@ -40,11 +52,7 @@ def namespaces() -> set[str]:
 
 
 def _describe(pid: int) -> str:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        cmd = "?"
-    return f"{pid} ({cmd.strip()[:120]})"
+    return f"{pid} ({_cmdline(pid).strip()[:120]})"
 
 
 def leaked(before_children: set[int], before_namespaces: set[str], grace_s: float = 10.0) -> list[str]:
