@@ -1,7 +1,7 @@
 """Non-blocking push benchmark (issue 19): does a push hide under the trainer's next step?
 
 One trainer (a Ray actor on GPU 0) holds Llama-3-8B-shaped bf16 weights (Hugging Face names and shapes
-from weightsync.plan.models via scripts/bench_worker.py's config; 16.06 GB) and trains a slice of them:
+from weightsync.sim.models via scripts/bench_worker.py's config; 16.06 GB) and trains a slice of them:
 forward and backward of its first ``--layers`` decoder layers (attention with grouped KV heads and the
 SwiGLU MLP, the real layer shapes) on ``--batch`` x ``--seq`` tokens of random hidden states, then an SGD
 step that updates those layers in place. One rollout (a Ray actor on GPU 1) receives every tensor of the

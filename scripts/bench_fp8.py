@@ -35,7 +35,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 import weightsync as ws  # noqa: E402
-from tests.runtime.test_transforms import reference_fp8, same_bits  # noqa: E402
+from tests.support.fp8 import reference_fp8, same_bits  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 LLAMA_LAYERS = 32

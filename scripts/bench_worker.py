@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import weightsync as ws
-from weightsync.plan import models
+from weightsync.sim import models
 
 # Public config facts (Hugging Face config.json) of the models the issue names; no 8B file exists in
 # shared/models. Tiny shapes of the same families are for CPU runs and smoke tests.

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/chaos.py --pushes 300 --seed 1 --netns
 
-Sources and destinations are Ray actors (tests/faults/chaos.py) on a local Ray of this process. The
+Sources and destinations are Ray actors (tests/support/chaos.py) on a local Ray of this process. The
 summary is printed as a table and as one JSON line (prefixed ``CHAOS_SUMMARY``); ``--json PATH`` also
 writes it to a file. Exit status 0 when no mixed or wrong version was seen, no hang and no broken
 expectation, 1 otherwise.
@@ -21,7 +21,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.faults.chaos import Campaign, Config, netns_unavailable  # noqa: E402
+from tests.support.chaos import Campaign, Config, netns_unavailable  # noqa: E402
 
 
 def table(summary: dict[str, Any]) -> str:

@@ -531,8 +531,8 @@ def simulate(setup: Setup, **cost_kw: Any) -> dict[str, Any]:
     the corrected one ("engine": each NIC its own port with the engine's pieces on it, TCP's header
     bytes, this engine's per-write cost)."""
     from weightsync.plan.planner import plan
-    from weightsync.plan.simulate import CostModel, simulate_relay
-    from weightsync.plan.simulate import simulate as sim
+    from weightsync.sim.simulate import CostModel, simulate_relay
+    from weightsync.sim.simulate import simulate as sim
 
     src, dst = layouts(setup)
     s_hosts = [setup.trainer_host(r) for r in range(setup.trainers)]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from weightsync.plan.simulate import CostModel, run_model
+from weightsync.sim.simulate import CostModel, run_model
 
 PUBLISHED = {"kimi-k2": (1.3, "arXiv 2510.27656: 256 BF16 trainer GPUs -> 128 FP8 inference GPUs, "
                               "400 Gbit/s")}

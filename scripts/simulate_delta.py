@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Simulated delta pushes at cluster scale (issue 18): one plan, the dense push and delta pushes at several
-changed fractions through the same cost model (weightsync.plan.simulate, ``CostModel.changed_fraction``).
+changed fractions through the same cost model (weightsync.sim.simulate, ``CostModel.changed_fraction``).
 
 The encode and apply rates are inputs (GB/s of dense bytes per GPU): take them from
 scripts/bench_delta.py on the GPUs (model bytes / encode or apply seconds at the fraction measured).
@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from weightsync.plan import plan
-from weightsync.plan.models import inference_layouts, load_config, trainer_layouts
-from weightsync.plan.simulate import CostModel, simulate
+from weightsync.sim.models import inference_layouts, load_config, trainer_layouts
+from weightsync.sim.simulate import CostModel, simulate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,7 @@ def test_planning_imports_neither_torch_nor_ray_nor_the_runtime(path: Path) -> N
     heavy = sorted({"torch", "ray"} & found)
     assert not heavy, f"{path.relative_to(PACKAGE)} imports {heavy}"
     upward = sorted(m for m in found if m.startswith(("weightsync.control", "weightsync.runtime",
-                                                       "weightsync.engine")))
+                                                       "weightsync.engine", "weightsync.sim")))
     assert not upward, f"{path.relative_to(PACKAGE)} imports {upward}: planning depends on no other room"
 
 
@@ -69,6 +69,19 @@ def test_the_runtime_reaches_the_control_plane_through_its_client(path: Path) ->
         f"{path.relative_to(PACKAGE)} imports {sorted(control)}")
 
 
+@pytest.mark.parametrize("path", _modules("sim"), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_simulator_drives_the_planner_alone(path: Path) -> None:
+    """weightsync/sim builds layouts and runs the planner's plans through a cost model: like the planner
+    it imports neither torch nor Ray, and of weightsync only the planner (and errors)."""
+    found = _imports(path)
+    heavy = sorted({"torch", "ray"} & found)
+    assert not heavy, f"{path.relative_to(PACKAGE)} imports {heavy}"
+    other = sorted(m for m in found if m.startswith(("weightsync.control", "weightsync.runtime",
+                                                      "weightsync.engine", "weightsync.delta",
+                                                      "weightsync.integrations")))
+    assert not other, f"{path.relative_to(PACKAGE)} imports {other}"
+
+
 def test_planning_loads_without_torch_or_ray() -> None:
     """Importing every planning module (and the wire protocol) in a fresh interpreter loads no torch and
     no Ray."""
@@ -76,7 +89,7 @@ def test_planning_loads_without_torch_or_ray() -> None:
     import sys
 
     code = ("import sys, weightsync.plan, weightsync.plan.lower, weightsync.plan.parts, "
-            "weightsync.plan.simulate, weightsync.plan.models, weightsync.wire; "
+            "weightsync.sim.simulate, weightsync.sim.models, weightsync.wire; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

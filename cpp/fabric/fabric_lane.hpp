@@ -4,7 +4,7 @@
 // No control queue (LaneCaps::control_queue is false): an announce (WriteRequest::control) goes on the
 // one RDM endpoint like the data, so on tcp;ofi_rxm and verbs;ofi_rxm (one connection or queue pair per
 // peer pair) it waits behind every byte posted to that peer before it, and an immediate arrives with
-// the last of them (scripts/immediate_arrivals.py shows it). A second RDM endpoint per NIC
+// the last of them. A second RDM endpoint per NIC
 // would give it a queue of its own, at the price of a second address per NIC in the engine's address,
 // announce receives posted on the second endpoint as well, and this lane's close/abort/knock handling
 // of connections doubled, for a lane kept for RDMA NICs, where the default tcp lane does not run. Not

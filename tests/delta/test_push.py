@@ -982,8 +982,8 @@ def test_a_push_that_failed_its_check_is_followed_by_a_dense_one(team_factory) -
 # -- the simulator's delta model --------------------------------------------------------------------------
 def test_simulated_delta_push_sends_the_encoded_bytes_and_adds_encode_and_apply() -> None:
     from weightsync.plan import plan
-    from weightsync.plan.simulate import CostModel, delta_wire_ratio, simulate
     from weightsync.runtime.describe import Sharded, describe_tensors
+    from weightsync.sim.simulate import CostModel, delta_wire_ratio, simulate
 
     g = np.zeros((1 << 12, 1 << 12), np.float32)
     srcs = [describe_tensors({"w": Sharded(g[:2048], g.shape, (0, 0))}),

@@ -26,7 +26,9 @@ GiB = 1 << 30
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+    # num_cpus bounded: without it Ray counts every core of the host and starts workers to match (64 on
+    # a 4-GPU host), which the suite then waits behind; 8 leaves room for every actor a test here holds.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield
     ray.shutdown()

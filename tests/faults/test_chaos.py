@@ -1,4 +1,4 @@
-"""The fault-injection campaign of issue 15 (tests/faults/chaos.py), short and seeded for CI.
+"""The fault-injection campaign of issue 15 (tests/support/chaos.py), short and seeded for CI.
 
 Random kills of sources and destinations (replacements join), stalls (SIGSTOP) shorter and longer than
 the push timeout, NIC cuts and restores between two network namespaces (when this machine can make
@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from tests.faults.chaos import (
+from tests.support.chaos import (
     FAULT_KINDS,
     SHAPES,
     Campaign,

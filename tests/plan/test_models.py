@@ -12,7 +12,7 @@ import pytest
 from tests.support.models import models_dir
 from weightsync.plan import plan
 from weightsync.plan.layout import DTYPES
-from weightsync.plan.models import checkpoint, counts, inference_layouts, load_config, trainer_layouts
+from weightsync.sim.models import checkpoint, counts, inference_layouts, load_config, trainer_layouts
 
 MODELS = models_dir()
 CONFIGS = sorted(MODELS.glob("*.json"))

@@ -13,8 +13,8 @@ import pytest
 
 from tests.support.models import models_dir
 from weightsync.plan import plan
-from weightsync.plan.simulate import CostModel, run_model, simulate, simulate_relay
 from weightsync.runtime.describe import Sharded, describe_tensors
+from weightsync.sim.simulate import CostModel, run_model, simulate, simulate_relay
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = models_dir()
@@ -88,7 +88,7 @@ def test_engine_nic_bytes_follows_the_pieces() -> None:
     4 KiB-aligned pieces over all NICs, a 2-D write's rows one piece each; each piece on the NIC with
     the fewest bytes of that (source, destination) so far, ties to the next NIC after the last."""
     from weightsync.plan.ops import OP_DTYPE
-    from weightsync.plan.simulate import engine_nic_bytes
+    from weightsync.sim.simulate import engine_nic_bytes
 
     ops = np.zeros(6, OP_DTYPE)
     ops["rows"] = [1, 1, 1, 3, 1, 1]

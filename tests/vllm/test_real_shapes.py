@@ -1,5 +1,5 @@
 """The layouts derived from vLLM's own loaders at the real shapes of the five models in shared/models
-(meta tensors: no weights, no memory) against weightsync.plan.models.inference_layouts, the hand-written
+(meta tensors: no weights, no memory) against weightsync.sim.models.inference_layouts, the hand-written
 layouts the benchmarks and planner tests use: every box (which checkpoint tensor, which part of it, where
 in which vLLM parameter) must agree. vLLM at TP 1; each model cut to its first dense and first MoE layer
 (every layer of a kind has the same shapes); then at TP 2 (two gloo ranks in two processes,
@@ -23,7 +23,7 @@ from tests.support.models import models_dir
 from tests.vllm import models
 from tests.vllm.test_fp8_layouts import fp8_kernels  # noqa: F401 (a fixture)
 from weightsync.integrations.vllm.layouts import CheckpointTensor, derive_layout, fp8_checkpoint
-from weightsync.plan import models as plan_models
+from weightsync.sim import models as plan_models
 
 SHARED = models_dir()  # as the planner's tests find them
 if not SHARED.exists():
@@ -106,7 +106,7 @@ def test_derived_layouts_match_the_planner_models_at_real_shapes(name: str, fp8_
                          ids=["llama-70b-tp2", "deepseek-v3-ep2"])
 def test_derived_layouts_match_the_planner_models_at_tensor_parallel_2(name: str, ep: bool) -> None:
     """Each rank of vLLM at TP 2 (its heads, its column and row shards, its half of the padded vocabulary;
-    with expert parallelism its half of the experts whole) against plan.models' layout of that rank."""
+    with expert parallelism its half of the experts whole) against sim.models' layout of that rank."""
     import os
     import subprocess
     import sys

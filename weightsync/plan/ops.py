@@ -48,7 +48,7 @@ Ops (one row of :data:`OP_DTYPE` per write):
 ``not_before``
     the round's planned start, as a fraction of the planned push (the largest destination's bytes at
     link speed, ``Plan.stats['dest_bytes_max']``). For engines that pace rounds; the simulator does not
-    need it by default (see weightsync/plan/simulate.py: a sender keeping a few rounds in flight absorbs
+    need it by default (see weightsync/sim/simulate.py: a sender keeping a few rounds in flight absorbs
     timing noise better than pacing).
 """
 

@@ -478,7 +478,7 @@ def run_model(model: str | Path, trainers: int = 256, trainer_layout: str = "hsd
               cost: CostModel | None = None, gpus_per_host: int = 8, round_bytes: int = 256 << 20,
               echo: Any = None) -> dict[str, Any]:
     """Build both layouts from a config, plan, simulate; returns the summary the CLI prints."""
-    from weightsync.plan.models import counts, inference_layouts, load_config, trainer_layouts
+    from weightsync.sim.models import counts, inference_layouts, load_config, trainer_layouts
 
     cost = cost or CostModel()
     say = echo or (lambda *_: None)
