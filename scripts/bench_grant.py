@@ -40,16 +40,16 @@ def main() -> None:
     ap.add_argument("--destinations", type=int, default=4)
     ap.add_argument("--pushes", type=int, default=40)
     ap.add_argument("--turn-s", type=float, default=None,
-                    help="weightsync.runtime.source.GRANT_TURN_S for this run (default: as shipped)")
+                    help="weightsync.runtime.grants.GRANT_TURN_S for this run (default: as shipped)")
     args = ap.parse_args()
     import ray
     import torch
 
     import weightsync as ws
-    import weightsync.runtime.source as source
+    import weightsync.runtime.grants as grants
 
     if args.turn_s is not None:
-        source.GRANT_TURN_S = args.turn_s
+        grants.GRANT_TURN_S = args.turn_s
     secret = secrets.token_hex(16)
     os.environ["WEIGHTSYNC_SECRET"] = secret  # the children inherit it
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -74,7 +74,7 @@ def main() -> None:
                 raise SystemExit(f"push {v}: destinations {st.failed_destinations} failed")
             grant.append(st.grant_seconds * 1e3)
         g = sorted(grant[5:])
-        print(f"destinations {args.destinations}, turn {source.GRANT_TURN_S * 1e3:g} ms: grant phase median "
+        print(f"destinations {args.destinations}, turn {grants.GRANT_TURN_S * 1e3:g} ms: grant phase median "
               f"{statistics.median(g):.3f} ms, p90 {g[int(0.9 * len(g))]:.3f} ms over {len(g)} pushes; load "
               f"average {os.getloadavg()[0]:.1f}", flush=True)
     finally:

@@ -559,9 +559,9 @@ class DeltaWorker(Worker):
         t0 = time.perf_counter()
         engine_opts = {k: tuning[k] for k in ("cuda_streams", "cuda_batch_bytes") if k in tuning}
         if "cuda_rounds_in_flight" in tuning:
-            from weightsync.runtime import source as ws_source
+            from weightsync.runtime import push as ws_push
 
-            ws_source.ORDERED_ROUNDS_IN_FLIGHT = tuning["cuda_rounds_in_flight"]
+            ws_push.ORDERED_ROUNDS_IN_FLIGHT = tuning["cuda_rounds_in_flight"]
         self.engine = ws.TransferEngine(**engine_opts) if engine_opts else None
         tensors = {p.key: self._as_ws(p) for p in self.params}
         if self.trainer:

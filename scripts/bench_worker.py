@@ -405,15 +405,15 @@ class Worker:
     def ws_setup(self, group: str, mode: str = "inplace",
                  tuning: dict[str, Any] | None = None) -> dict[str, Any]:
         """``tuning`` (for A/B runs): ``cuda_streams``, ``cuda_batch_bytes`` for the engine,
-        ``cuda_rounds_in_flight`` for the sources (weightsync.runtime.source.ORDERED_ROUNDS_IN_FLIGHT:
+        ``cuda_rounds_in_flight`` for the sources (weightsync.runtime.push.ORDERED_ROUNDS_IN_FLIGHT:
         rounds into peers whose lane keeps posting order, the cuda lane); absent keys keep the library's
         defaults."""
-        from weightsync.runtime import source as ws_source
+        from weightsync.runtime import push as ws_push
 
         t0 = time.perf_counter()
         tuning = tuning or {}
         if "cuda_rounds_in_flight" in tuning:
-            ws_source.ORDERED_ROUNDS_IN_FLIGHT = tuning["cuda_rounds_in_flight"]
+            ws_push.ORDERED_ROUNDS_IN_FLIGHT = tuning["cuda_rounds_in_flight"]
         engine_opts = {k: tuning[k] for k in ("cuda_streams", "cuda_batch_bytes") if k in tuning}
         self.engine = ws.TransferEngine(**engine_opts) if engine_opts else None
         tensors = {p.key: as_ws(p, self.local[p.key]) for p in self.params}

@@ -64,7 +64,7 @@ _LAZY = {
     "new_secret": "weightsync.control.group",
     "Source": "weightsync.runtime.source",
     "Destination": "weightsync.runtime.destination",
-    "PushStats": "weightsync.runtime.source",
+    "PushStats": "weightsync.runtime.push_stats",
     "PushHandle": "weightsync.runtime.push_handle",
     "push": "weightsync.runtime.source",
     "push_async": "weightsync.runtime.source",

@@ -673,7 +673,7 @@ class DeltaSender(Compare):
                                   pt.changed, len(pt.rows))
         return slot
 
-    # -- the push's face (weightsync.runtime.source), in the protocol's order: load (a plan epoch), start
+    # -- the push's face (weightsync.runtime.push), in the protocol's order: load (a plan epoch), start
     # and overlap_grants (announce), has_inbox, lead, begin, share (grants), decide (rounds), chunk and
     # staged (staging), post_span (spans), post_finals and compare_all (tails), finish (acks), stats and
     # overflow_note (stats). The other members serve these and the tests.

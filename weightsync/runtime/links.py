@@ -15,7 +15,7 @@ class DestinationLink:
     """A destination this source announces to and writes into. ``descs``: this push's descriptor table
     (one per key of ``batch.dkeys``, in the shadow the destination granted; a source keeps no shadow
     of its own); ``ordered``: the peer's lane runs writes as one queue in posting order
-    (weightsync.runtime.source.keeps_posting_order)."""
+    (weightsync.runtime.push.keeps_posting_order)."""
 
     target: Target
     peer: Any

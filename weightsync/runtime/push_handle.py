@@ -44,12 +44,10 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from weightsync.errors import TimeoutError, WeightSyncError  # noqa: A004
-
-if TYPE_CHECKING:
-    from weightsync.runtime.source import PushStats, Source
+from weightsync.runtime.push_stats import PushStats
 
 # wait() without a timeout: the push's own timeout plus this. A push ends by its deadline; after it come
 # only bounded steps (reporting failures to the coordinator), so the slack is never the binding limit.
@@ -161,6 +159,17 @@ def watched_tensors(tensors: dict[str, Any], locals_: dict[str, Any]) -> Watched
     return Watched([k for k, _ in out], [t for _, t in out], HostCopy(locals_))
 
 
+class PushingSource(Protocol):
+    """What a handle needs of its source (weightsync.runtime.source.Source, which imports this module):
+    its name for messages, the tensors it watches, and the push itself."""
+
+    group: str
+    rank: int
+    _watched: Watched
+
+    def _run_push(self, h: PushHandle) -> PushStats: ...
+
+
 class PushHandle:
     """One push of a source, started by ``ws.push_async`` (or by ``ws.push``, which waits for it).
 
@@ -170,7 +179,7 @@ class PushHandle:
     that failed are in ``PushStats.failed_destinations``). Waiting again gives the same answer.
     """
 
-    def __init__(self, src: Source, version: int, timeout: float, background: bool) -> None:
+    def __init__(self, src: PushingSource, version: int, timeout: float, background: bool) -> None:
         self.version = version
         self.timeout = timeout
         self.background = background

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,30 @@ from weightsync.runtime.transforms import Preparer
 from weightsync.wire import data_imm, gather_imm, gathered_imm, relay_version_bits
 
 _CUDA_GRAPHS = os.environ.get("WEIGHTSYNC_CUDA_GRAPHS", "1") != "0"
+
+
+class Gate(Protocol):
+    """What the staged pipeline asks of the push it runs in (weightsync.runtime.push.Push), in the order it
+    asks."""
+
+    def open(self) -> None:
+        """Before the first chunk is posted: waits for the grants and posts the direct rounds of the
+        destinations granted (the first chunks are prepared while the grants travel). Idempotent."""
+
+    def prepared(self, chunk: int, view: Any) -> None:
+        """Chunk ``chunk`` is prepared in ``view`` (its slot), about to be posted: the push keeps what it
+        needs of its bytes (the tails it holds, a delta's compare)."""
+
+    def allowed(self, rank: int) -> bool:
+        """Whether destination ``rank`` is written from the start (granted when the gate opened)."""
+
+    def staged(self, rank: int, chunk: int, src_off: np.ndarray, di: np.ndarray, dst_off: np.ndarray,
+               nbytes: np.ndarray) -> np.ndarray | None:
+        """Which of chunk ``chunk``'s writes into ``rank`` go as planned (None: all of them)."""
+
+    def late(self) -> Iterator[int]:
+        """Destinations granted after the gate opened, as their grants arrive (until the deadline); each
+        gets its chunks in a pass of its own before the next is asked for."""
 
 
 class ChunkGraphs:
@@ -141,12 +165,11 @@ class Staging:
             self.control.publish_receive(part.epoch, self.recv_region.descriptor, timeout)
 
     def run(self, version: int, deadline: float, dests: dict[int, DestinationLink], failed: dict[int, str],
-            one_writer_at_a_time: bool, gate: Any) -> dict[str, float]:
+            one_writer_at_a_time: bool, gate: Gate) -> dict[str, float]:
         """Prepares chunk k+1 while chunk k is on the wire; at most ``slots`` chunks hold staging.
-        ``gate`` (the push's grants, weightsync.runtime.source._Grants): the first post opens it (so the
-        first chunks are prepared while the grants travel); chunks go to the destinations it allows, and
-        destinations it grants late get their chunks in a pass of their own. Returns timing and staging
-        figures for PushStats."""
+        ``gate`` (the push): the first post opens it (so the first chunks are prepared while the grants
+        travel); chunks go to the destinations it allows, and destinations it grants late get their
+        chunks in a pass of their own. Returns timing and staging figures for PushStats."""
         nch = len(self.lowered.chunks)
         self.prep.reset()
         self.graphs.start_push()
@@ -228,7 +251,7 @@ class _ChunkRun:
     deadline: float
     dests: dict[int, DestinationLink]
     failed: dict[int, str]
-    gate: Any
+    gate: Gate
     out: dict[str, float] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
     inflight: list[tuple[int, int, list[tuple[int | None, Any]]]] = field(default_factory=list)
