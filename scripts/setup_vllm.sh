@@ -30,7 +30,7 @@ fi
 # it is rebuilt when the engine's sources changed since the last build here, or the set of Python
 # packages did (the editable install maps the packages it saw when it was made).
 stamp="$VENV/.weightsync-engine-stamp"
-engine_hash=$( (cat CMakeLists.txt pyproject.toml $(find cpp weightsync/_ext -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name 'CMakeLists.txt' \) | sort); find weightsync -name __init__.py | sort) | sha256sum | cut -d' ' -f1)
+engine_hash=$( (cat CMakeLists.txt pyproject.toml $(find cpp weightsync/_ext weightsync/delta -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name 'CMakeLists.txt' \) | sort); find weightsync -name __init__.py | sort) | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$engine_hash" ] || ! "$PY" -c 'import weightsync.engine' 2>/dev/null; then
   echo "setup_vllm: building weightsync into $VENV"
   PIP_CONSTRAINT="" "${NICE[@]}" "$PY" -m pip install -q \
