@@ -21,3 +21,12 @@ def test_a_child_left_running_is_reported_and_one_that_exits_is_not() -> None:
         stays.wait()
         goes.wait()
     assert leaks.leaked(before, leaks.namespaces(), grace_s=3.0) == []
+
+
+def test_a_namespace_is_ours_when_this_process_tree_or_nobody_made_it() -> None:
+    import os
+
+    assert leaks._ours(f"wsA{os.getpid()}x1")
+    assert leaks._ours("wsA999999999x1")  # its creator is gone: left behind
+    assert not leaks._ours("wsA1x1")  # init's: another tree, alive
+    assert leaks._ours("untagged")

@@ -5,6 +5,7 @@ costs a few directory listings."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -44,11 +45,31 @@ def _running(pid: int) -> bool:
 
 
 def namespaces() -> set[str]:
-    """The named network namespaces of the machine."""
+    """The named network namespaces of this process tree: those tests/support/netns tags with the pid of
+    this process or of a descendant, or of a process gone (nobody is left to remove them); a namespace of
+    another live process tree (a second test run on the machine) is not ours to count."""
     try:
-        return set(os.listdir(NETNS_DIR))
+        names = os.listdir(NETNS_DIR)
     except OSError:
         return set()
+    return {n for n in names if _ours(n)}
+
+
+def _ours(name: str) -> bool:
+    tag = re.search(r"(\d+)x\d+$", name)
+    if tag is None:
+        return True
+    pid = int(tag.group(1))
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True  # its creator (or an ancestor of it) is gone
+        pid = int(stat[stat.rindex(")") + 2:].split()[1])
+    return False
 
 
 def _describe(pid: int) -> str:
