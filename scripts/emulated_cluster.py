@@ -522,7 +522,9 @@ def _wait_started(run: Launched, log: str, timeout: float) -> None:
 # TCP over Ethernet at MTU 1500 with timestamps: 1448 payload bytes in a 1514-byte frame (tc's tbf counts
 # the frame from its Ethernet header on). The rxm/tcp providers' own headers add well under 1% here.
 TCP_WIRE_EFFICIENCY = 1448 / 1514
-ENGINE_WRITE_US = 8.7  # this machine's tcp;ofi_rxm engine: 115,321 4 KiB writes/s (docs/BENCHMARKS.md)
+# The engine's sender time per write over tcp;ofi_rxm: the inverse of bench_engine.py's 4 KiB writes per
+# second on the development VM, where the emulated cluster runs.
+ENGINE_WRITE_US = 8.7
 
 
 def simulate(setup: Setup, **cost_kw: Any) -> dict[str, Any]:

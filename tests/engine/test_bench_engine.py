@@ -1,6 +1,6 @@
 """Smoke test of scripts/bench_engine.py --quick: it runs to the end and its last line is the JSON summary.
 
-Timings are not asserted (they belong to docs/BENCHMARKS.md); the script itself refuses to report a run
+Timings are not asserted (they are the benchmark's output, not a property); the script itself refuses to report a run
 whose landed bytes differ from the source, so exit 0 also means every size was verified.
 """
 

@@ -1,7 +1,7 @@
-"""Group-level faults of issue 15: each test asserts what a user who trusts these weights expects and
-failed on the code of commit 06749a6 (each was ``xfail(strict=True)`` until its fix: the grant protocol,
-announce -> grant -> data -> ack, for cases 1, 6, 9; version-scoped relay immediates and relay grants for
-case 8; the superseded-version check for case 2; weightsync errors for case 11).
+"""Group-level faults of issue 15: each test asserts what a user who trusts these weights expects.
+What holds each: the grant protocol (announce -> grant -> data -> ack) for cases 1, 6, 9; version-scoped
+relay immediates and relay grants for case 8; the superseded-version check for case 2; weightsync errors
+for case 11.
 
 CPU only: Ray actors (tests/faults/_group_procs.py) push and receive over the engine's default transport.
 Each version's tensors are random (never zero) and every row names its version, so a mixed version is

@@ -1,5 +1,4 @@
-"""Cost model and simulator: small and fast (the full Kimi-K2 run lives in scripts/simulate.py and in
-docs/BENCHMARKS.md)."""
+"""Cost model and simulator: small and fast (the full Kimi-K2 run is scripts/simulate.py's)."""
 
 from __future__ import annotations
 

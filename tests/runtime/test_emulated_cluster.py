@@ -91,5 +91,5 @@ def test_emulated_push_with_nic_cut_matches_simulator() -> None:
     predicted = cmp["sim"]["tcp"]["sim_s"]
     print(f"measured {cmp['measured_s']} s (data phase {cmp['measured_data_s']}), "
           f"simulated {predicted:.3f} s")
-    # loose: a shared CI machine's load moves the measurement; docs/BENCHMARKS.md has the figures
+    # loose: a shared CI machine's load moves the measurement (the figure is scripts/emulated_cluster.py's)
     assert 0.5 * predicted < cmp["data_median_s"] < 2.0 * predicted
