@@ -1,4 +1,4 @@
-"""Push benchmarks: weightsync against the broadcasts RL frameworks use (issue #8), and the CPU section.
+"""Push benchmarks: weightsync against the broadcasts RL frameworks use, delta pushes, and the CPU section.
 
 GPU scenarios (``--device cuda``, one host with four NVLink GPUs; every source and destination a Ray GPU
 actor; random bf16 weights built from public configs, see scripts/bench_worker.py):
@@ -30,32 +30,37 @@ each run), so a run that moves wrong bytes fails instead of reporting a figure. 
 JSON line, and with ``--out DIR`` bench_push.md, bench_push.json and bench_push.png. ``--device cpu``
 runs the same code on CPU actors (gloo, TCP loopback; tiny shapes by default) to check it without GPUs.
 
-``--delta-lr LR`` (issue 21: 1e-6) adds, per scenario right after its weightsync push, the same scenario
-as delta pushes: a group of its own with ``ws.Source(delta=True)`` trainers and rollouts with a delta
-inbox (``--delta-inbox``, a fraction of the rollout's bytes); one warm-up push (dense: no reference yet),
-then per push one Adam step on the trainers (fp32 masters, ``0.02 * randn`` initially, on random
-gradients, as scripts/bench_delta.py; the BF16 shards are the rounded masters, so the changes come from a
-training step and the changed fraction is measured), and the timed delta push (first one a warm-up).
-``--adam kept`` (default): Adam's moments and step count kept across pushes as a trainer's optimizer keeps
-them (KeptAdam: torch.optim.Adam's single-tensor math, checked bitwise against it on CPU at the start of a
-``--device cpu`` run); the moments on the trainer's GPU while they fit with 8 GB to spare, else pinned
-host memory; the first ``--adam-warmup`` steps (default 2) pushed untimed, so the timed pushes are Adam's
-steps 3 on. Where the trainers' pinned state would exceed 40% of the host's RAM (``--adam-host-fraction``)
-(scenario 4, Qwen3-30B-A3B: masters 61 GB and moments 122 GB per trainer) that scenario falls back to
-``first`` and says so (printed, in the table's note and the JSON's ``adam_note``). ``--adam first``:
-torch.optim.Adam's first step every push (fresh moments), the figures before kept moments. The changed
-fraction depends on the step: the first moves every value by exactly ``lr``; kept moments at lr 1e-6,
-steps 1-8: 4.23, 2.84, 2.30, 2.01, 1.81, 1.67, 1.56, 1.47% of BF16 values (lr 1e-5: 25.1, 17.5, 14.5,
-12.8, 11.6, 10.8, 10.2, 9.6%); figures from before kept moments are at 4.2% (step 1). Printed per
-scenario: the Adam mode and the timed steps, the fraction of BF16 values each step changed (and what the
-push saw), one Adam step's seconds and where the state lives, the dense push's median (the weightsync part
-above: same run, same scenario), the delta push's, their ratio (the goal: at most 0.35x), wire bytes
-against dense bytes, encode and apply seconds (PushStats). Rollouts are not poisoned between delta pushes
-(a delta lands on the version they hold); after every push their bytes are compared with the trainers'
-(gathered and broadcast to them). A fan-out that relays (scenario 3) relays its delta pushes too: the
-writes sent as planned go through the chain, each replica gets the encoded changes from the trainer
-directly. The budget (``--budget-s``) holds: the part is not started after it, and stops after two timed
-pushes once it is spent.
+``--delta-lr LR`` (1e-6 for the figures quoted) adds, per scenario right after its weightsync push, the
+same scenario as delta pushes; this is the delta push benchmark (scenario 5, one trainer to one fused
+replica on two GPUs, is the smallest; scripts/bench_delta.py times the codec alone). A group of its own
+with ``ws.Source(delta=True)`` trainers and rollouts with a delta inbox (``--delta-inbox``, a fraction of
+the rollout's bytes); one warm-up push (dense: no reference yet), then per push one Adam step on the
+trainers (fp32 masters, ``0.02 * randn`` initially, on random gradients; the BF16 shards are the rounded
+masters, so the changes come from a training step and the changed fraction is measured), and the timed
+delta push (first one a warm-up). ``--adam kept`` (default): Adam's moments and step count kept across
+pushes as a trainer's optimizer keeps them (KeptAdam: torch.optim.Adam's single-tensor math, checked
+bitwise against it on CPU at the start of a ``--device cpu`` run); the moments on the trainer's GPU while
+they fit with 8 GB to spare, else pinned host memory; the first ``--adam-warmup`` steps (default 2)
+pushed untimed, so the timed pushes are Adam's steps 3 on. Where the trainers' pinned state would exceed
+40% of the host's RAM (``--adam-host-fraction``) (scenario 4, Qwen3-30B-A3B: masters 61 GB and moments
+122 GB per trainer) that scenario falls back to ``first`` and says so (printed, in the table's note and
+the JSON's ``adam_note``). ``--adam first``: torch.optim.Adam's first step every push (fresh moments).
+The changed fraction depends on the step: the first moves every value by exactly ``lr``; kept moments at
+lr 1e-6, steps 1-8: 4.23, 2.84, 2.30, 2.01, 1.81, 1.67, 1.56, 1.47% of BF16 values (lr 1e-5: 25.1, 17.5,
+14.5, 12.8, 11.6, 10.8, 10.2, 9.6%). Printed per scenario: the Adam mode and the timed steps, the
+fraction of BF16 values each step changed (and what the push saw), one Adam step's seconds and where the
+state lives, the dense push's median (the weightsync part above: same run, same scenario), the delta
+push's, their ratio (the goal: at most 0.35x), wire bytes against dense bytes and how much of the wire
+is writes sent as planned for want of inbox room, encode (by phase) and apply seconds (PushStats), and
+for one trainer to one rollout GPU the encode and apply GB/s as scripts/simulate_delta.py's inputs.
+Rollouts are not poisoned between delta pushes (a delta lands on the version they hold); after every push
+their bytes are compared with the trainers' (gathered and broadcast to them). A fan-out that relays
+(scenario 3) relays its delta pushes too: the writes sent as planned go through the chain, each replica
+gets the encoded changes from the trainer directly. ``--delta-trace DIR``: one more push after the timed
+ones, untimed, recorded on every participant (host marks; on GPUs the profiler's kernels and copies), its
+timeline printed. The budget (``--budget-s``) holds: the part is not started after it, and stops after
+two timed pushes once it is spent. The kernel and the torch paths of the compare: run twice, the second
+time with ``WEIGHTSYNC_DELTA_KERNELS=0``.
 
 ``--cpu``: the control plane's own cost on this machine, over TCP loopback.
 
@@ -102,6 +107,7 @@ from scripts.bench_common import (  # noqa: E402
     step_span,
     untimed_steps,
 )
+from scripts.bench_common import timeline as marks_timeline  # noqa: E402
 from scripts.bench_worker import Worker, bucket_plan  # noqa: E402
 
 # NVLink multicast stays off in every process this benchmark starts (the lent GPU hosts require it).
@@ -296,7 +302,7 @@ def engine_baseline(nbytes: int, repeat: int, hosts: list[Any] | None = None) ->
 
 
 # ------------------------------------------------------------------------------------------------
-# Scenarios (issue #8): real model shapes, FSDP trainers to vLLM-layout rollouts, against broadcasts.
+# Scenarios: real model shapes, FSDP trainers to vLLM-layout rollouts, against broadcasts.
 
 SCENARIOS: dict[int, dict[str, Any]] = {
     1: {"model": "llama", "T": 2, "R": 2, "tp": 1, "what": "2 FSDP trainers -> 2 full replicas (fused)"},
@@ -318,6 +324,14 @@ def _pythonpath() -> str:
     # The repository first, then whatever the caller added (e.g. where checkpoint-engine's wheels went).
     extra = os.environ.get("PYTHONPATH", "")
     return ROOT + (os.pathsep + extra if extra else "")
+
+
+def _forwarded_env() -> dict[str, str]:
+    """Settings of this process the actors must share: which delta compare path runs
+    (WEIGHTSYNC_DELTA_KERNELS) and how many hardware queues a GPU's streams are spread over
+    (CUDA_DEVICE_MAX_CONNECTIONS)."""
+    return {k: os.environ[k] for k in ("WEIGHTSYNC_DELTA_KERNELS", "CUDA_DEVICE_MAX_CONNECTIONS")
+            if k in os.environ}
 
 
 def free_port() -> int:
@@ -421,7 +435,7 @@ class Team:
 
 
 # ------------------------------------------------------------------------------------------------
-# Delta pushes (issue 21, ``--delta-lr``): the same scenarios with changes from a training step.
+# Delta pushes (``--delta-lr``): the same scenarios with changes from a training step.
 
 ADAM_CHUNK = 1 << 26  # elements of the flat buffer one Adam step takes at a time (fp32: 256 MiB)
 MASTER_HEADROOM = 8 << 30  # GPU bytes left free beside fp32 masters kept on the GPU (encode, apply, Adam)
@@ -550,7 +564,7 @@ class DeltaWorker(Worker):
     torch.optim.Adam's first step every time (``--adam first``: fresh moments, every value moves by about
     ``lr``; the figures before kept moments). Gradients are zero in the gaps between views, which
     therefore never change (in either mode) and are not counted. Initial masters are
-    ``0.02 * randn`` (norm scales ``1 + 0.02 * randn``), like scripts/bench_delta.py's: the changed fraction
+    ``0.02 * randn`` (norm scales ``1 + 0.02 * randn``): the changed fraction
     depends on the weights' magnitude against BF16's spacing, so the scale must be a trained model's."""
 
     def delta_setup(self, group: str, inbox_fraction: float, tuning: dict[str, Any]) -> dict[str, Any]:
@@ -720,8 +734,12 @@ class DeltaWorker(Worker):
 
     def delta_push(self, version: int) -> dict[str, Any]:
         """``ws_push``, with the sender's encode by phase and whether its compare ran as kernels (the
-        delta sender's own figures, as scripts/bench_delta.py reads them; absent where it has none)."""
+        delta sender's own figures; absent where it has none), and the push's start and end on the host
+        clock (``push_ns``: where a recorded push's timeline starts)."""
+        start_ns = time.time_ns()
         stats = self.ws_push(version)
+        if stats:
+            stats["push_ns"] = [start_ns, time.time_ns()]
         sender = getattr(self.src, "_delta", None) if self.trainer else None
         if sender is not None:
             stats["encode_phases"] = dict(getattr(sender, "phases", {}))
@@ -752,6 +770,22 @@ class DeltaWorker(Worker):
         if self.cuda:
             torch.cuda.empty_cache()
         return {"ok": not bad, "bytes": checked, "bad": bad[:5], "nbad": len(bad)}
+
+    def trace_start(self) -> None:
+        """Records this participant's timeline until :meth:`trace_stop`: the host marks
+        (weightsync.runtime.trace), and on a GPU the profiler's kernels and copies."""
+        from scripts.bench_common import record
+
+        self.recording = record(self.dev)
+
+    def trace_stop(self, folder: str, tag: str) -> tuple[str, str]:
+        """Stops the recording and writes it into ``folder``; returns (who, its path)."""
+        who = f"trainer {self.rank}" if self.trainer else f"rollout {self.rank - self.T}"
+        path = os.path.join(folder, f"{tag}-{who.replace(' ', '')}.json")
+        rec, self.recording = getattr(self, "recording", None), None
+        if rec is not None:
+            rec.stop(path)
+        return who, path
 
     def delta_close(self) -> None:
         self.ws_close()
@@ -857,7 +891,8 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
         res: dict[str, Any] = {"lr": args.delta_lr, "inbox_fraction": args.delta_inbox, "times": [],
                                "changed_fraction": [], "push_changed_fraction": [], "wire_bytes": [],
                                "dense_bytes": [], "encode_s": [], "apply_s": [], "step_s": [],
-                               "not_delta": [], "phases": [], "encode_phases": [], "verified_bytes": 0}
+                               "not_delta": [], "phases": [], "encode_phases": [], "overflow_bytes": [],
+                               "encode_path_s": [], "verified_bytes": 0}
         name = f"bench-s{num}-delta-{os.getpid()}"
         group = ws.Group.create(name, num_sources=T, num_destinations=R, **args.group_opts)
         try:
@@ -865,11 +900,20 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
             res["inbox_bytes"] = [x["inbox_bytes"] for x in setup[T:]]
             team.call("delta_init", timeout=tmo, who=team.trainers)
 
-            def push_checked() -> list[dict[str, Any]]:
+            def push_checked(trace: str = "") -> list[dict[str, Any]]:
+                """One push, its bytes checked on every rollout; ``trace``: a folder to record every
+                participant's timeline of it into (printed)."""
                 nonlocal version
                 version += 1
+                if trace:
+                    team.call("trace_start", timeout=tmo)
                 stats = team.call("delta_push", version, timeout=tmo, who=team.trainers)
                 team.call("ws_wait", version, timeout=tmo, who=team.rollouts)
+                if trace:
+                    os.makedirs(trace, exist_ok=True)
+                    paths = dict(team.call("trace_stop", trace, f"s{num}-v{version}", timeout=tmo))
+                    span = (min(s["push_ns"][0] for s in stats), max(s["push_ns"][1] for s in stats))
+                    print("\n".join(f"    {line}" for line in marks_timeline(paths, span)), flush=True)
                 if any(s["failed_destinations"] for s in stats):
                     raise RuntimeError(f"push {version} failed: {[s['failed_destinations'] for s in stats]}")
                 out_ = team.call("verify_sources", timeout=tmo)[T:]
@@ -916,6 +960,10 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
                 res["phases"].append(slowest["phases"])
                 encoder = max(stats, key=lambda s: s["encode_seconds"])
                 res["encode_phases"].append(encoder.get("encode_phases"))
+                # the encode on the push's path: the reference's update (finish) overlaps the apply
+                res["encode_path_s"].append(encoder["encode_seconds"]
+                                            - (encoder.get("encode_phases") or {}).get("finish", 0.0))
+                res["overflow_bytes"].append(sum(s.get("delta_overflow_bytes", 0) for s in stats))
                 res["compare_path"] = sorted({s["compare_path"] for s in stats if "compare_path" in s})
                 res["changed_fraction"].append(sum(x["changed"] for x in steps)
                                                / sum(x["total"] for x in steps))
@@ -929,12 +977,27 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
                 # destinations a source wrote this version without a delta (none expected)
                 res["not_delta"].append(sum(len(set(s["destinations"]) - set(s["delta_destinations"]))
                                             for s in stats))
+            if args.delta_trace and res["times"]:
+                # one more step and push, recorded on every participant and not timed: the profiler
+                # slows every CUDA call
+                print(f"    delta: a push recorded into {args.delta_trace} (untimed):", flush=True)
+                team.call("delta_step", args.delta_lr, timeout=tmo, who=team.trainers)
+                push_checked(args.delta_trace)
             team.call("delta_close", timeout=tmo)
         finally:
             group.shutdown()
         res["median_s"] = statistics.median(res["times"])
-        for key in ("changed_fraction", "wire_bytes", "dense_bytes", "encode_s", "apply_s", "step_s"):
+        for key in ("changed_fraction", "wire_bytes", "dense_bytes", "encode_s", "apply_s", "step_s",
+                    "overflow_bytes", "encode_path_s"):
             res[f"{key}_median"] = statistics.median(res[key])
+        if T == 1 and R * tp == 1:
+            # one trainer to one rollout GPU: the GB/s of dense bytes one GPU encodes and one applies, the
+            # inputs scripts/simulate_delta.py takes
+            dense_gb = res["dense_bytes_median"] / 1e9
+            res["simulate_delta"] = (
+                "python scripts/simulate_delta.py --model ../shared/models/kimi-k2.json --changed 0.01 0.02 "
+                f"0.05 --encode-gbs {dense_gb / max(res['encode_path_s_median'], 1e-9):.0f} "
+                f"--apply-gbs {dense_gb / max(res['apply_s_median'], 1e-9):.0f}")
         seen = [x for x in res["push_changed_fraction"] if x is not None]
         res["push_changed_fraction_median"] = statistics.median(seen) if seen else None
         dense = out.get("weightsync", {}).get("median_s")
@@ -1027,8 +1090,12 @@ def _say_delta(res: dict[str, Any]) -> None:
           f"median {res['median_s'] * 1e3:.2f} ms over {len(res['times'])} "
           f"({', '.join(f'{t * 1e3:.1f}' for t in res['times'])}), dense {_ms(res['dense_median_s'])} ms, "
           f"delta/dense {'–' if ratio is None else f'{ratio:.3f}x'}; wire {_size(wire)} of {_size(dense)} "
-          f"({wire / dense:.1%}); encode {res['encode_s_median'] * 1e3:.2f} ms, apply "
+          f"({wire / dense:.1%}; of it {_size(res['overflow_bytes_median'])} of writes sent as planned for "
+          f"want of inbox room); encode {res['encode_s_median'] * 1e3:.2f} ms, apply "
           f"{res['apply_s_median'] * 1e3:.2f} ms; verified against the trainers", flush=True)
+    if res.get("simulate_delta"):
+        print(f"    simulator inputs (this push's encode and apply GB/s): {res['simulate_delta']}",
+              flush=True)
     masters = [m for m in res.get("masters", []) if m]
     if masters:
         m = masters[0]
@@ -1151,12 +1218,12 @@ def delta_table(rows: list[dict[str, Any]]) -> str:
              "masters; medians in ms; dense = the weightsync column above (same run, same team); every delta "
              "push verified against the trainers' bytes.", "",
              "| scenario | lr | adam | BF16 values changed (step / push) | dense push | delta push | delta / "
-             "dense | wire / dense bytes | encode | apply | note |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "dense | wire / dense bytes | of the wire, for want of inbox room | encode | apply | note |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         d = r["delta"]
         if "median_s" not in d:
-            lines.append(f"| {r['scenario']}. {r['what']} | – | – | – | – | – | – | – | – | – | "
+            lines.append(f"| {r['scenario']}. {r['what']} | – | – | – | – | – | – | – | – | – | – | "
                          f"{(d.get('error') or '')[:200]} |")
             continue
         pf = d.get("push_changed_fraction_median")
@@ -1169,6 +1236,7 @@ def delta_table(rows: list[dict[str, Any]]) -> str:
                      f"{'–' if pf is None else f'{pf:.2%}'} | {_ms(d.get('dense_median_s'))} | "
                      f"{_ms(d['median_s'])} | {'–' if ratio is None else f'{ratio:.3f}x'} | "
                      f"{_size(d['wire_bytes_median'])} / {_size(d['dense_bytes_median'])} | "
+                     f"{_size(d.get('overflow_bytes_median', 0))} | "
                      f"{_ms(d['encode_s_median'])} | {_ms(d['apply_s_median'])} | {note} |")
     return "\n".join(lines) + "\n"
 
@@ -1231,7 +1299,7 @@ def run_scenarios(args: argparse.Namespace) -> dict[str, Any]:
     # Few CPUs on purpose: every actor takes none, and Ray prestarts a Python worker per CPU.
     ray.init(address="local", num_cpus=8, num_gpus=gpus, include_dashboard=False,
              log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST,
+             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST, **_forwarded_env(),
                                        "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
     rows: list[dict[str, Any]] = []
     try:
@@ -1289,7 +1357,7 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
     x = r.get("speedup_over_checkpoint_engine")
     out.append("goal: scenario 1 faster than checkpoint-engine: "
                + ("not measured" if x is None else f"{x:.2f}x, {met(x > 1)}"))
-    for r in rows:  # --delta-lr (issue 21: at lr 1e-6)
+    for r in rows:  # --delta-lr
         if "delta" not in r:
             continue
         d = r["delta"]
@@ -1340,13 +1408,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="start no scenario and no measured part after this many seconds from the start")
     ap.add_argument("--delta-lr", type=float, default=None,
                     help="also push each scenario as deltas: per push one Adam step at this learning rate "
-                         "(issue 21: 1e-6), against the scenario's dense push")
+                         "(1e-6 for the quoted figures), against the scenario's dense push")
     add_adam_options(ap, when="with --delta-lr: ")
     ap.add_argument("--adam-host-fraction", type=float, default=0.4,
                     help="with --adam kept: a scenario whose trainers' Adam state (masters, moments) would "
                          "take more of the host's RAM than this falls back to --adam first, and says so")
     ap.add_argument("--delta-inbox", type=float, default=0.125,
                     help="each destination's delta inbox, a fraction of its bytes (with --delta-lr)")
+    ap.add_argument("--delta-trace", default="",
+                    help="with --delta-lr: after the timed delta pushes of each scenario one more, "
+                         "recorded on every participant (host marks; on GPUs the profiler's kernels and "
+                         "copies) into this folder, its timeline printed")
     ap.add_argument("--out", default=None, help="write bench_push.md, bench_push.json, bench_push.png here")
     ap.add_argument("--verbose", action="store_true", help="actors' logs on the driver's terminal")
     ap.add_argument("--cuda-streams", type=int, default=None,
@@ -1402,7 +1474,7 @@ def cpu_section(args: argparse.Namespace) -> None:
     """Control-plane cost over TCP loopback, and scenario 1 at small scale against gloo broadcasts."""
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=args.verbose,
-             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST,
+             runtime_env={"env_vars": {"PYTHONPATH": _pythonpath(), **NO_MULTICAST, **_forwarded_env(),
                                        "WEIGHTSYNC_SECRET": secrets.token_hex(16)}})
     hosts = [ray.remote(num_cpus=0)(Host).remote() for _ in range(4)]
     try:

@@ -61,3 +61,21 @@ def test_bench_push_cpu_quick() -> None:
         assert s1[part]["median_s"] > 0 and s1[part]["verified_bytes"] > 0, (part, s1[part])
     assert s1["a_best"]["median_s"] > 0
     assert s1["ratio_to_bound"] > 0
+
+
+def test_bench_push_delta_cpu() -> None:
+    # The delta push benchmark on CPU actors: one trainer to one fused replica, Adam kept, every delta push
+    # verified against the trainer's bytes by the script itself (it exits non-zero otherwise).
+    out = subprocess.run([sys.executable, "scripts/bench_push.py", "--device", "cpu", "--scale", "tiny",
+                          "--scenarios", "5", "--baselines", "", "--delta-lr", "1e-6", "--pushes", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (s5,) = json.loads(out.stdout.strip().splitlines()[-1])["scenarios"]
+    d = s5["delta"]
+    assert d["median_s"] > 0 and d["verified_bytes"] > 0, d
+    assert d["adam"] == "kept" and d["adam_steps"] == [3, 4]
+    # every timed push went to its destination as a delta, and sent fewer bytes than the dense push
+    assert d["not_delta"] == [0, 0]
+    assert 0 < d["wire_bytes_median"] < d["dense_bytes_median"]
+    assert 0 < d["changed_fraction_median"] < 0.1
+    assert "--encode-gbs" in d["simulate_delta"]
