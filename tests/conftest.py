@@ -21,6 +21,13 @@ HARD_STOP_AFTER_S = float(os.environ.get("WEIGHTSYNC_TEST_HARD_STOP_S", "60"))
 
 _stderr_fd: int | None = None
 
+# A Ray actor or task sees only the GPUs it asked Ray for. Ray no longer hides the host's GPUs from one that
+# asked for none, so on a GPU host every CPU test's actor (and the engine of every participant in it,
+# transport "auto") would start CUDA and open a cuda lane on GPU 0: seconds of start-up per process, all
+# of them on one GPU, and not the CPU path those tests are about. Set before any Ray is started here
+# (the Rays the tests start, and those of the scripts they run, inherit it).
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     global _stderr_fd
