@@ -1,5 +1,6 @@
 """The leak check every test runs under (tests/conftest.py) can fail: each kind of thing a test can leave
-behind is reported, and one that goes within the grace time is not."""
+behind is reported, and one that goes within the grace time is not. And the CPU tests' Ray actors start
+no CUDA on a GPU host (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,18 @@ def test_an_actor_left_alive_and_a_ray_left_initialised_are_reported(ray_cluster
     # A test that found no Ray and leaves one initialised (the module's Ray stands in for it here).
     assert leaks.leaked(dataclasses.replace(before, ray=False), grace_s=0.5) == [
         "Ray still initialised (ray.init without ray.shutdown)"]
+
+
+def test_an_actor_that_asked_for_no_gpu_sees_none_and_opens_no_cuda_lane(ray_cluster: Any) -> None:
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    def what_a_cpu_actor_sees() -> tuple[str | None, str]:
+        import os
+
+        from weightsync.engine import TransferEngine
+
+        with TransferEngine(stall_timeout=2.0) as engine:  # transport "auto", as a participant's
+            return os.environ.get("CUDA_VISIBLE_DEVICES"), engine.transport
+
+    assert ray.get(what_a_cpu_actor_sees.remote(), timeout=120) == ("", "fabric")
