@@ -33,8 +33,11 @@ def test_a_process_that_loaded_the_engine_keeps_its_signals(tmp_path: Path, sig:
                                                              returncode: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "IPATH_NO_BACKTRACE"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    # The child starts with the default dispositions whatever the test runner set (pytest-xdist's workers
+    # ignore SIGINT, and Python keeps a SIGINT it inherits ignored).
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         proc.send_signal(sig)
