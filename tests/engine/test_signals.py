@@ -18,8 +18,8 @@ from tests import ROOT
 SCRIPT = """
 import sys, time
 import weightsync.engine
-print("ready", flush=True)
 try:
+    print("ready", flush=True)  # inside the try: the signal may come as soon as the line is out
     time.sleep(60)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
