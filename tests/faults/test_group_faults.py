@@ -273,7 +273,7 @@ def _members(run: _Run, want: list[int], timeout: float) -> list[int]:
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["inplace", "staged"])
 def test_destination_stopped_past_the_push_timeout_is_readmitted(ray_cluster, mode: str) -> None:
     """Two sources, two destinations. Destination 0 is stopped (SIGSTOP) for longer than the push
@@ -322,7 +322,7 @@ def test_destination_stopped_past_the_push_timeout_is_readmitted(ray_cluster, mo
         run.close()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(120)
 def test_destinations_stopped_while_nobody_acks_are_kept(ray_cluster) -> None:
     """Every destination is stopped (SIGSTOP) through a push: nobody acks, so the sources probe the silent
     destinations with one more write each. A stopped destination's probe is not delivered, but it does not
@@ -350,7 +350,7 @@ def test_destinations_stopped_while_nobody_acks_are_kept(ray_cluster) -> None:
         run.close()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(120)
 def test_a_dropped_destination_whose_rank_was_taken_over_stops(ray_cluster) -> None:
     """Destination 0 is stopped past the push timeout and dropped; a replacement joins under rank 0
     before it resumes. The old process must not take the rank back: it stops receiving and its ``wait``

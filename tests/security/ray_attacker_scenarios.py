@@ -152,7 +152,6 @@ def _wait_logged(tmp: str, needle: str, timeout: float) -> list[str]:
         time.sleep(0.5)
 
 
-@pytest.mark.timeout(300)
 def test_another_ray_job_can_neither_read_the_secret_nor_join_query_or_push(cluster: dict[str, Any],
                                                                               tmp_path: Path) -> None:
     group = ws.Group.create(GROUP, num_sources=1, num_destinations=1)
@@ -234,7 +233,6 @@ def test_the_default_secret_is_this_process_own(cluster: dict[str, Any]) -> None
         group.shutdown()
 
 
-@pytest.mark.timeout(300)
 def test_code_another_job_runs_inside_the_coordinator_gets_no_credential(cluster: dict[str, Any],
                                                                          tmp_path: Path) -> None:
     """A second job runs its own code in the coordinator (``__ray_call__``), keeps what the members
