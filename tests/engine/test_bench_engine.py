@@ -1,7 +1,7 @@
 """Smoke test of scripts/bench_engine.py --quick: it runs to the end and its last line is the JSON summary.
 
-Timings are not asserted (they are the benchmark's output, not a property); the script itself refuses to report a run
-whose landed bytes differ from the source, so exit 0 also means every size was verified.
+Timings are not asserted (they are the benchmark's output, not a property); the script itself refuses to
+report a run whose landed bytes differ from the source, so exit 0 also means every size was verified.
 """
 
 from __future__ import annotations
