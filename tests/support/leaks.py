@@ -29,6 +29,7 @@ INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.fork
 LIFETIME_THREADS = (
     "PythonGCThread",  # Ray: collects in the background on its own schedule
     "ray_listen_error_messages", "ray_print_logs",  # Ray: the driver's log and error listeners
+    "tqdm_monitor",  # tqdm (vLLM's loaders' progress bars): started by the first bar, never joined
 )
 
 # Every open TransferEngine of this process (see ``track_engines``).
