@@ -16,6 +16,13 @@ acknowledged), repeated; every destination checked byte for byte after every pus
 same layouts, hosts, round size) with the same links, and both are printed. ``--cut`` adds a push during
 which NIC 0 of trainer host 0 is set down: the push must complete over the other NICs, every byte right.
 
+``--delta-lr LR``: the weights are BF16 (as many elements as ``--mib`` of float32) on a trajectory of
+Adam steps at ``LR`` from std-0.02 weights and std-1 gradients (every process computes it alike), pushed
+by a dense group and then, in the same run on the same hosts and NICs, by a delta group (``delta=True``
+sources, destinations with an inbox of ``--delta-inbox`` of what they hold); the first delta push is
+untimed. Printed: both medians, their ratio, the changed fraction and the wire bytes against the dense
+bytes; every push of both groups checked byte for byte.
+
 Example (4 trainer ranks over 2 hosts -> 2 replicas of TP 2 over 2 hosts, 2 NICs of 100 Mbit/s per GPU):
 
     sudo .venv/bin/python scripts/emulated_cluster.py --trainer-hosts 2 --trainers-per-host 2 \\
@@ -69,6 +76,8 @@ class Setup:
     round_mib: float = 256.0      # the group's round_bytes
     relay: bool = False
     relay_chunk_mib: float = 64.0  # the group's relay_chunk_bytes (the chain's pipeline step)
+    delta_lr: float | None = None  # BF16 weights stepped by Adam at this rate; dense then delta pushes
+    delta_inbox: float = 0.25      # a destination's delta inbox, a fraction of the bytes it holds
     # filled in by the launcher
     hosts: list[str] = field(default_factory=list)
     nic_names: list[str] = field(default_factory=list)
@@ -121,15 +130,67 @@ def model_shapes(mib: int, tp: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def values(name_id: int, shape: tuple[int, ...], version: int) -> Any:
+def values(name_id: int, shape: tuple[int, ...], version: int, lr: float | None = None) -> Any:
+    """Tensor ``name_id``'s full value at ``version``: float32 integers (``lr`` None: every word
+    changes from version to version), or BF16 weights after ``version`` Adam steps at ``lr``."""
     import torch
 
+    if lr is not None:
+        return _trajectory(name_id, shape, lr).at(version)
     n = 1
     for d in shape:
         n *= d
     i = torch.arange(n, dtype=torch.int64)
     # below 2**23: exact in float32
     return ((i * 7 + version * 131 + name_id * 1009) % (1 << 23)).to(torch.float32).reshape(shape)
+
+
+class AdamTrajectory:
+    """One tensor's training run, the same in every process: float32 master weights of std 0.02 and
+    gradients of std 1 from seeds of (tensor, step), Adam's update at ``lr``, BF16 weights cast from the
+    master. Only elementwise torch ops, each one rounding, so every process computes every bit alike
+    (no fused multiply-add, no reduction). Versions are asked for in increasing order; each one steps
+    on from the last."""
+
+    BETAS, EPS = (0.9, 0.999), 1e-8
+
+    def __init__(self, name_id: int, shape: tuple[int, ...], lr: float) -> None:
+        import torch
+
+        self.name_id, self.shape, self.lr = name_id, shape, lr
+        g = torch.Generator().manual_seed(1_000_003 * (name_id + 1))
+        self.master = torch.randn(shape, generator=g, dtype=torch.float32).mul(0.02)
+        self.m = torch.zeros(shape, dtype=torch.float32)
+        self.v = torch.zeros(shape, dtype=torch.float32)
+        self.step = 0
+
+    def at(self, version: int) -> Any:
+        import torch
+
+        if version < self.step:
+            raise ValueError(f"tensor {self.name_id}: version {version} asked after {self.step}")
+        b1, b2 = self.BETAS
+        while self.step < version:
+            self.step += 1
+            g = torch.Generator().manual_seed(1_000_003 * (self.name_id + 1) + self.step)
+            grad = torch.randn(self.shape, generator=g, dtype=torch.float32)
+            self.m = torch.add(torch.mul(self.m, b1), torch.mul(grad, 1 - b1))
+            self.v = torch.add(torch.mul(self.v, b2), torch.mul(torch.mul(grad, grad), 1 - b2))
+            m_hat = torch.div(self.m, 1 - b1 ** self.step)
+            v_hat = torch.div(self.v, 1 - b2 ** self.step)
+            update = torch.div(m_hat, torch.add(torch.sqrt(v_hat), self.EPS))
+            self.master = torch.sub(self.master, torch.mul(update, self.lr))
+        return self.master.to(torch.bfloat16)
+
+
+_trajectories: dict[tuple[int, tuple[int, ...], float], AdamTrajectory] = {}
+
+
+def _trajectory(name_id: int, shape: tuple[int, ...], lr: float) -> AdamTrajectory:
+    key = (name_id, shape, lr)
+    if key not in _trajectories:
+        _trajectories[key] = AdamTrajectory(name_id, shape, lr)
+    return _trajectories[key]
 
 
 def trainer_box(shape: tuple[int, ...], rank: int, world: int) -> tuple[tuple[slice, ...], tuple[int, ...]]:
@@ -139,13 +200,13 @@ def trainer_box(shape: tuple[int, ...], rank: int, world: int) -> tuple[tuple[sl
     return (slice(rank * rows, (rank + 1) * rows), slice(None)), (rank * rows, 0)
 
 
-def rollout_view(shapes: dict[str, tuple[int, ...]], tp_rank: int, tp: int, version: int
-                 ) -> dict[str, Any]:
+def rollout_view(shapes: dict[str, tuple[int, ...]], tp_rank: int, tp: int, version: int,
+                 lr: float | None = None) -> dict[str, Any]:
     """What TP rank ``tp_rank`` holds of ``version``: fused qkv rows, o's columns, the full norm."""
     import torch
 
     names = list(shapes)
-    full = {n: values(names.index(n), shapes[n], version) for n in names}
+    full = {n: values(names.index(n), shapes[n], version, lr) for n in names}
     out: dict[str, Any] = {}
     for n in names:
         layer, part = n.split(".")
@@ -184,8 +245,8 @@ def rollout_named(shapes: dict[str, tuple[int, ...]], local: dict[str, Any], tp_
     return named
 
 
-def trainer_named(shapes: dict[str, tuple[int, ...]], rank: int, world: int, version: int
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+def trainer_named(shapes: dict[str, tuple[int, ...]], rank: int, world: int, version: int,
+                  lr: float | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     import weightsync as ws
 
     names = list(shapes)
@@ -193,7 +254,7 @@ def trainer_named(shapes: dict[str, tuple[int, ...]], rank: int, world: int, ver
     named: dict[str, Any] = {}
     for n in names:
         sl, offs = trainer_box(shapes[n], rank, world)
-        locals_[n] = values(names.index(n), shapes[n], version)[sl].clone()
+        locals_[n] = values(names.index(n), shapes[n], version, lr)[sl].clone()
         named[n] = ws.Sharded(locals_[n], shapes[n], offs)
     return named, locals_
 
@@ -205,10 +266,12 @@ def layouts(setup: Setup) -> tuple[list[Any], list[Any]]:
     from weightsync.runtime.describe import describe_tensors
 
     shapes = model_shapes(setup.mib, setup.tp)
-    src = [describe_tensors(trainer_named(shapes, r, setup.trainers, 0)[0]) for r in range(setup.trainers)]
+    src = [describe_tensors(trainer_named(shapes, r, setup.trainers, 0, setup.delta_lr)[0])
+           for r in range(setup.trainers)]
     dst = []
     for r in range(setup.rollouts):
-        local = {k: torch.zeros_like(v) for k, v in rollout_view(shapes, r % setup.tp, setup.tp, 0).items()}
+        local = {k: torch.zeros_like(v)
+                 for k, v in rollout_view(shapes, r % setup.tp, setup.tp, 0, setup.delta_lr).items()}
         dst.append(describe_tensors(rollout_named(shapes, local, r % setup.tp, setup.tp)))
     return src, dst
 
@@ -217,33 +280,41 @@ def layouts(setup: Setup) -> tuple[list[Any], list[Any]]:
 # Ray actors (run inside their host's namespace: their raylet was started there)
 
 class Trainer:
-    def __init__(self, group: str, secret: str, rank: int, world: int, nics: list[str], mib: int, tp: int
-                 ) -> None:
+    def __init__(self, group: str, secret: str, rank: int, world: int, nics: list[str], mib: int, tp: int,
+                 lr: float | None = None, delta: bool = False) -> None:
         import weightsync as ws
 
         self.shapes = model_shapes(mib, tp)
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.lr = rank, world, lr
         self.engine = ws.TransferEngine(nics=nics)
-        named, self.locals = trainer_named(self.shapes, rank, world, 0)
-        self.src = ws.Source(group, rank=rank, tensors=named, engine=self.engine, secret=secret)
+        named, self.locals = trainer_named(self.shapes, rank, world, 0, lr)
+        self.src = ws.Source(group, rank=rank, tensors=named, engine=self.engine, secret=secret, delta=delta)
+
+    def step(self, version: int) -> None:
+        """The optimizer step: ``version``'s values in place (before the push's start, untimed)."""
+        names = list(self.shapes)
+        for n, local in self.locals.items():
+            sl, _ = trainer_box(self.shapes[n], self.rank, self.world)
+            local.copy_(values(names.index(n), self.shapes[n], version, self.lr)[sl])
 
     def push(self, version: int, start_at: float, timeout: float = 120.0) -> dict[str, Any]:
-        """Pushes ``version`` at ``start_at`` (time.monotonic: one clock for every process of the machine,
-        whatever its namespace), as trainers leaving one optimizer step together would; returns the
-        stats with the start and end times."""
+        """Pushes ``version`` (``step`` first) at ``start_at`` (time.monotonic: one clock for every
+        process of the machine, whatever its namespace), as trainers leaving one optimizer step together
+        would; returns the stats with the start and end times."""
         import weightsync as ws
 
-        names = list(self.shapes)
-        for n, local in self.locals.items():  # the optimizer step: new values in place
-            sl, _ = trainer_box(self.shapes[n], self.rank, self.world)
-            local.copy_(values(names.index(n), self.shapes[n], version)[sl])
         while (left := start_at - time.monotonic()) > 0:
             time.sleep(min(left, 0.05))
         t0 = time.monotonic()
         stats = ws.push(self.src, version=version, timeout=timeout)
         d = dict(stats.__dict__)
         d["start"], d["end"] = t0, time.monotonic()
+        d["phases"] = dict(stats.phases)
         return d
+
+    def close(self) -> None:
+        self.src.close()
+        self.engine.close()
 
     def nic_stats(self) -> list[dict[str, Any]]:
         return self.engine.stats()
@@ -255,19 +326,22 @@ class Trainer:
 
 
 class Rollout:
-    def __init__(self, group: str, secret: str, rank: int, tp: int, nics: list[str], mib: int) -> None:
+    def __init__(self, group: str, secret: str, rank: int, tp: int, nics: list[str], mib: int,
+                 lr: float | None = None, inbox: float = 0.0) -> None:
         import torch
 
         import weightsync as ws
 
         self.shapes = model_shapes(mib, tp)
-        self.tp_rank, self.tp = rank % tp, tp
-        want = rollout_view(self.shapes, self.tp_rank, tp, 0)
+        self.tp_rank, self.tp, self.lr = rank % tp, tp, lr
+        want = rollout_view(self.shapes, self.tp_rank, tp, 0, lr)
         self.local = {k: torch.full_like(v, float("nan")) for k, v in want.items()}  # poison
         self.engine = ws.TransferEngine(nics=nics)
         named = rollout_named(self.shapes, self.local, self.tp_rank, tp)
+        held = sum(t.numel() * t.element_size() for t in self.local.values())
         self.dst = ws.Destination(group, rank=rank, tensors=named,
-                                  mode="inplace", engine=self.engine, secret=secret)
+                                  mode="inplace", engine=self.engine, secret=secret,
+                                  delta_bytes=int(inbox * held))
 
     def check(self, version: int, timeout: float = 120.0) -> list[str]:
         """Waits for ``version`` and compares every byte with what it must hold; returns the differences."""
@@ -277,13 +351,18 @@ class Rollout:
             got = self.dst.wait(version, timeout)
         except Exception as exc:  # reported with the push's figures, not raised: the run goes on
             return [f"rank {self.dst.rank}: {type(exc).__name__}: {exc}"]
-        want = rollout_view(self.shapes, self.tp_rank, self.tp, version)
+        want = rollout_view(self.shapes, self.tp_rank, self.tp, version, self.lr)
         bad = [f"version {got} != {version}"] if got != version else []
+        word = torch.int16 if self.lr is not None else torch.int32
         for k, t in self.local.items():
-            if not torch.equal(t.view(torch.int32), want[k].view(torch.int32)):
-                wrong = int((t.view(torch.int32) != want[k].view(torch.int32)).sum())
+            if not torch.equal(t.view(word), want[k].view(word)):
+                wrong = int((t.view(word) != want[k].view(word)).sum())
                 bad.append(f"{k}: {wrong} words differ")
         return bad
+
+    def close(self) -> None:
+        self.dst.close()
+        self.engine.close()
 
     def nic_stats(self) -> list[dict[str, Any]]:
         return self.engine.stats()
@@ -305,10 +384,10 @@ def _kernel_nic_bytes(ns: str, nics: list[str]) -> list[dict[str, int]]:
 
 
 def driver(setup: Setup) -> dict[str, Any]:
-    """Runs inside host 0's namespace: group, actors, pushes, checks."""
+    """Runs inside host 0's namespace: group, actors, pushes, checks. With ``delta_lr`` the same
+    trajectory is pushed twice, by a dense group and then by a delta group (``delta=True`` sources,
+    destinations with an inbox), each with actors of its own on the same hosts and NICs."""
     import ray
-
-    import weightsync as ws
 
     ray.init(address=f"{setup.head}:{RAY_PORT}", logging_level="ERROR", log_to_driver=False)
     want_nodes = len(setup.hosts)
@@ -317,19 +396,35 @@ def driver(setup: Setup) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {len(ray.nodes())} of {want_nodes} Ray nodes joined")
         time.sleep(0.5)
-    group = ws.Group.create("emulated", setup.trainers, setup.rollouts, relay=setup.relay,
+    out = _run_group(setup, "emulated", delta=False)
+    if setup.delta_lr is not None:
+        out["delta"] = _run_group(setup, "emulated-delta", delta=True)
+    ray.shutdown()
+    return out
+
+
+def _run_group(setup: Setup, name: str, delta: bool) -> dict[str, Any]:
+    """One group's pushes: version 1 (dense, and the first writes to each peer) and, with ``delta``,
+    version 2 (the first delta: its scratch and inbox in use) untimed; then ``pushes`` timed ones."""
+    import ray
+
+    import weightsync as ws
+
+    group = ws.Group.create(name, setup.trainers, setup.rollouts, relay=setup.relay,
                             round_bytes=int(setup.round_mib * (1 << 20)),
                             relay_chunk_bytes=int(setup.relay_chunk_mib * (1 << 20)))
     T = ray.remote(num_cpus=0)(Trainer)
     R = ray.remote(num_cpus=0)(Rollout)
+    inbox = setup.delta_inbox if delta else 0.0
     # Engines first (they join the group): destinations and sources may come up in any order.
     trainers = [T.options(resources={f"{HOST_RESOURCE}{setup.trainer_host(r)}": 1})
-                .remote("emulated", group.secret, r, setup.trainers,
-                        setup.nics_of(r % setup.trainers_per_host), setup.mib, setup.tp)
+                .remote(name, group.secret, r, setup.trainers,
+                        setup.nics_of(r % setup.trainers_per_host), setup.mib, setup.tp, setup.delta_lr,
+                        delta)
                 for r in range(setup.trainers)]
     rollouts = [R.options(resources={f"{HOST_RESOURCE}{setup.rollout_host(r)}": 1})
-                .remote("emulated", group.secret, r, setup.tp, setup.nics_of(r % setup.rollouts_per_host),
-                        setup.mib)
+                .remote(name, group.secret, r, setup.tp, setup.nics_of(r % setup.rollouts_per_host),
+                        setup.mib, setup.delta_lr, inbox)
                 for r in range(setup.rollouts)]
     hosts_seen = {"trainers": ray.get([t.host.remote() for t in trainers], timeout=300),
                   "rollouts": ray.get([r.host.remote() for r in rollouts], timeout=300)}
@@ -339,8 +434,9 @@ def driver(setup: Setup) -> dict[str, Any]:
         return [_kernel_nic_bytes(ns, setup.nic_names) for ns in setup.hosts]
 
     def one_push(version: int, cut_after: float | None = None) -> dict[str, Any]:
+        ray.get([t.step.remote(version) for t in trainers], timeout=300)
         k0 = kernel_bytes()
-        start_at = time.monotonic() + 1.0  # time for every trainer to get the call and set its values
+        start_at = time.monotonic() + 1.0  # time for every trainer to get the call
         refs = [t.push.remote(version, start_at) for t in trainers]
         cut_at = None
         if cut_after is not None:
@@ -357,6 +453,12 @@ def driver(setup: Setup) -> dict[str, Any]:
                 "grant_seconds": [round(s["grant_seconds"], 4) for s in stats],
                 "write_seconds": [round(s["write_seconds"], 4) for s in stats],
                 "bytes": sum(s["bytes"] for s in stats), "writes": sum(s["writes"] for s in stats),
+                "wire_bytes": sum(s["wire_bytes"] for s in stats),
+                "dense_bytes": sum(s["dense_bytes"] for s in stats),
+                "changed_fraction": max(s["changed_fraction"] for s in stats),
+                "encode_seconds": [round(s["encode_seconds"], 4) for s in stats],
+                "delta_destinations": sorted({d for s in stats for d in s["delta_destinations"]}),
+                "delta_overflow_bytes": sum(s["delta_overflow_bytes"] for s in stats),
                 "failed_destinations": sorted({d for s in stats for d in s["failed_destinations"]}),
                 "failed_by_trainer": [s["failed_destinations"] for s in stats],
                 "relayed": sorted({d for s in stats for d in s["relayed"]}),
@@ -368,21 +470,25 @@ def driver(setup: Setup) -> dict[str, Any]:
 
     out: dict[str, Any] = {"hosts_seen": hosts_seen, "relay": status.get("relay"),
                            "chain": status.get("chain"), "pushes": []}
-    # version 1 sets up the connections (first writes to each peer); then the timed ones
     out["warmup"] = one_push(1)
-    for v in range(2, 2 + setup.pushes):
+    first = 2
+    if delta:
+        out["warmup_delta"] = one_push(2)
+        first = 3
+    for v in range(first, first + setup.pushes):
         out["pushes"].append(one_push(v))
     if setup.cut:
         typical = statistics.median(p["seconds"] for p in out["pushes"]) if out["pushes"] else 1.0
-        out["cut"] = one_push(2 + setup.pushes, cut_after=0.35 * typical)
+        out["cut"] = one_push(first + setup.pushes, cut_after=0.35 * typical)
         out["cut"]["engine_nics"] = ray.get(trainers[0].nic_stats.remote(), timeout=60)
         subprocess.run(["ip", "-n", setup.hosts[0], "link", "set", setup.nic_names[0], "up"], timeout=30)
     out["engine_nics"] = {"trainers": ray.get([t.nic_stats.remote() for t in trainers], timeout=60),
                           "rollouts": ray.get([r.nic_stats.remote() for r in rollouts], timeout=60)}
+    # closed before the next group's engines open on the same NICs
+    ray.get([a.close.remote() for a in trainers + rollouts], timeout=120)
     for a in trainers + rollouts:
         ray.kill(a)
     group.shutdown()
-    ray.shutdown()
     return out
 
 
@@ -591,6 +697,24 @@ def compare(setup: Setup, measured: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def delta_summary(measured: dict[str, Any]) -> dict[str, Any]:
+    """The delta group's timed pushes against the dense group's of the same run (same trajectory, hosts
+    and NICs)."""
+    dense = [p["seconds"] for p in measured["pushes"]]
+    pushes = measured["delta"]["pushes"]
+    delta = [p["seconds"] for p in pushes]
+    rollouts = len(measured["delta"]["hosts_seen"]["rollouts"])
+    d_med, n_med = statistics.median(delta), statistics.median(dense)
+    return {"delta_s": delta, "dense_s": dense, "delta_median_s": d_med, "dense_median_s": n_med,
+            "delta_over_dense": d_med / n_med, "dense_over_delta": n_med / d_med,
+            "changed_fraction_median": statistics.median(p["changed_fraction"] for p in pushes),
+            "wire_over_dense_bytes": (sum(p["wire_bytes"] for p in pushes)
+                                      / sum(p["dense_bytes"] for p in pushes)),
+            "overflow_bytes": sum(p["delta_overflow_bytes"] for p in pushes),
+            "encode_seconds_max": max(max(p["encode_seconds"]) for p in pushes),
+            "all_delta": all(len(p["delta_destinations"]) == rollouts for p in pushes)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--driver", help=argparse.SUPPRESS)
@@ -607,6 +731,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--relay", action="store_true", help="relay (only where the destinations are replicas)")
     ap.add_argument("--relay-chunk-mib", type=float, default=d.relay_chunk_mib,
                     help="relay: the largest write a chain member forwards at once")
+    ap.add_argument("--delta-lr", type=float, default=None,
+                    help="BF16 weights stepped by Adam at this rate, pushed by a dense group, then by a "
+                         "delta group: delta against dense in one run")
+    ap.add_argument("--delta-inbox", type=float, default=d.delta_inbox,
+                    help="--delta-lr: a destination's inbox, a fraction of the bytes it holds")
     a = ap.parse_args(argv)
     if a.driver:
         setup = Setup(**json.loads(Path(a.driver).read_text()))
@@ -614,8 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     keys = ("trainer_hosts", "trainers_per_host", "rollout_hosts", "replicas", "tp", "nics_per_gpu",
             "rate_mbit", "mib", "pushes", "delay_ms", "queue_ms", "port_queue", "round_mib", "cut",
-            "relay",
-            "relay_chunk_mib")
+            "relay", "relay_chunk_mib", "delta_lr", "delta_inbox")
     setup = Setup(**{k: getattr(a, k) for k in keys})
     # SIGTERM (timeout, kill): unwind like Ctrl-C, so that launch's cleanup removes what it made
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -629,6 +757,17 @@ def main(argv: list[str] | None = None) -> int:
         c = measured["cut"]
         print(f"NIC cut at {c['cut_at']:.3f} s: push {c['seconds']:.3f} s, errors {c['errors']}, "
               f"failed {c['failed_destinations']}, host 0 NIC tx bytes {c['kernel_tx'][0]}")
+    if "delta" in measured:
+        out["delta"] = delta_summary(measured)
+        out["errors"] += [e for p in [*measured["delta"]["pushes"], measured["delta"]["warmup"],
+                                      measured["delta"]["warmup_delta"]] for e in p["errors"]]
+        dd = out["delta"]
+        print(f"delta at lr {setup.delta_lr:g}: {dd['delta_median_s']:.3f} s against dense "
+              f"{dd['dense_median_s']:.3f} s in the same run = {dd['delta_over_dense']:.3f}x "
+              f"({dd['dense_over_delta']:.1f}x faster); changed {dd['changed_fraction_median']:.4f}, "
+              f"wire {dd['wire_over_dense_bytes']:.4f} of the dense bytes, "
+              f"overflow {dd['overflow_bytes']} B, "
+              f"every push a delta to every destination: {dd['all_delta']}")
     sim = cmp["sim"]
     print(f"measured push {cmp['measured_median_s']:.3f} s (median of {len(cmp['measured_s'])}, "
           f"{cmp['measured_spread_s'][0]:.3f}-{cmp['measured_spread_s'][1]:.3f}): data phase "
