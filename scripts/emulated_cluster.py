@@ -78,6 +78,7 @@ class Setup:
     relay_chunk_mib: float = 64.0  # the group's relay_chunk_bytes (the chain's pipeline step)
     delta_lr: float | None = None  # BF16 weights stepped by Adam at this rate; dense then delta pushes
     delta_inbox: float = 0.25      # a destination's delta inbox, a fraction of the bytes it holds
+    fp8: bool = False              # rollouts hold FP8 projections with 128 x 128 block scales
     # filled in by the launcher
     hosts: list[str] = field(default_factory=list)
     nic_names: list[str] = field(default_factory=list)
@@ -201,15 +202,31 @@ def trainer_box(shape: tuple[int, ...], rank: int, world: int) -> tuple[tuple[sl
 
 
 def rollout_view(shapes: dict[str, tuple[int, ...]], tp_rank: int, tp: int, version: int,
-                 lr: float | None = None) -> dict[str, Any]:
-    """What TP rank ``tp_rank`` holds of ``version``: fused qkv rows, o's columns, the full norm."""
+                 lr: float | None = None, fp8: bool = False) -> dict[str, Any]:
+    """What TP rank ``tp_rank`` holds of ``version``: fused qkv rows (``fp8``: q, k and v apart, each
+    quantized with its scales), o's columns, the full norm."""
     import torch
+
+    from weightsync.runtime.transforms import quantize_fp8_blocks
 
     names = list(shapes)
     full = {n: values(names.index(n), shapes[n], version, lr) for n in names}
     out: dict[str, Any] = {}
     for n in names:
         layer, part = n.split(".")
+        if fp8 and part != "norm":
+            q, scale = quantize_fp8_blocks(full[n], FP8_BLOCK)
+            if part == "o":
+                cols = shapes[n][1] // tp
+                out[n] = q[:, tp_rank * cols:(tp_rank + 1) * cols].contiguous()
+                tiles = cols // FP8_BLOCK[1]
+                out[n + "_scale_inv"] = scale[:, tp_rank * tiles:(tp_rank + 1) * tiles].contiguous()
+            else:
+                rows = shapes[n][0] // tp
+                out[n] = q[tp_rank * rows:(tp_rank + 1) * rows].clone()
+                tiles = rows // FP8_BLOCK[0]
+                out[n + "_scale_inv"] = scale[tp_rank * tiles:(tp_rank + 1) * tiles].clone()
+            continue
         if part in ("k", "v"):
             continue
         if part == "q":
@@ -236,13 +253,27 @@ def rollout_named(shapes: dict[str, tuple[int, ...]], local: dict[str, Any], tp_
             rows = shape[0] // tp
             named[key] = ws.Fused(t, 0, [(f"{layer}.{p}", (tp_rank * rows, 0), (rows, shape[1]))
                                          for p in ("q", "k", "v")])
-        elif part == "o":
-            shape = shapes[key]
-            cols = shape[1] // tp
-            named[key] = ws.Sharded(t, shape, (0, tp_rank * cols))
+        elif part in ("q", "k", "v", "q_scale_inv", "k_scale_inv", "v_scale_inv"):  # FP8: rows of each
+            full = _full_shape(shapes, key)
+            named[key] = ws.Sharded(t, full, (tp_rank * t.shape[0], 0))
+        elif part in ("o", "o_scale_inv"):
+            full = _full_shape(shapes, key)
+            named[key] = ws.Sharded(t, full, (0, tp_rank * t.shape[1]))
         else:
             named[key] = t
     return named
+
+
+# The FP8 tiles of --fp8 rollouts (the group's fp8_block): every TP shard is whole tiles.
+FP8_BLOCK = (128, 128)
+
+
+def _full_shape(shapes: dict[str, tuple[int, ...]], key: str) -> tuple[int, ...]:
+    """The whole tensor's shape of ``key``, a tensor or its FP8 scales (one per tile)."""
+    if key.endswith("_scale_inv"):
+        rows, cols = shapes[key[:-len("_scale_inv")]]
+        return (-(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+    return shapes[key]
 
 
 def trainer_named(shapes: dict[str, tuple[int, ...]], rank: int, world: int, version: int,
@@ -270,8 +301,8 @@ def layouts(setup: Setup) -> tuple[list[Any], list[Any]]:
            for r in range(setup.trainers)]
     dst = []
     for r in range(setup.rollouts):
-        local = {k: torch.zeros_like(v)
-                 for k, v in rollout_view(shapes, r % setup.tp, setup.tp, 0, setup.delta_lr).items()}
+        view = rollout_view(shapes, r % setup.tp, setup.tp, 0, setup.delta_lr, setup.fp8)
+        local = {k: torch.zeros_like(v) for k, v in view.items()}
         dst.append(describe_tensors(rollout_named(shapes, local, r % setup.tp, setup.tp)))
     return src, dst
 
@@ -327,15 +358,17 @@ class Trainer:
 
 class Rollout:
     def __init__(self, group: str, secret: str, rank: int, tp: int, nics: list[str], mib: int,
-                 lr: float | None = None, inbox: float = 0.0) -> None:
+                 lr: float | None = None, inbox: float = 0.0, fp8: bool = False) -> None:
         import torch
 
         import weightsync as ws
 
         self.shapes = model_shapes(mib, tp)
-        self.tp_rank, self.tp, self.lr = rank % tp, tp, lr
-        want = rollout_view(self.shapes, self.tp_rank, tp, 0, lr)
-        self.local = {k: torch.full_like(v, float("nan")) for k, v in want.items()}  # poison
+        self.tp_rank, self.tp, self.lr, self.fp8 = rank % tp, tp, lr, fp8
+        want = rollout_view(self.shapes, self.tp_rank, tp, 0, lr, fp8)
+        self.local = {k: torch.empty_like(v) for k, v in want.items()}
+        for t in self.local.values():
+            t.view(torch.uint8).fill_(0xFF)  # poison: NaN in float32, BF16 and FP8 e4m3fn
         self.engine = ws.TransferEngine(nics=nics)
         named = rollout_named(self.shapes, self.local, self.tp_rank, tp)
         held = sum(t.numel() * t.element_size() for t in self.local.values())
@@ -351,13 +384,12 @@ class Rollout:
             got = self.dst.wait(version, timeout)
         except Exception as exc:  # reported with the push's figures, not raised: the run goes on
             return [f"rank {self.dst.rank}: {type(exc).__name__}: {exc}"]
-        want = rollout_view(self.shapes, self.tp_rank, self.tp, version, self.lr)
+        want = rollout_view(self.shapes, self.tp_rank, self.tp, version, self.lr, self.fp8)
         bad = [f"version {got} != {version}"] if got != version else []
-        word = torch.int16 if self.lr is not None else torch.int32
         for k, t in self.local.items():
-            if not torch.equal(t.view(word), want[k].view(word)):
-                wrong = int((t.view(word) != want[k].view(word)).sum())
-                bad.append(f"{k}: {wrong} words differ")
+            if not torch.equal(t.view(torch.uint8), want[k].view(torch.uint8)):
+                wrong = int((t.view(torch.uint8) != want[k].view(torch.uint8)).sum())
+                bad.append(f"{k}: {wrong} bytes differ")
         return bad
 
     def close(self) -> None:
@@ -410,7 +442,7 @@ def _run_group(setup: Setup, name: str, delta: bool) -> dict[str, Any]:
 
     import weightsync as ws
 
-    group = ws.Group.create(name, setup.trainers, setup.rollouts, relay=setup.relay,
+    group = ws.Group.create(name, setup.trainers, setup.rollouts, relay=setup.relay, fp8_block=FP8_BLOCK,
                             round_bytes=int(setup.round_mib * (1 << 20)),
                             relay_chunk_bytes=int(setup.relay_chunk_mib * (1 << 20)))
     T = ray.remote(num_cpus=0)(Trainer)
@@ -424,7 +456,7 @@ def _run_group(setup: Setup, name: str, delta: bool) -> dict[str, Any]:
                 for r in range(setup.trainers)]
     rollouts = [R.options(resources={f"{HOST_RESOURCE}{setup.rollout_host(r)}": 1})
                 .remote(name, group.secret, r, setup.tp, setup.nics_of(r % setup.rollouts_per_host),
-                        setup.mib, setup.delta_lr, inbox)
+                        setup.mib, setup.delta_lr, inbox, setup.fp8)
                 for r in range(setup.rollouts)]
     hosts_seen = {"trainers": ray.get([t.host.remote() for t in trainers], timeout=300),
                   "rollouts": ray.get([r.host.remote() for r in rollouts], timeout=300)}
@@ -648,10 +680,10 @@ def simulate(setup: Setup, **cost_kw: Any) -> dict[str, Any]:
     relay = setup.relay and setup.tp == 1 and setup.replicas > 1
     if relay:  # the sources write into the chain's head (rollout 0); the members forward, in rank order
         p = plan(src, dst[:1], source_hosts=s_hosts, destination_hosts=d_hosts[:1],
-                 round_bytes=int(setup.round_mib * (1 << 20)))
+                 round_bytes=int(setup.round_mib * (1 << 20)), fp8_block=FP8_BLOCK)
     else:
         p = plan(src, dst, source_hosts=s_hosts, destination_hosts=d_hosts,
-                 round_bytes=int(setup.round_mib * (1 << 20)))
+                 round_bytes=int(setup.round_mib * (1 << 20)), fp8_block=FP8_BLOCK)
     out: dict[str, Any] = {"writes": len(p), "relay": relay}
     tcp = {"wire_efficiency": TCP_WIRE_EFFICIENCY, "msg_overhead_us": ENGINE_WRITE_US}
     models = {"ideal": {}, "tcp": tcp, "engine": {**tcp, "striping": "engine"}}
@@ -734,6 +766,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delta-lr", type=float, default=None,
                     help="BF16 weights stepped by Adam at this rate, pushed by a dense group, then by a "
                          "delta group: delta against dense in one run")
+    ap.add_argument("--fp8", action="store_true",
+                    help="rollouts hold q, k, v and o in FP8 with 128 x 128 block scales (sources quantize)")
     ap.add_argument("--delta-inbox", type=float, default=d.delta_inbox,
                     help="--delta-lr: a destination's inbox, a fraction of the bytes it holds")
     a = ap.parse_args(argv)
@@ -743,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     keys = ("trainer_hosts", "trainers_per_host", "rollout_hosts", "replicas", "tp", "nics_per_gpu",
             "rate_mbit", "mib", "pushes", "delay_ms", "queue_ms", "port_queue", "round_mib", "cut",
-            "relay", "relay_chunk_mib", "delta_lr", "delta_inbox")
+            "relay", "relay_chunk_mib", "delta_lr", "delta_inbox", "fp8")
     setup = Setup(**{k: getattr(a, k) for k in keys})
     # SIGTERM (timeout, kill): unwind like Ctrl-C, so that launch's cleanup removes what it made
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         r = simulate(p, s_hosts, d_hosts, cost)
         rows.append({"changed": changed, "sim_s": round(r.sim_s, 4), "bound_s": round(r.bound_s, 4),
                      "encode_s_max": round(r.encode_s_max, 4), "apply_s_max": round(r.apply_s_max, 4)})
-        what = "dense" if changed is None else f"delta at {changed:.0%} changed"
-        print(f"  {what:22s} simulated {r.sim_s:.3f} s (link bound {r.bound_s:.3f} s, encode "
+        what = "dense" if changed is None else f"delta at {changed:.2%} changed"
+        print(f"  {what:25s} simulated {r.sim_s:.3f} s (link bound {r.bound_s:.3f} s, encode "
               f"{r.encode_s_max * 1e3:.1f} ms, apply {r.apply_s_max * 1e3:.1f} ms)", flush=True)
     print(json.dumps({"model": cfg.get("_name", args.model), "trainers": args.trainers,
                       "inference_gpus": args.inference_gpus, "inference_dtype": args.inference_dtype,
