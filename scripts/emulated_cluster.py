@@ -21,7 +21,8 @@ Adam steps at ``LR`` from std-0.02 weights and std-1 gradients (every process co
 by a dense group and then, in the same run on the same hosts and NICs, by a delta group (``delta=True``
 sources, destinations with an inbox of ``--delta-inbox`` of what they hold); the first delta push is
 untimed. Printed: both medians, their ratio, the changed fraction and the wire bytes against the dense
-bytes; every push of both groups checked byte for byte.
+bytes; every push of both groups checked byte for byte. ``--fp8``: the rollouts hold q, k, v and o in
+FP8 e4m3 with 128 x 128 block scales, which the sources quantize (a delta is then one of FP8 bytes).
 
 Example (4 trainer ranks over 2 hosts -> 2 replicas of TP 2 over 2 hosts, 2 NICs of 100 Mbit/s per GPU):
 
