@@ -53,6 +53,18 @@ DEEPSEEK_V3 = {
     "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_scaling": None, "attention_bias": False,
 }
 
+# Gemma 4 (text): a sliding and a full attention layer, q/k norms, four norms per layer, tied embeddings,
+# and the per-layer ``layer_scalar`` that vLLM's loader copies into a persistent buffer, not a parameter.
+GEMMA4 = {
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "global_head_dim": 16, "vocab_size": 200, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 200, "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
+
 _distributed = False
 
 
@@ -155,8 +167,11 @@ def hf_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         else:
             sd |= {p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
                    p + "mlp.down_proj.weight": rnd(h, inter)}
-        if config["model_type"] in ("qwen3", "qwen3_moe"):
+        if config["model_type"] in ("qwen3", "qwen3_moe", "gemma4_text"):
             sd |= {p + "self_attn.q_norm.weight": rnd(hd), p + "self_attn.k_norm.weight": rnd(hd)}
+        if config["model_type"] == "gemma4_text":
+            sd |= {p + "pre_feedforward_layernorm.weight": rnd(h),
+                   p + "post_feedforward_layernorm.weight": rnd(h), p + "layer_scalar": rnd(1)}
     return sd
 
 

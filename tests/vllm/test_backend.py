@@ -44,3 +44,24 @@ def test_two_trainer_ranks_push_into_a_vllm_worker_bit_identically(ray_cluster) 
         for a in [worker, *trainers]:
             ray.kill(a)
         group.shutdown()
+
+
+def test_a_checkpoint_tensor_vllm_loads_into_a_buffer_is_pushed_and_verified(ray_cluster) -> None:
+    """Gemma 4's ``layer_scalar`` lands in a persistent buffer of vLLM's model: the trainers push it like
+    every other tensor, and the worker's verification finds it there (checked, not skipped)."""
+    group = ws.Group.create("vllm-backend-buffer", num_sources=2, num_destinations=1)
+    worker = ray.remote(num_cpus=0)(VllmWorker).remote(models.GEMMA4)
+    port = free_port()
+    trainers = [ray.remote(num_cpus=0)(Trainer).remote(models.GEMMA4, r, 1, port) for r in range(2)]
+    try:
+        ray.get([a.__ray_ready__.remote() for a in [worker, *trainers]], timeout=300)
+        ray.get([t.init.remote(group.name, worker) for t in trainers], timeout=300)
+        stats = ray.get([t.step.remote(1, 0) for t in trainers], timeout=300)
+        assert all(s["failed"] == [] for s in stats)
+        assert ray.get(worker.differs_from_vllm_loading.remote(1), timeout=300) == []
+        assert ray.get(worker.last_verification.remote()) == {
+            "version": 0, "checked": len(models.hf_state_dict(models.GEMMA4)), "skipped": 0}
+    finally:
+        for a in [worker, *trainers]:
+            ray.kill(a)
+        group.shutdown()

@@ -216,3 +216,28 @@ def test_deepseek_v3_at_tensor_parallel_2_is_filled_bit_identically() -> None:
         # the replicated low-rank projection fuses q_a_proj and kv_a_proj_with_mqa whole on each rank
         fused = got["pieces"]["model.layers.0.self_attn.fused_qkv_a_proj.weight"]
         assert [p[0].rsplit(".", 2)[-2] for p in fused] == ["q_a_proj", "kv_a_proj_with_mqa"]
+
+
+def test_checkpoint_tensor_loaded_into_a_buffer_is_placed_in_that_buffer() -> None:
+    """Gemma 4's ``layer_scalar`` is a persistent buffer that vLLM's loader fills from the checkpoint: the
+    layout places it there (not in ``unused``, where a push of it would be dropped), and a push through
+    the planner leaves every parameter and that buffer bit-identical to vLLM's own loading."""
+    from vllm.config import set_current_vllm_config
+
+    ref, target, target_config, sd = loaded_pair(models.GEMMA4)
+    scalars = [f"model.layers.{i}.layer_scalar" for i in range(models.GEMMA4["num_hidden_layers"])]
+    with set_current_vllm_config(target_config):
+        layout = derive_layout(target, checkpoint_of(sd))
+    assert layout.unused == [] and layout.unloaded == []
+    for name in scalars:
+        assert layout.pieces[name] == [(name, (1,), (0,), (1,), (0,))]
+    buffers = dict(target.named_buffers())
+    with torch.no_grad():
+        for name in scalars:
+            buffers[name].fill_(float("nan"))  # so that the value compared below was pushed
+    fill_through_planner(target, layout, sd)
+    want, got = dict(ref.named_parameters()), dict(target.named_parameters())
+    assert [k for k in want if raw(want[k]) != raw(got[k])] == []
+    want_buffers = dict(ref.named_buffers())
+    assert [k for k in scalars if raw(want_buffers[k]) != raw(buffers[k])] == []
+    assert raw(buffers[scalars[0]]) == raw(sd[scalars[0]])

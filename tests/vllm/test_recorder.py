@@ -106,3 +106,47 @@ def test_a_loader_that_fails_is_a_layout_error_naming_the_tensor() -> None:
     with pytest.raises(LayoutError) as err:
         derive_layout(Fused(loader), CKPT)
     assert "'b' (6, 4) float32" in str(err.value), str(err.value)
+
+
+class WithBuffers(torch.nn.Module):
+    """A parameter, a persistent buffer the loader may fill from the checkpoint, and a non-persistent one
+    (computed by the model, never loaded)."""
+
+    def __init__(self, loader: Callable[[torch.nn.Module, str, Any], None]) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+        self.register_buffer("scalar", torch.ones(1))
+        self.register_buffer("cache", torch.zeros(3), persistent=False)
+        self._loader = loader
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        for name, w in weights:
+            self._loader(self, name, w)
+        return set()
+
+
+BUFFER_CKPT = [CheckpointTensor("w", (4, 4), "float32"), CheckpointTensor("scalar", (1,), "float32")]
+
+
+def test_a_checkpoint_tensor_copied_into_a_persistent_buffer_is_placed_there() -> None:
+    def loader(m: torch.nn.Module, name: str, w: Any) -> None:
+        getattr(m, name).data.copy_(w)
+        m.cache.copy_(torch.arange(3.0))  # the model's own values, from nothing in the checkpoint
+
+    model = WithBuffers(loader)
+    layout = derive_layout(model, BUFFER_CKPT)
+    assert layout.pieces["scalar"] == [("scalar", (1,), (0,), (1,), (0,))]
+    assert "cache" not in layout.pieces and layout.unused == [] and layout.unloaded == []
+    assert layout.tensors(model)["scalar"].local_tensor.data_ptr() == model.scalar.data_ptr()
+    assert bool((model.scalar == 1).all()) and bool((model.cache == 0).all())  # only read
+
+
+def test_a_buffer_computed_from_a_checkpoint_tensor_is_refused_naming_it() -> None:
+    def loader(m: torch.nn.Module, name: str, w: Any) -> None:
+        if name == "scalar":
+            m.scalar.copy_(w * 2)
+        else:
+            m.w.data.copy_(w)
+
+    with pytest.raises(LayoutError, match="buffer 'scalar'"):
+        derive_layout(WithBuffers(loader), BUFFER_CKPT)

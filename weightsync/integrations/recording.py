@@ -12,6 +12,9 @@ code once with *recording* tensors:
 * a torch function mode watches every write into a parameter (``copy_``, ``__setitem__``, ``fill_``,
   ``zero_``) and records it instead of performing it: the destination slice's offset and strides
   relative to the parameter say where those elements land. The live parameters are never written.
+  Persistent buffers are watched the same way: a loader that copies a checkpoint tensor into one (vLLM's
+  ``AutoWeightsLoader`` fills them, e.g. Gemma 4's ``layer_scalar``) has it placed there, where the model
+  reads it; values a model computes into a buffer from nothing in the checkpoint are left alone.
 
 Each recorded copy becomes one piece of a :class:`weightsync.Placed` over the parameter's tensor (a box
 of the logical checkpoint tensor placed at an index of the parameter), which the planner takes as it
@@ -62,9 +65,11 @@ class Fill:
 class RecordedLayout:
     """Where every checkpoint tensor lands in one engine rank's parameters.
 
-    ``pieces``: per parameter name (``model.named_parameters()``), its pieces. ``fills``: constants the
-    loaders write into parameters. ``unused``: checkpoint tensors no parameter of this rank takes (tied
-    ``lm_head``, buffers the engine recomputes, experts of other expert-parallel ranks). ``unloaded``:
+    ``pieces``: per parameter name (``model.named_parameters()``), or persistent buffer name where the
+    loaders write a checkpoint tensor into a buffer (Gemma 4's ``layer_scalar``), its pieces. ``fills``:
+    constants the loaders write into parameters. ``unused``: checkpoint tensors no parameter or buffer of
+    this rank takes (tied ``lm_head``, tensors the engine recomputes, experts of other expert-parallel
+    ranks). ``unloaded``:
     parameters that receive neither a piece nor a fill (they keep what they hold). ``landing``: for the
     parameters of layers the engine converts after loading and the backend re-processes (:class:`Reprocess`),
     the checkpoint-format tensors the bytes land in instead of the live (kernel-format) parameter."""
@@ -76,13 +81,13 @@ class RecordedLayout:
     landing: dict[str, Any] = field(default_factory=dict)
 
     def data(self, model: Any) -> dict[str, Any]:
-        """``{parameter name: tensor}``: where each parameter of the layout receives its bytes (its
-        landing tensor, else the live parameter's ``.data``)."""
-        params = dict(model.named_parameters())
+        """``{parameter name: tensor}``: where each parameter (or buffer) of the layout receives its
+        bytes (its landing tensor, else the live parameter's ``.data`` or the buffer)."""
+        params = loadable_tensors(model)
         missing = sorted(set(self.pieces) - set(params) - set(self.landing))
         if missing:
             raise LayoutError(f"the layout names parameters the model does not have: {missing[:5]}")
-        return {name: self.landing[name] if name in self.landing else params[name].data
+        return {name: self.landing[name] if name in self.landing else params[name]
                 for name in set(self.pieces) | set(self.fills)}
 
     def tensors(self, model: Any) -> dict[str, Placed]:
@@ -100,6 +105,28 @@ class RecordedLayout:
             data = tensors[name]
             for f in fills:
                 data[tuple(slice(a, a + n) for a, n in zip(f.at, f.shape, strict=True))].fill_(f.value)
+
+
+def persistent_buffers(model: Any) -> dict[str, Any]:
+    """``{name: tensor}`` of ``model``'s persistent buffers (those its state dict holds): what a loader
+    may fill from the checkpoint besides parameters, as vLLM's ``AutoWeightsLoader`` does. Non-persistent
+    buffers are computed by the model, never loaded."""
+    out: dict[str, Any] = {}
+    for mname, module in model.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        for bname, b in getattr(module, "_buffers", {}).items():
+            if b is not None and bname not in skip:
+                out.setdefault(f"{mname}.{bname}" if mname else bname, b)
+    return out
+
+
+def loadable_tensors(model: Any) -> dict[str, Any]:
+    """``{name: tensor}``: every parameter's ``.data`` and every persistent buffer of ``model``, the
+    memory its loaders write checkpoint tensors into."""
+    out = {name: p.data for name, p in model.named_parameters()}
+    for name, b in persistent_buffers(model).items():
+        out.setdefault(name, b)
+    return out
 
 
 def checkpoint_of(state_dict: Mapping[str, Any]) -> list[CheckpointTensor]:
@@ -172,6 +199,7 @@ class _ParamRef:
     offset: int  # storage offset of the parameter's first element
     numel: int  # elements of the storage it spans (its numel when contiguous)
     strides: tuple[int, ...] | None = None  # set for a parameter that is not contiguous
+    kind: str = "parameter"  # or "buffer": a persistent buffer the loaders may fill
 
 
 def _recorder_class() -> type:
@@ -200,9 +228,9 @@ def _recorder_class() -> type:
             for ref in refs:
                 if ref.offset <= off < ref.offset + max(ref.numel, 1):
                     if ref.strides is not None:
-                        raise LayoutError(f"parameter {ref.name!r} is not contiguous (strides {ref.strides}) "
-                                          "and its loader writes into it; weightsync registers parameters "
-                                          "as they are")
+                        raise LayoutError(f"{ref.kind} {ref.name!r} is not contiguous (strides "
+                                          f"{ref.strides}) and its loader writes into it; weightsync "
+                                          "registers parameters as they are")
                     return ref, off - ref.offset
             return None
 
@@ -210,7 +238,7 @@ def _recorder_class() -> type:
                                                                                        list[int | None]]:
             box = _box(rel, tuple(dest.shape), tuple(dest.stride()), ref.shape)
             if box is None:
-                raise LayoutError(f"parameter {ref.name!r}: its loader {what} a slice of shape "
+                raise LayoutError(f"{ref.kind} {ref.name!r}: its loader {what} a slice of shape "
                                   f"{tuple(dest.shape)} and strides {tuple(dest.stride())} at element "
                                   f"{rel}, which is not a box of the parameter {ref.shape}")
             return box
@@ -228,22 +256,24 @@ def _recorder_class() -> type:
                         f"a copy through a scratch tensor of shape {tuple(dest.shape)}"
                 return
             ref, rel = hit
+            if origin is None and ref.kind == "buffer" and (sid is None or sid not in self.derived):
+                return  # the model computes this buffer itself, from nothing a push carries
             if origin is None:
                 how = self.derived.get(sid) if sid is not None else None
                 raise LayoutError(
-                    f"parameter {ref.name!r}: its loader writes "
+                    f"{ref.kind} {ref.name!r}: its loader writes "
                     f"{how if how else 'values that come from no checkpoint tensor'}; weightsync moves "
                     "checkpoint slices as they are (or cast), not values computed from them")
             self.used.add(origin.name)
             if tuple(src.shape) != tuple(dest.shape):
                 if math.prod(src.shape) != math.prod(dest.shape) or [n for n in src.shape if n != 1] != \
                         [n for n in dest.shape if n != 1]:
-                    raise LayoutError(f"parameter {ref.name!r}: its loader copies {origin.name!r} "
+                    raise LayoutError(f"{ref.kind} {ref.name!r}: its loader copies {origin.name!r} "
                                       f"{tuple(src.shape)} into a slice of shape {tuple(dest.shape)} "
                                       "(broadcast or reshaped), which boxes cannot express")
             sbox = _box(int(src.storage_offset()), tuple(src.shape), tuple(src.stride()), origin.shape)
             if sbox is None:
-                raise LayoutError(f"parameter {ref.name!r}: its loader takes a slice of {origin.name!r} "
+                raise LayoutError(f"{ref.kind} {ref.name!r}: its loader takes a slice of {origin.name!r} "
                                   f"{origin.shape} with shape {tuple(src.shape)} and strides "
                                   f"{tuple(src.stride())} (transposed or reshaped), not a box")
             dstart, dext, ddims = self._dest_box(ref, rel, dest, "copies into")
@@ -254,7 +284,7 @@ def _recorder_class() -> type:
             if delta < 0 or any(m != k + delta for k, m in pairs) or \
                     any(dext[m] != 1 for m in range(delta)) or \
                     any(dext[k + delta] != sext[k] for k in range(len(origin.shape))):
-                raise LayoutError(f"parameter {ref.name!r}: its loader places {origin.name!r} "
+                raise LayoutError(f"{ref.kind} {ref.name!r}: its loader places {origin.name!r} "
                                   f"{origin.shape} with its dimensions permuted or spread over the "
                                   f"parameter {ref.shape}, which a box cannot express")
             self.pieces.setdefault(ref.name, []).append(
@@ -267,7 +297,7 @@ def _recorder_class() -> type:
             ref, rel = hit
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1 or _storage(value) in self.sources or _storage(value) in self.derived:
-                    raise LayoutError(f"parameter {ref.name!r}: its loader fills it from a tensor")
+                    raise LayoutError(f"{ref.kind} {ref.name!r}: its loader fills it from a tensor")
                 value = value.item()
             start, ext, _ = self._dest_box(ref, rel, dest, "fills")
             self.fills.setdefault(ref.name, []).append(Fill(tuple(start), tuple(ext), float(value)))
@@ -293,7 +323,7 @@ def _recorder_class() -> type:
                 return args[0]
             if name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES and args:
                 hit = self._param_of(args[0])
-                if hit is not None:
+                if hit is not None and hit[0].kind == "parameter":
                     raise LayoutError(f"parameter {hit[0].name!r}: its loader runs {name} on it, which "
                                       "weightsync cannot reproduce with writes of checkpoint slices")
             out = func(*args, **kwargs)
@@ -325,19 +355,26 @@ def derive_layout(model: Any, checkpoint: Sequence[CheckpointTensor], *,
 
     params: dict[int, list[_ParamRef]] = {}
     names: list[str] = []
-    for name, p in model.named_parameters():
-        data = p.data
+    buffers = persistent_buffers(model)
+    # Persistent buffers are targets as parameters are: a loader that copies a checkpoint tensor into one
+    # (Gemma 4's layer_scalar) puts it where the model reads it, and a push must land there too.
+    targets = [(name, p.data) for name, p in model.named_parameters()]
+    seen = {id(t) for _, t in targets}
+    targets += [(name, b) for name, b in buffers.items() if id(b) not in seen]
+    for name, data in targets:
         # A parameter that is not contiguous (one the engine made after loading, e.g. MLA's W_UV) is refused
         # only if a loader writes into it.
         strides = None if data.is_contiguous() else tuple(int(x) for x in data.stride())
         sid = _storage(data)
         if sid is None:
-            raise LayoutError(f"parameter {name!r} ({type(p).__name__}) has no storage of its own")
+            raise LayoutError(f"parameter {name!r} ({type(data).__name__}) has no storage of its own")
         span = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(data.shape, data.stride(), strict=True)) \
             if data.numel() else 0
         params.setdefault(sid, []).append(_ParamRef(name, tuple(int(x) for x in data.shape),
-                                                    int(data.storage_offset()), span, strides))
-        names.append(name)
+                                                    int(data.storage_offset()), span, strides,
+                                                    "buffer" if name in buffers else "parameter"))
+        if name not in buffers:
+            names.append(name)
     sources: dict[int, CheckpointTensor] = {}
     fakes: list[tuple[str, Any]] = []
     for ct in checkpoint:
@@ -373,4 +410,5 @@ def derive_layout(model: Any, checkpoint: Sequence[CheckpointTensor], *,
     return layout
 
 
-__all__ = ["CheckpointTensor", "Fill", "Piece", "RecordedLayout", "checkpoint_of", "derive_layout"]
+__all__ = ["CheckpointTensor", "Fill", "Piece", "RecordedLayout", "checkpoint_of", "derive_layout",
+           "loadable_tensors", "persistent_buffers"]

@@ -52,6 +52,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightsync.control.rendezvous import connect
 from weightsync.errors import LayoutError, WeightSyncError
+from weightsync.integrations.recording import loadable_tensors
 from weightsync.integrations.vllm import BACKEND
 from weightsync.integrations.vllm.layouts import (
     CheckpointTensor,
@@ -156,6 +157,12 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         # backend cannot update fails at once, naming the parameter, with nothing joined.
         self.layout = self.derive(checkpoint)
         self.checkpoint = {ct.name: ct for ct in checkpoint}
+        if self.layout.unused:
+            # Pushed by the trainers but taken by no parameter or buffer of this worker (a tied lm_head,
+            # experts of other expert-parallel ranks, a tensor vLLM's loader skips): said once, by name.
+            log.info("group %r: this vLLM worker takes none of %d checkpoint tensors the trainers push: %s",
+                     init_info.group, len(self.layout.unused), ", ".join(self.layout.unused[:8]) +
+                     (f" (and {len(self.layout.unused) - 8} more)" if len(self.layout.unused) > 8 else ""))
         connect(init_info.ray_address, init_info.ray_namespace, timeout=init_info.timeout)
         self._init_info = init_info
         self._register()
@@ -179,13 +186,13 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         registered memory would not reach the model (or land in memory it freed)."""
         if self.layout is None:
             return []
-        params = dict(self.model.named_parameters())
+        params = loadable_tensors(self.model)
         out = []
         for name, was in self._registered.items():
             if name in self.layout.landing:
                 continue  # the backend's own copy: vLLM never moves it
             p = params.get(name)
-            if p is None or _fingerprint(p.data) != was:
+            if p is None or _fingerprint(p) != was:
                 out.append(name)
         return out
 
