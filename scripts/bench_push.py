@@ -995,7 +995,7 @@ def run_scenario(num: int, args: argparse.Namespace, bw_gbps: float, version0: i
             # inputs scripts/simulate_delta.py takes
             dense_gb = res["dense_bytes_median"] / 1e9
             res["simulate_delta"] = (
-                "python scripts/simulate_delta.py --model ../shared/models/kimi-k2.json --changed 0.01 0.02 "
+                "python scripts/simulate_delta.py --model kimi-k2 --changed 0.01 0.02 "
                 f"0.05 --encode-gbs {dense_gb / max(res['encode_path_s_median'], 1e-9):.0f} "
                 f"--apply-gbs {dense_gb / max(res['apply_s_median'], 1e-9):.0f}")
         seen = [x for x in res["push_changed_fraction"] if x is not None]

@@ -32,8 +32,8 @@ import torch
 import weightsync as ws
 from weightsync.sim import models
 
-# Public config facts (Hugging Face config.json) of the models the issue names; no 8B file exists in
-# shared/models. Tiny shapes of the same families are for CPU runs and smoke tests.
+# Public config facts (Hugging Face config.json) of the models the benchmarks push; no 8B file exists in
+# weightsync/sim/configs. Tiny shapes of the same families are for CPU runs and smoke tests.
 CONFIGS: dict[str, dict[str, Any]] = {
     # meta-llama/Meta-Llama-3-8B: 8.03e9 parameters, 16.06 GB in bf16
     "llama-3-8b": {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,

@@ -3,7 +3,7 @@
 
 Example (the setting of arXiv 2510.27656, 1.3 s published):
 
-    python scripts/simulate.py --model ../shared/models/kimi-k2.json --trainers 256 --trainer-layout hsdp:8 \\
+    python scripts/simulate.py --model kimi-k2 --trainers 256 --trainer-layout hsdp:8 \\
         --inference-gpus 128 --replica-gpus 16 --nic-gbps 400 --nics-per-gpu 1 --nvlink-gbps 400 \\
         --inference-dtype fp8
 
@@ -28,7 +28,8 @@ PUBLISHED = {"kimi-k2": (1.3, "arXiv 2510.27656: 256 BF16 trainer GPUs -> 128 FP
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model config JSON (shared/models/*.json)")
+    ap.add_argument("--model", required=True,
+                    help="a model config: a JSON file, or a name in weightsync/sim/configs (kimi-k2)")
     ap.add_argument("--trainers", type=int, default=256)
     ap.add_argument("--trainer-layout", default="hsdp:8", help="fsdp | hsdp:G | tp:T,hsdp:G")
     ap.add_argument("--inference-gpus", type=int, default=128)

@@ -5,7 +5,7 @@ changed fractions through the same cost model (weightsync.sim.simulate, ``CostMo
 The encode and apply rates are inputs (GB/s of dense bytes per GPU): take them from
 scripts/bench_delta.py on the GPUs (model bytes / encode or apply seconds at the fraction measured).
 
-    python scripts/simulate_delta.py --model ../shared/models/kimi-k2.json --changed 0.01 0.02 0.05 \\
+    python scripts/simulate_delta.py --model kimi-k2 --changed 0.01 0.02 0.05 \\
         --encode-gbs 575 --apply-gbs 575
 
 The last line printed is one JSON object.
@@ -29,7 +29,8 @@ from weightsync.sim.simulate import CostModel, simulate
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model config JSON (shared/models/*.json)")
+    ap.add_argument("--model", required=True,
+                    help="a model config: a JSON file, or a name in weightsync/sim/configs (kimi-k2)")
     ap.add_argument("--trainers", type=int, default=256)
     ap.add_argument("--trainer-layout", default="hsdp:8")
     ap.add_argument("--inference-gpus", type=int, default=128)

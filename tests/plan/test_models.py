@@ -134,3 +134,10 @@ def test_tiny_config_roundtrip(tmp_path: Path) -> None:
     dst = inference_layouts(c, 8, 4, "bf16")
     p = plan(src, dst)
     assert p.nbytes == sum(lay.nbytes() for lay in dst)
+
+
+def test_a_config_is_found_by_its_name_or_path_and_a_missing_one_named() -> None:
+    assert load_config("kimi-k2") == load_config(MODELS / "kimi-k2.json")
+    assert load_config("kimi-k2")["_name"] == "kimi-k2"
+    with pytest.raises(FileNotFoundError, match="kimi-k2"):  # the error lists the names there are
+        load_config("kimi-k3")

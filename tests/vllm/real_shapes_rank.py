@@ -1,5 +1,5 @@
 """One rank of vLLM at tensor parallel TP on meta tensors (``python -m tests.vllm.real_shapes_rank RANK TP
-PORT NAME tp|ep``): derives the layout of shared/models/NAME at real shapes from vLLM's loaders and
+PORT NAME tp|ep``): derives the layout of weightsync/sim/configs/NAME at real shapes from vLLM's loaders and
 prints its boxes as a JSON line (tests/vllm/test_real_shapes.py compares them with sim.models)."""
 
 from __future__ import annotations

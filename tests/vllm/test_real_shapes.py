@@ -1,4 +1,4 @@
-"""The layouts derived from vLLM's own loaders at the real shapes of the five models in shared/models
+"""The layouts derived from vLLM's own loaders at the real shapes of the five models in weightsync/sim/configs
 (meta tensors: no weights, no memory) against weightsync.sim.models.inference_layouts, the hand-written
 layouts the benchmarks and planner tests use: every box (which checkpoint tensor, which part of it, where
 in which vLLM parameter) must agree. vLLM at TP 1; each model cut to its first dense and first MoE layer
@@ -26,11 +26,8 @@ from weightsync.integrations.vllm.layouts import CheckpointTensor, derive_layout
 from weightsync.sim import models as plan_models
 
 SHARED = models_dir()  # as the planner's tests find them
-if not SHARED.exists():
-    pytest.skip("the five model configs (shared/models/*.json) are neither beside the repository nor in it",
-                allow_module_level=True)
 NAMES = ["llama-3.1-70b", "llama-3.1-405b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"]
-# What vLLM needs beyond the shapes shared/models records (rope, norms, routing) comes from the tiny
+# What vLLM needs beyond the shapes weightsync/sim/configs records (rope, norms, routing) comes from the tiny
 # config of the same family.
 BASE = {"LlamaForCausalLM": models.LLAMA, "Qwen3MoeForCausalLM": models.QWEN3_MOE,
         "DeepseekV3ForCausalLM": models.DEEPSEEK_V3}

@@ -1,4 +1,4 @@
-"""Layouts of real models, built from Hugging Face configs (``shared/models/*.json``).
+"""Layouts of real models, built from Hugging Face configs (``configs/*.json`` beside this module).
 
 Trainer side: Hugging Face checkpoint names, every tensor sharded along dim 0 like FSDP2 does
 (``torch.chunk`` sizes), over all trainer GPUs (``fsdp``), inside nodes of 8 and replicated across
@@ -35,10 +35,26 @@ FP8 = "float8_e4m3fn"
 SCALE = "_scale_inv"
 
 
+# The Hugging Face configs (shapes) of the large models the simulator and the real-shape tests use.
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def config_names() -> list[str]:
+    """The names :func:`load_config` takes besides paths: the configs in :data:`CONFIGS`."""
+    return sorted(p.stem for p in CONFIGS.glob("*.json"))
+
+
 def load_config(path: str | Path) -> dict[str, Any]:
-    with open(path) as f:
+    """A model config: a JSON file's path, or the name of one in :data:`CONFIGS` (``kimi-k2``)."""
+    file = Path(path)
+    if not file.exists() and (CONFIGS / f"{path}.json").exists():
+        file = CONFIGS / f"{path}.json"
+    if not file.exists():
+        raise FileNotFoundError(f"no model config {str(path)!r}: a JSON file's path, or one of "
+                                f"{config_names()}")
+    with open(file) as f:
         cfg = json.load(f)
-    cfg.setdefault("_name", Path(path).stem)
+    cfg.setdefault("_name", file.stem)
     return cfg
 
 
