@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import weightsync as ws
+from tests.delta.test_push import CASES, Team, step
 
 SHAPES = {"emb": (256, 64), "w1": (96, 40), "w2": (40, 96), "norm": (64,)}
 DTYPES = {"emb": torch.bfloat16, "w2": torch.bfloat16}
@@ -97,3 +98,78 @@ def test_a_tiny_inbox_costs_only_its_own_deltas(ray_cluster, relay: bool | None,
         for p in [src, *dsts]:
             p.close()
         group.shutdown()
+
+
+def test_a_part_refused_while_applied_is_applied_again_by_the_next_push(ray_cluster) -> None:
+    """The source refuses its new part (its delta sender raises while loading it, once): that push fails,
+    and the source has not taken the new plan epoch, so the next push fetches and applies the part
+    again rather than running on one half applied (the new destinations with the old inboxes)."""
+    name = "refused-part"
+    group = ws.Group.create(name, num_sources=1, num_destinations=1, relay=False)
+    g = torch.Generator().manual_seed(4)
+    full = {k: torch.randn(s, generator=g).to(DTYPES.get(k, torch.float32)) for k, s in SHAPES.items()}
+    local = {k: v.clone() for k, v in full.items()}
+    poisoned = [{k: torch.full_like(v, float("nan")) for k, v in full.items()} for _ in range(2)]
+    with ThreadPoolExecutor(2) as ex:
+        src_f = ex.submit(ws.Source, name, 0, local, timeout=60, delta=True)
+        dsts = [ws.Destination(name, 0, poisoned[0], "inplace", timeout=60, push_timeout=8,
+                               delta_bytes=1 << 20)]
+        src = src_f.result(timeout=120)
+    try:
+        src.push(0, timeout=10)
+        dsts.append(ws.Destination(name, 1, poisoned[1], "staged", timeout=60, push_timeout=8,
+                                   delta_bytes=1 << 20))
+        load = src._delta.load
+        refused: list[int] = []
+
+        def refuse_once(*args: object, **kwargs: object) -> None:
+            if not refused:
+                refused.append(src.epoch)
+                raise ws.WeightSyncError("refused by the test")
+            load(*args, **kwargs)  # type: ignore[arg-type]
+
+        src._delta.load = refuse_once  # type: ignore[method-assign]
+        full = changed(full, seed=1)
+        for k, t in local.items():
+            t.copy_(full[k])
+        with pytest.raises(ws.WeightSyncError, match="refused by the test"):
+            src.push(1, timeout=10)
+        for version in (2, 3):
+            full = changed(full, seed=version)
+            for k, t in local.items():
+                t.copy_(full[k])
+            stats = src.push(version, timeout=10)
+            assert stats.failed_destinations == [], stats
+            for j, d in enumerate(dsts):
+                assert d.wait(version, timeout=10) == version
+                if d.mode == "staged":
+                    d.apply()
+                for k, t in full.items():
+                    assert torch.equal(bits(poisoned[j][k]), bits(t)), (j, k, version)
+        assert stats.delta_destinations == [0, 1], stats
+    finally:
+        for p in [src, *dsts]:
+            p.close()
+        group.shutdown()
+
+
+def test_a_chain_member_with_a_tiny_inbox_makes_the_chain_take_every_write_as_planned(ray_cluster) -> None:
+    """Two sources into three replicas in a chain whose middle member's inbox is 64 bytes: the chain's
+    share is that member's, neither source's entries fit it, so each source's header tells every member
+    that its relay chunks came as planned (two sources: two ranges of chunks); every member is exact at
+    every version and nobody fails."""
+    team = Team("tiny-chain-member", ["replica"] * 3, ["inplace", "staged", "staged"], relay=True,
+                delta_bytes=[1 << 20, 64, 1 << 20])
+    try:
+        assert team.group.status()["relay"], "no relay chain: the test misses its point"
+        for v, case in enumerate(["none", *CASES[:4]]):
+            if v:
+                team.set(step(team.full, case, seed=700 + v))
+            stats = team.push()
+            team.check()
+            for s in stats:
+                assert s.failed_destinations == [] and s.delta_destinations == [], (case, s)
+                assert s.wire_bytes == s.dense_bytes, (case, s)
+        assert [d.readmissions for d in team.dsts] == [0, 0, 0]
+    finally:
+        team.close()
