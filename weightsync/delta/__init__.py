@@ -36,7 +36,10 @@ Who decides what
   sent as planned and of its own payload. The header may land before its payload (nothing orders two
   writes on the wire), so a payload is read only once its immediates are in. Only after the final span
   does the destination flip the version and ack. An inbox destination always lands this way (dense
-  versions too, their spans holding entries only), so there is no mixed counting.
+  versions too, their spans holding entries only), so there is no mixed counting. A source whose share
+  of an inbox cannot hold its entry tables sends that destination every write as planned, its headers
+  announcing no entries (:data:`ALL_PLANNED`, with its relay chunks in a chain): the plan is not refused
+  for an inbox too small.
 * A source created with ``delta=True`` keeps a copy of what it last pushed (its *reference*, one flat
   tensor per span and word size, a *space*, holding its local tensors' words end to end, on their device,
   ``PushStats.delta_ref_bytes``) and the version it holds. Its push compares every local tensor with the
@@ -50,7 +53,8 @@ Who decides what
   member with an inbox gets them straight from every source, while the writes they say go as planned
   travel as relay chunks through the chain, which the member counts (the header announces the payload's
   immediates only). The chain gets a delta only if every member has an inbox and granted the reference's
-  version; otherwise the version is dense for the whole chain.
+  version; otherwise the version is dense for the whole chain. Each member's share is the smallest
+  member's (one payload fits them all).
 """
 
 from weightsync.delta.codec import DELTA_KEY, SPANS

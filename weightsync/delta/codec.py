@@ -85,6 +85,11 @@ def span_of(nbytes: np.ndarray, spans: int = SPANS, min_bytes: int | None = None
 
 HEADER_RECORD = np.dtype([("epoch", "<i8"), ("version", "<i8"), ("imms", "<i8"), ("offset", "<i8"),
                           ("nbytes", "<i8"), ("entries", "<i8"), ("changed", "<i8"), ("room", "<i8")])
+# ``entries`` of a final-span header from a source whose share of the inbox cannot hold its entry tables:
+# every write of that source went as planned and nothing lies in the payload; ``offset`` and ``room`` then
+# give the first relay chunk of the source's writes and how many (0 and 0 outside a relay chain), which
+# a chain member takes as sent as planned without an entry naming them.
+ALL_PLANNED = -1
 ENTRY_DTYPE = np.dtype([("key", "<i4"), ("enc", "<i4"), ("word", "<i8"), ("dst_off", "<i8"), ("rows", "<i8"),
                         ("row_bytes", "<i8"), ("pitch", "<i8"), ("count", "<i8"), ("data", "<i8")])
 # One per word size, after the entries: the changed words of every sparse entry of that word size, as one

@@ -12,6 +12,7 @@ import numpy as np
 
 from weightsync.delta.backend import kernels_wanted
 from weightsync.delta.codec import (
+    ALL_PLANNED,
     ENC_BITMAP,
     ENC_DENSE,
     ENC_STREAM,
@@ -66,6 +67,9 @@ class DeltaReceiver:
         # payload has landed and read_entries takes the entries from it; the sources' ranks, in that order
         self._heads: list[tuple[int, int, int, int]] = []
         self._sources: list[int] = []
+        # this version's sources whose every write went as planned (their inbox share holds no entries):
+        # (source, first relay chunk of its writes, how many)
+        self._all_planned: list[tuple[int, int, int]] = []
         self._keys_at: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # _key_table, per shadow
         # CUDA: a flag per stream scattered by the CUDA kernels since the last check, set by the kernel
         # where the stream does not match its entries (it then stores none, or none outside its writes),
@@ -93,6 +97,7 @@ class DeltaReceiver:
         self._pending = []
         self._heads = []
         self._sources = []
+        self._all_planned = []
         self._refused_what = []
         self.apply_seconds = 0.0
 
@@ -112,6 +117,9 @@ class DeltaReceiver:
                                       f"{int(h['version'])} of plan epoch {int(h['epoch'])}, not {version} "
                                       f"of {epoch}")
             total += int(h["imms"])
+            if span is None and int(h["entries"]) == ALL_PLANNED:
+                self._all_planned.append((r, int(h["offset"]), int(h["room"])))
+                continue
             # entries, then (past the room for all of them) the streams; a span without entries has no
             # payload
             if int(h["entries"]) > 0:
@@ -162,10 +170,18 @@ class DeltaReceiver:
     def planned_chunks(self, at: Mapping[tuple[str, int], int], total: int) -> list[int]:
         """A relay chain member: the relay chunks this version's entries say were sent as planned (they
         come through the chain, counted there), in chunk order. ``at``: each of the ``total`` chunks by
-        where it lands. Every chunk must be named by exactly one entry (a chunk named by none would be
-        neither counted nor applied)."""
+        where it lands. Every chunk must be named by exactly one entry, or lie in the chunks of a source
+        whose header says every write of it went as planned (a chunk named by none would be neither
+        counted nor applied)."""
         seen = np.zeros(total, bool)
         planned: list[int] = []
+        for src, first, count in self._all_planned:  # named by their header, not by entries
+            if first < 0 or count < 0 or first + count > total or seen[first:first + count].any():
+                raise WeightSyncError(f"delta header of source {src} says relay chunks {first} to "
+                                      f"{first + count - 1} were sent as planned: of {total} chunks, they "
+                                      "lie outside them or another source's header names them too")
+            seen[first:first + count] = True
+            planned.extend(range(first, first + count))
         for (entries, _, _), src in zip(self._entries, self._sources, strict=True):
             for key, off, enc in zip(entries["key"].tolist(), entries["dst_off"].tolist(),
                                      entries["enc"].tolist(), strict=True):

@@ -12,6 +12,7 @@ import numpy as np
 
 from weightsync.delta.backend import kernels_wanted
 from weightsync.delta.codec import (
+    ALL_PLANNED,
     DELTA_KEY,
     ENC_BITMAP,
     ENC_DENSE,
@@ -148,16 +149,12 @@ class DeltaSender(Compare):
              dests: Mapping[int, Any], dpos_keys: Mapping[int, Sequence[str]], sources: int) -> None:
         """A new plan part: the inboxes of this source's destinations and its writes into each. The
         staging chunks' references go (the chunks are cut anew); the tensors' stay, and so does their
-        version: a destination that still holds it gets a delta of the direct writes."""
-        import torch
-
+        version: a destination that still holds it gets a delta of the direct writes. All or nothing: a
+        part refused leaves the previous one in place (its payload regions are deregistered only once
+        the new part's are made)."""
         from weightsync.plan.layout import DTYPE_SIZES
-        from weightsync.plan.writes import C_CAST, C_FP8, C_RAW, C_SCALE, K_DATA
+        from weightsync.plan.writes import C_CAST, C_FP8, C_RAW, C_SCALE
 
-        self.close_regions()
-        self.chunk_refs = {}
-        for sp in self._spaces.values():
-            sp.query = None  # the writes' bounds change with the plan
         keys = plan_part.keys
         # A staging chunk is compared in words of its smallest element (FP8 values: bytes).
         cw = np.full(len(plan_part.chunks), 8, np.int64)
@@ -174,20 +171,53 @@ class DeltaSender(Compare):
             else:
                 continue
             cw[int(c["chunk"])] = min(cw[int(c["chunk"])], w)
+        inboxes: dict[int, _Inbox] = {}
+        try:
+            lead = self._inboxes(plan_part, rounds, src_keys, tails, dests, dpos_keys, sources, inboxes)
+        except BaseException:
+            for region in {id(ib.region): ib.region for ib in inboxes.values() if ib.region is not None
+                           }.values():
+                self.engine.deregister(region)
+            raise
+        self.close_regions()
+        self.chunk_refs = {}
+        for sp in self._spaces.values():
+            sp.query = None  # the writes' bounds change with the plan
         self.chunk_words = cw
+        self.inboxes = inboxes
+        chain = list(plan_part.relay)
+        self.lead = lead
+        self._alias = {chain[0]: lead} if chain and lead is not None else {}
+
+    def _inboxes(self, plan_part: Any, rounds: Sequence[Any], src_keys: Sequence[str],
+                 tails: Mapping[int, Any], dests: Mapping[int, Any], dpos_keys: Mapping[int, Sequence[str]],
+                 sources: int, inboxes: dict[int, _Inbox]) -> int | None:
+        """:meth:`load`'s inboxes, into ``inboxes`` (payload regions registered as they are made); returns
+        a relay chain's lead (None: no chain, or no member with an inbox).
+
+        An inbox whose share cannot hold this source's entry tables is ``planned_only``: this source
+        sends it every write as planned, its headers saying so, rather than refusing the plan (the
+        destination's inbox is its own choice; its neighbours' pushes must not fail for it)."""
+        import torch
+
+        from weightsync.plan.writes import K_DATA
+
         # In a relay chain the sources write only its head; every member with an inbox gets the same
         # entries and payload (one layout, and for a delta one version), straight from this source, into
         # its own inbox, and the writes sent as planned through the chain. The first such member (the
-        # lead) holds the push's work, the others share it and its send buffer.
+        # lead) holds the push's work, the others share it and its send buffer; the payload must fit
+        # every member's share, so the smallest member's share is the chain's.
         chain = list(plan_part.relay)
-        self.lead = None
-        self._alias = {}
         members = [r for r in (chain or dests) if DELTA_KEY in dests[r].target.descriptors]
-        if chain and members:
-            self.lead = members[0]
-            self._alias = {chain[0]: self.lead}
-            shared = min(split_payload(struct.unpack("<q", dests[r].target.descriptors[DELTA_KEY][2])[0],
-                                       sources) for r in members)
+
+        def share_of(r: int) -> int:
+            return split_payload(struct.unpack("<q", dests[r].target.descriptors[DELTA_KEY][2])[0], sources)
+
+        lead = members[0] if chain and members else None
+        bound = min(members, key=share_of) if chain and members else -1
+        # a relay chain: this source's writes into the head are relay chunks first..first + count - 1
+        relay_chunks = (plan_part.imms[plan_part.imms != 0] & 0xFFFF).astype(np.int64) if chain else []
+        chunks = (int(relay_chunks.min()), len(relay_chunks)) if len(relay_chunks) else (0, 0)
         w = plan_part.writes
         staged = w[(w["staged"] == 1) & (w["kind"] == K_DATA)]
         lead_keys: list[str] | None = None
@@ -196,22 +226,23 @@ class DeltaSender(Compare):
             into = chain[0] if chain else rank  # the destination this source's writes name
             entry = d.target.descriptors[DELTA_KEY]
             size = struct.unpack("<q", entry[2])[0]
-            share = shared if chain else split_payload(size, sources)
+            share = share_of(bound) if chain else split_payload(size, sources)
             dkeys = sorted(k for k in d.target.descriptors if k != DELTA_KEY)
             if chain and lead_keys is not None and dkeys != lead_keys:
-                raise WeightSyncError(f"source {self.rank}: relay chain members {self.lead} and {rank} hold "
+                raise WeightSyncError(f"source {self.rank}: relay chain members {lead} and {rank} hold "
                                       "different keys; their delta entries could not be shared")
             lead_keys = lead_keys or dkeys
             kidx = {k: i for i, k in enumerate(dkeys)}
             ib = _Inbox(rank, entry[0], entry[1], self.rank * split_payload(size, sources), share, kidx,
-                        dpos_keys[into], relay=bool(chain))
-            if chain and rank != self.lead:
-                lead = self.inboxes[self.lead]
-                ib.fixed, ib.fixed_imms, ib.direct, ib.capacity = lead.fixed, lead.fixed_imms, lead.direct, \
-                    lead.capacity
-                ib.span, ib.round_len, ib.tables = lead.span, lead.round_len, lead.tables
-                ib.send, ib.region = lead.send, lead.region  # the lead's work: nothing compared for this one
-                self.inboxes[rank] = ib
+                        dpos_keys[into], relay=bool(chain), bound_by=bound if chain else rank,
+                        sources=sources, chunks=chunks)
+            if chain and rank != lead:
+                first = inboxes[lead]  # the lead's work: nothing compared for this one
+                ib.fixed, ib.fixed_imms, ib.direct, ib.capacity = first.fixed, first.fixed_imms, \
+                    first.direct, first.capacity
+                ib.span, ib.round_len, ib.tables = first.span, first.round_len, first.tables
+                ib.planned_only, ib.send, ib.region = first.planned_only, first.send, first.region
+                inboxes[rank] = ib
                 continue
             t = tails.get(into)
             if t is not None:  # the tail: posted as planned, from the snapshot
@@ -240,21 +271,18 @@ class DeltaSender(Compare):
                     rows_.append((ri, i, self._key_index[key], dkey, word, so, do, nr, rb, sp, dp,
                                   self.engine.imm_count(rb, True, nr)))
             ib.direct = np.array(rows_, _DIRECT_DTYPE) if rows_ else np.zeros(0, _DIRECT_DTYPE)
-            ib.flat = self._flat(ib.direct)
             ib.span = self._key_span[ib.direct["key"]]
             slot = dests[into].target.slot
             ib.capacity = int((staged["dst_rank"] == slot).sum()) + len(ib.fixed)
             # the entry and stream tables: every early span's, then the final one's
-            need = ib.tables = sum(data_at(int((ib.span == p).sum())) for p in range(SPANS)) + \
-                data_at(ib.capacity)
-            if need > share:
-                raise WeightSyncError(
-                    f"source {self.rank}: destination {rank}'s delta inbox gives each of {sources} sources "
-                    f"{share} bytes, less than the {need} bytes of this source's entries alone (raise the "
-                    "destination's delta_bytes)")
-            ib.send = torch.zeros(share, dtype=torch.uint8, device=self.device)
-            ib.region = self.engine.register(ib.send, name=f"source {self.rank} delta payload to {rank}")
-            self.inboxes[rank] = ib
+            ib.tables = sum(data_at(int((ib.span == p).sum())) for p in range(SPANS)) + data_at(ib.capacity)
+            ib.planned_only = ib.tables > share
+            if not ib.planned_only:
+                ib.flat = self._flat(ib.direct)
+                ib.send = torch.zeros(share, dtype=torch.uint8, device=self.device)
+                ib.region = self.engine.register(ib.send, name=f"source {self.rank} delta payload to {rank}")
+            inboxes[rank] = ib
+        return lead
 
     def _flat(self, d: np.ndarray) -> dict[int, np.ndarray]:
         """Per space, the compared direct writes of ``d`` where they lie in its reference, by start."""
@@ -284,7 +312,7 @@ class DeltaSender(Compare):
         (:meth:`decide`), the staged writes follow (:meth:`staged`), the final payload is encoded at
         :meth:`finalize`. No device work."""
         ib = self.inboxes[rank]
-        delta = self.enabled and base >= 0 and base == self.base
+        delta = self.enabled and base >= 0 and base == self.base and not ib.planned_only
         work = DeltaWork(rank, delta, dense_bytes)
         work.room = ib.share - ib.tables
         self._works[rank] = work
@@ -346,7 +374,8 @@ class DeltaSender(Compare):
                 mask = np.zeros(ib.round_len[int(ri)], bool)
                 mask[d["pos"][m]] = True
                 keep[int(ri)] = mask
-        work.spans.append(_Span(rows, direct, keep, changed))
+        # a planned_only inbox: no entries (its header says every write went as planned)
+        work.spans.append(_Span(rows[:0] if ib.planned_only else rows, direct, keep, changed))
         mark("source %d: span %d entries chosen", self.rank, span)
         self._spent("begin", t0)
         return keep
@@ -495,9 +524,11 @@ class DeltaSender(Compare):
         t0 = time.perf_counter()
         ib = self.inboxes[rank]
         work.final_at = work.at
-        work.final_bytes, n = self._encode(ib, work.final_at, ib.capacity, work.rows, {}, work.pieces,
-                                           ib.fixed)
-        work.entries = n
+        if ib.planned_only:
+            work.final_bytes, work.entries = 0, 0  # the header says ALL_PLANNED
+        else:
+            work.final_bytes, work.entries = self._encode(ib, work.final_at, ib.capacity, work.rows, {},
+                                                          work.pieces, ib.fixed)
         work.payload_bytes += work.final_bytes
         work.imms = (self.engine.imm_count(work.final_bytes) if work.final_bytes else 0) + \
             (0 if ib.relay else work.planned_imms + ib.fixed_imms)
@@ -644,8 +675,16 @@ class DeltaSender(Compare):
 
     def overflow_note(self, rank: int) -> str | None:
         """What to tell the user where this push's writes to ``rank`` went as planned for want of room in
-        this source's share of its inbox (None where none did)."""
-        work = self._works.get(rank)
+        this source's share of its inbox (None where none did): some of them, or all of them where the
+        share cannot hold even the entry tables (told of the destination whose inbox sets the share)."""
+        work, ib = self._works.get(rank), self.inboxes.get(rank)
+        if ib is not None and ib.planned_only and rank == ib.bound_by:
+            chain = " (a relay chain's members take the same entries: the whole chain takes them so)" \
+                if ib.relay else ""
+            return (f"destination {rank}'s delta inbox gives each of {ib.sources} sources {ib.share} bytes, "
+                    f"less than the {ib.tables} bytes of this source's entry tables: it takes every write "
+                    f"of this source as planned{chain}; Destination(delta_bytes=...) of at least "
+                    f"{ib.tables * ib.sources} would take deltas")
         if work is None or not work.overflow_bytes:
             return None
         return (f"destination {rank}'s delta inbox had no room left for the changes of {work.overflow_bytes} "
@@ -664,7 +703,9 @@ class DeltaSender(Compare):
         source's rank plus ``rank``: :func:`header_slot`)."""
         ib = self.inboxes[rank]
         slot = header_slot(rank, span)
-        if span is None:
+        if span is None and ib.planned_only:
+            self.headers[slot] = (epoch, version, work.imms, ib.chunks[0], 0, ALL_PLANNED, 0, ib.chunks[1])
+        elif span is None:
             self.headers[slot] = (epoch, version, work.imms, ib.offset + work.final_at, work.final_bytes,
                                   work.entries, work.changed, ib.capacity)
         else:

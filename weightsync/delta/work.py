@@ -82,6 +82,12 @@ class _Inbox:
     # counted there, so its header announces the payload's immediates only
     send: Any = None  # the payload as sent (entries, then data), on this source's device
     region: Any = None
+    # The share cannot hold this source's entry tables (``tables`` > ``share``): every write goes as
+    # planned, the headers announce no entries (codec.ALL_PLANNED) and nothing is compared for it.
+    planned_only: bool = False
+    bound_by: int = -1  # the destination whose inbox sets ``share`` (in a relay chain its smallest member)
+    sources: int = 1  # the sources the inbox is split among
+    chunks: tuple[int, int] = (0, 0)  # a relay chain: the first relay chunk of this source's writes, how many
 
 
 @dataclass

@@ -95,10 +95,16 @@ class Participant:
 
     def _fetch_part(self, timeout: float) -> Part:
         part = self._control.fetch_part(self.epoch, timeout)
-        self.epoch = part.epoch
+        taken, self.epoch = self.epoch, part.epoch
         if isinstance(part, PlanFailure):
             raise part.error(f"group {self.group!r} ({self.role} rank {self.rank} sees it)")
-        self._apply_part(part)
+        try:
+            self._apply_part(part)
+        except BaseException:
+            # The epoch is taken only with its part: a part refused half applied is fetched and applied
+            # again by the next push (or announce), never run as it is.
+            self.epoch = taken
+            raise
         return part
 
     def _apply_part(self, part: Any) -> None:

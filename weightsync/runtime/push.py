@@ -566,7 +566,7 @@ class Push:
                           apply_seconds=max([float(src._mailbox[r]["reserved"]) * 1e-6 for r in written
                                              if r in works] or [0.0]),
                           delta_destinations=delta_sent, **self.delta.stats(works, delta_sent))
-        for r in delta_sent:
+        for r in (r for r in written if r in works):  # a dense one too: its inbox may hold no entries
             note = self.delta.overflow_note(r) if r not in src._overflow_told else None
             if note is not None:
                 src._overflow_told.add(r)
