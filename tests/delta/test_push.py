@@ -13,6 +13,8 @@ in this process (threads); the coordinator is a Ray actor.
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -629,20 +631,33 @@ def test_a_part_header_that_lands_before_its_payload_waits_for_it(team_factory, 
         assert all(s.delta_destinations == [0, 1] for s in stats), (case, stats)
 
 
-def test_small_inbox_sends_what_does_not_fit_as_planned(team_factory) -> None:
+def test_small_inbox_sends_what_does_not_fit_as_planned(team_factory, caplog) -> None:
     # 2 sources: 8 KiB of destination 0's inbox each; ~15% changed: source 0's streams for it do not all
-    # fit, and what does not goes as planned (counted in delta_overflow_bytes, logged once).
-    team = team_factory("delta-small", ["tp0", "replica"], ["inplace", "staged"],
-                        delta_bytes=[16384, 4 << 20])
-    team.push()
-    for v in range(1, 4):
-        team.set(step(team.full, "tenth", seed=100 + v))
-        stats = team.push()
-        team.check()
+    # fit, and what does not goes as planned (counted in delta_overflow_bytes, logged once with the
+    # delta_bytes that would have held them). A team whose destination 0 takes that advice sends the same
+    # changes without overflow.
+    def run(name: str, inbox: int) -> list[list[ws.PushStats]]:
+        team = team_factory(name, ["tp0", "replica"], ["inplace", "staged"], delta_bytes=[inbox, 4 << 20])
+        team.push()
+        out = []
+        for v in range(1, 4):
+            team.set(step(team.full, "tenth", seed=100 + v))
+            out.append(team.push())
+            team.check()
+        return out
+
+    with caplog.at_level(logging.WARNING, logger="weightsync"):
+        small = run("delta-small", 16384)
+    for stats in small:
         assert all(s.delta_destinations == [0, 1] for s in stats)
         # what went as planned for want of room is counted (destination 0's share is the small one)
         assert any(s.delta_overflow_bytes > 0 for s in stats), stats
         assert all(s.delta_overflow_bytes < s.wire_bytes < s.dense_bytes for s in stats), stats
+    said = r"destination 0's delta inbox had no room.*delta_bytes=(\d+)"
+    advice = [int(m) for r in caplog.records for m in re.findall(said, r.getMessage())]
+    assert advice and all(a > 16384 for a in advice), caplog.text
+    for stats in run("delta-advised", max(advice)):
+        assert all(s.delta_destinations == [0, 1] and s.delta_overflow_bytes == 0 for s in stats), stats
 
 
 def test_source_without_delta_into_inboxes_is_dense_and_exact(team_factory) -> None:

@@ -391,6 +391,13 @@ def split_payload(total: int, sources: int) -> int:
     return total // max(sources, 1) // ALIGN * ALIGN
 
 
+def suggested_inbox(share: int, sources: int) -> int:
+    """A ``delta_bytes`` whose split among ``sources`` gives each at least ``share`` bytes, an eighth more
+    (the changes move from push to push), in whole KiB."""
+    per_source = -(-(share + share // 8) // 1024) * 1024
+    return max(sources, 1) * _align(per_source)
+
+
 def _streams_bytes(totals: Mapping[int, Sequence[int]]) -> int:
     """Bytes of the streams of ``totals`` (word size -> words, changed words)."""
     return sum(_align(stream_size(n, k, w)[1]) for w, (n, k) in totals.items())

@@ -35,6 +35,7 @@ from weightsync.delta.codec import (
     split_payload,
     stream_size,
     streams_at,
+    suggested_inbox,
     write_word,
 )
 from weightsync.delta.compare import Compare
@@ -687,10 +688,12 @@ class DeltaSender(Compare):
                     f"{ib.tables * ib.sources} would take deltas")
         if work is None or not work.overflow_bytes:
             return None
+        share = self.inboxes[rank].share
         return (f"destination {rank}'s delta inbox had no room left for the changes of {work.overflow_bytes} "
                 f"bytes of writes, which went as planned; as streams they would have taken about "
-                f"{work.overflow_stream_bytes} bytes more of this source's {self.inboxes[rank].share}-byte "
-                "share (a larger Destination(delta_bytes=...) sends fewer bytes)")
+                f"{work.overflow_stream_bytes} bytes more of this source's {share}-byte share: "
+                f"Destination(delta_bytes={suggested_inbox(share + work.overflow_stream_bytes, ib.sources)}) "
+                "would have held them (docs/DELTA.md, 'Sizing the inbox')")
 
     def share(self, work: DeltaWork, ranks: Sequence[int]) -> None:
         """A relay chain: the lead's work (:meth:`begin`) is also that of members ``ranks``."""
