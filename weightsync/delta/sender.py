@@ -36,12 +36,10 @@ from weightsync.delta.codec import (
     stream_size,
     streams_at,
     suggested_inbox,
-    write_word,
 )
 from weightsync.delta.compare import Compare
 from weightsync.delta.units import _align, _to_device, word_dtype, words
 from weightsync.delta.work import (
-    _DIRECT_DTYPE,
     _FLAT_DTYPE,
     _HIT_DTYPE,
     DeltaWork,
@@ -50,6 +48,7 @@ from weightsync.delta.work import (
     _Space,
     _Span,
 )
+from weightsync.delta.writes import chunk_words, direct_writes
 from weightsync.errors import TransportError, WeightSyncError
 from weightsync.runtime.trace import mark
 from weightsync.wire import delta_header_imm, delta_part_imm
@@ -153,25 +152,7 @@ class DeltaSender(Compare):
         version: a destination that still holds it gets a delta of the direct writes. All or nothing: a
         part refused leaves the previous one in place (its payload regions are deregistered only once
         the new part's are made)."""
-        from weightsync.plan.layout import DTYPE_SIZES
-        from weightsync.plan.writes import C_CAST, C_FP8, C_RAW, C_SCALE
-
-        keys = plan_part.keys
-        # A staging chunk is compared in words of its smallest element (FP8 values: bytes).
-        cw = np.full(len(plan_part.chunks), 8, np.int64)
-        for c in plan_part.copies:
-            kind = int(c["kind"])
-            if kind == C_RAW:
-                w = self.words.get(keys[int(c["key"])], 1) or 1
-            elif kind == C_CAST:
-                w = DTYPE_SIZES[plan_part.plan.dst_dtype[int(c["tensor"])]]
-            elif kind == C_SCALE:
-                w = 4
-            elif kind == C_FP8:
-                w = 1
-            else:
-                continue
-            cw[int(c["chunk"])] = min(cw[int(c["chunk"])], w)
+        cw = chunk_words(plan_part, self.words)
         inboxes: dict[int, _Inbox] = {}
         try:
             lead = self._inboxes(plan_part, rounds, src_keys, tails, dests, dpos_keys, sources, inboxes)
@@ -252,26 +233,8 @@ class DeltaSender(Compare):
                 ib.fixed[0] = (kidx[ib.dkeys[t.dst_index]], ENC_DENSE, 1, t.dst_off, rows, t.nbytes,
                                t.dst_pitch if rows > 1 else t.nbytes, 0, 0)
                 ib.fixed_imms = self.engine.imm_count(t.nbytes, True, rows)
-            rows_: list[tuple] = []
-            for ri, r in enumerate(rounds):
-                if r.rank != into:
-                    continue
-                nrows, spitch, dpitch = r.geometry
-                ib.round_len[ri] = len(r.nbytes)
-                for i in range(len(r.nbytes)):
-                    key = src_keys[int(r.src_index[i])]
-                    nr = int(nrows[i]) if nrows is not None else 1
-                    rb, so, do = int(r.nbytes[i]), int(r.src_off[i]), int(r.dst_off[i])
-                    sp = int(spitch[i]) if nrows is not None and nr > 1 else rb
-                    dp = int(dpitch[i]) if nrows is not None and nr > 1 else rb
-                    kw = self.words[key]
-                    word = write_word(kw, so, do, rb, sp, dp) if kw else 0
-                    if word != kw:
-                        word = 0  # not aligned to the key's elements: always as planned
-                    dkey = kidx[ib.dkeys[int(r.dst_index[i])]]
-                    rows_.append((ri, i, self._key_index[key], dkey, word, so, do, nr, rb, sp, dp,
-                                  self.engine.imm_count(rb, True, nr)))
-            ib.direct = np.array(rows_, _DIRECT_DTYPE) if rows_ else np.zeros(0, _DIRECT_DTYPE)
+            ib.direct, ib.round_len = direct_writes(rounds, into, src_keys, self.words, self._key_index,
+                                                    kidx, ib.dkeys, self.engine)
             ib.span = self._key_span[ib.direct["key"]]
             slot = dests[into].target.slot
             ib.capacity = int((staged["dst_rank"] == slot).sum()) + len(ib.fixed)
