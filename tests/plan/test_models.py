@@ -9,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.models import models_dir
 from weightsync.plan import plan
 from weightsync.plan.layout import DTYPES
-from weightsync.sim.models import checkpoint, counts, inference_layouts, load_config, trainer_layouts
+from weightsync.sim.models import CONFIGS, checkpoint, counts, inference_layouts, load_config, trainer_layouts
 
-MODELS = models_dir()
+MODELS = CONFIGS
 CONFIGS = sorted(MODELS.glob("*.json"))
 
 

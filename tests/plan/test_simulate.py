@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.models import models_dir
 from weightsync.plan import plan
 from weightsync.runtime.describe import Sharded, describe_tensors
+from weightsync.sim.models import CONFIGS
 from weightsync.sim.simulate import CostModel, run_model, simulate, simulate_relay
 
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = models_dir()
+MODELS = CONFIGS
 
 TINY_MOE = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 512, "num_hidden_layers": 3,
             "first_k_dense_replace": 1, "intermediate_size": 1024, "moe_intermediate_size": 256,

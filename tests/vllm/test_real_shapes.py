@@ -19,13 +19,12 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 from tests import ROOT
-from tests.support.models import models_dir
 from tests.vllm import models
 from tests.vllm.test_fp8_layouts import fp8_kernels  # noqa: F401 (a fixture)
 from weightsync.integrations.vllm.layouts import CheckpointTensor, derive_layout, fp8_checkpoint
 from weightsync.sim import models as plan_models
 
-SHARED = models_dir()  # as the planner's tests find them
+SHARED = plan_models.CONFIGS  # as the planner's tests find them
 NAMES = ["llama-3.1-70b", "llama-3.1-405b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"]
 # What vLLM needs beyond the shapes weightsync/sim/configs records (rope, norms, routing) comes from the tiny
 # config of the same family.

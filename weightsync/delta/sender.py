@@ -647,15 +647,15 @@ class DeltaSender(Compare):
                 if ib.relay else ""
             return (f"destination {rank}'s delta inbox gives each of {ib.sources} sources {ib.share} bytes, "
                     f"less than the {ib.tables} bytes of this source's entry tables: it takes every write "
-                    f"of this source as planned{chain}; Destination(delta_bytes=...) of at least "
-                    f"{ib.tables * ib.sources} would take deltas")
-        if work is None or not work.overflow_bytes:
+                    f"of this source as planned{chain}; Destination(delta_bytes="
+                    f"{suggested_inbox(ib.tables, ib.sources)}) would take deltas")
+        if work is None or ib is None or not work.overflow_bytes:
             return None
-        share = self.inboxes[rank].share
+        wanted = suggested_inbox(ib.share + work.overflow_stream_bytes, ib.sources)
         return (f"destination {rank}'s delta inbox had no room left for the changes of {work.overflow_bytes} "
                 f"bytes of writes, which went as planned; as streams they would have taken about "
-                f"{work.overflow_stream_bytes} bytes more of this source's {share}-byte share: "
-                f"Destination(delta_bytes={suggested_inbox(share + work.overflow_stream_bytes, ib.sources)}) "
+                f"{work.overflow_stream_bytes} bytes more of this source's {ib.share}-byte share: "
+                f"Destination(delta_bytes={wanted}) "
                 "would have held them (docs/DELTA.md, 'Sizing the inbox')")
 
     def share(self, work: DeltaWork, ranks: Sequence[int]) -> None:

@@ -358,10 +358,7 @@ def derive_layout(model: Any, checkpoint: Sequence[CheckpointTensor], *,
     buffers = persistent_buffers(model)
     # Persistent buffers are targets as parameters are: a loader that copies a checkpoint tensor into one
     # (Gemma 4's layer_scalar) puts it where the model reads it, and a push must land there too.
-    targets = [(name, p.data) for name, p in model.named_parameters()]
-    seen = {id(t) for _, t in targets}
-    targets += [(name, b) for name, b in buffers.items() if id(b) not in seen]
-    for name, data in targets:
+    for name, data in loadable_tensors(model).items():
         # A parameter that is not contiguous (one the engine made after loading, e.g. MLA's W_UV) is refused
         # only if a loader writes into it.
         strides = None if data.is_contiguous() else tuple(int(x) for x in data.stride())
